@@ -1,0 +1,578 @@
+"""The bindings layer: the FFI object, the library search, dlopen, and one thin function per
+CANN call.
+
+This is the only module that touches cffi. Everything above it passes and receives plain
+Python values: ints for device and host addresses, and opaque handles (cdata it never looks
+into) for streams, events, tensors and executors. Every status is checked here and turned into
+an exception by :mod:`pyacl_moe.errors`, with the vendor's message.
+
+Nothing is loaded at import. The first call that needs CANN loads it once, thread-safely, from
+the first of: ``load(ascend_home=...)``; ``$ASCEND_HOME_PATH``; ``$ASCEND_TOOLKIT_HOME``;
+``/usr/local/Ascend/ascend-toolkit/latest``; the dynamic loader's own search path. With
+``PYACL_MOE_EMULATOR=1`` or ``use_emulator()``, the bundled emulator is built (once) and loaded
+instead.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cffi
+
+from . import _paths, errors
+
+LIBRARY_NAMES: tuple[str, ...] = ("ascendcl", "nnopbase", "opapi")
+DEFAULT_TOOLKIT_HOME = "/usr/local/Ascend/ascend-toolkit/latest"
+
+# Constants from headers/ that the layers above use.
+ACL_HBM_MEM = 1
+ACL_MEM_MALLOC_HUGE_FIRST = 0
+ACL_MEMCPY_HOST_TO_HOST = 0
+ACL_MEMCPY_HOST_TO_DEVICE = 1
+ACL_MEMCPY_DEVICE_TO_HOST = 2
+ACL_MEMCPY_DEVICE_TO_DEVICE = 3
+ACL_FORMAT_ND = 2
+ACL_ERROR_REPEAT_INITIALIZE = 100002
+ACL_DATA_TYPES: dict[str, int] = {"float32": 0, "float16": 1, "int32": 3, "bfloat16": 27}
+
+ffi = cffi.FFI()
+_NULL = ffi.NULL
+_declared = False
+
+
+def _declare() -> None:
+    """Feed headers/ (and the emulator's extras) to cdef, once. Done lazily so that importing
+    the package reads no file and cannot fail."""
+    global _declared
+    if _declared:
+        return
+    for name in _paths.HEADER_FILES:
+        ffi.cdef((_paths.headers_dir() / name).read_text())
+    ffi.cdef((Path(__file__).resolve().parent / "emulator" / "src" / "aclemu.h").read_text())
+    ffi.cdef("void free(void *);")
+    _declared = True
+
+
+@dataclass(frozen=True)
+class LibraryInfo:
+    """Which CANN the process is bound to."""
+
+    backend: str  # "emulator" or "cann"
+    home: str | None  # the toolkit (or emulator) home, None when found by the loader's path
+    paths: dict[str, str] = field(default_factory=dict)  # library name -> path given to dlopen
+
+
+class _Libs:
+    __slots__ = ("acl", "nn", "op", "info")
+
+    def __init__(self, acl: Any, nn: Any, op: Any, info: LibraryInfo) -> None:
+        self.acl, self.nn, self.op, self.info = acl, nn, op, info
+
+
+_lock = threading.Lock()
+_libs: _Libs | None = None
+_want_emulator = False
+
+
+def _env_wants_emulator() -> bool:
+    return os.environ.get("PYACL_MOE_EMULATOR", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def use_emulator() -> None:
+    """Bind this process to the bundled emulator (built on first use) instead of a CANN install.
+
+    Call before anything loads CANN; once the real libraries are loaded the choice is final.
+    """
+    global _want_emulator
+    with _lock:
+        if _libs is not None and _libs.info.backend != "emulator":
+            raise RuntimeError(
+                "CANN is already loaded from "
+                f"{_libs.info.home or 'the loader path'}; use_emulator() must come first"
+            )
+        _want_emulator = True
+
+
+def _dlopen_home(home: str, backend: str) -> _Libs:
+    lib64 = Path(home) / "lib64"
+    paths = {n: str(lib64 / f"lib{n}.so") for n in LIBRARY_NAMES}
+    missing = [p for p in paths.values() if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(", ".join(missing) + " not found")
+    # In dependency order, so each library finds the ones it needs already loaded.
+    acl, nn, op = (ffi.dlopen(paths[n]) for n in LIBRARY_NAMES)
+    return _Libs(acl, nn, op, LibraryInfo(backend, str(Path(home)), paths))
+
+
+def _search(ascend_home: str | None) -> _Libs:
+    if ascend_home is not None:
+        try:
+            return _dlopen_home(ascend_home, "cann")
+        except (OSError, FileNotFoundError) as exc:
+            raise errors.CannNotFoundError([f"ascend_home={ascend_home!r}: {exc}"]) from None
+    tried = []
+    candidates = [
+        ("$ASCEND_HOME_PATH", os.environ.get("ASCEND_HOME_PATH")),
+        ("$ASCEND_TOOLKIT_HOME", os.environ.get("ASCEND_TOOLKIT_HOME")),
+        ("default install", DEFAULT_TOOLKIT_HOME),
+    ]
+    for label, home in candidates:
+        if not home:
+            tried.append(f"{label}: not set")
+            continue
+        try:
+            return _dlopen_home(home, "cann")
+        except (OSError, FileNotFoundError) as exc:
+            tried.append(f"{label} = {home}: {exc}")
+    try:
+        acl, nn, op = (ffi.dlopen(f"lib{n}.so") for n in LIBRARY_NAMES)
+        return _Libs(acl, nn, op, LibraryInfo("cann", None, {n: f"lib{n}.so" for n in LIBRARY_NAMES}))
+    except OSError as exc:
+        tried.append(f"dynamic loader path (LD_LIBRARY_PATH, ld.so.cache): {exc}")
+    raise errors.CannNotFoundError(tried)
+
+
+def load(ascend_home: str | None = None, *, emulator: bool | None = None) -> LibraryInfo:
+    """Load the CANN libraries now (otherwise the first call that needs them does).
+
+    ``ascend_home``: a toolkit home holding lib64/ (what set_env.sh exports as
+    ASCEND_HOME_PATH). ``emulator=True`` binds to the bundled emulator. Loading twice is a
+    no-op if the choice is the same and an error otherwise.
+    """
+    global _libs, _want_emulator
+    with _lock:
+        want_emu = bool(emulator) or (emulator is None and (_want_emulator or _env_wants_emulator()))
+        _declare()
+        if _libs is not None:
+            same = (_libs.info.backend == "emulator") == want_emu and (
+                ascend_home is None or _libs.info.home == str(Path(ascend_home))
+            )
+            if not same and (emulator is not None or ascend_home is not None):
+                raise RuntimeError(f"CANN is already loaded ({_libs.info}); it cannot be switched")
+            return _libs.info
+        if want_emu:
+            from .emulator import _build
+
+            _libs = _dlopen_home(_build.build(), "emulator")
+            _want_emulator = True
+        else:
+            _libs = _search(ascend_home)
+        return _libs.info
+
+
+def _get() -> _Libs:
+    libs = _libs
+    if libs is None:
+        load()
+        libs = _libs
+    return libs  # type: ignore[return-value]
+
+
+def library_info() -> LibraryInfo:
+    """Which libraries are loaded (loading them if needed)."""
+    return _get().info
+
+
+def loaded_info() -> LibraryInfo | None:
+    """Which libraries are loaded, or None if nothing is loaded yet (loads nothing)."""
+    return _libs.info if _libs is not None else None
+
+
+# ---------------------------------------------------------------------------- status check
+
+def _recent_message() -> str:
+    libs = _libs
+    if libs is None:
+        return ""
+    try:
+        p = libs.acl.aclGetRecentErrMsg()
+    except Exception:  # a library without the symbol, or a fault inside it: no message
+        return ""
+    return ffi.string(p).decode("utf-8", "replace") if p != _NULL else ""
+
+
+def check(status: int, api: str) -> None:
+    """Raise the AclError for a failure status of ``api``."""
+    if status:
+        raise errors.error_for(status, api, _recent_message())
+
+
+def _null_result(api: str, status_if_no_message: int = 561103) -> errors.AclError:
+    """The error for a call that signals failure by returning NULL instead of a status."""
+    return errors.error_for(status_if_no_message, api, _recent_message() or f"{api} returned NULL")
+
+
+def address(handle: Any) -> int:
+    """The integer address of an opaque handle (0 for NULL)."""
+    return int(ffi.cast("uintptr_t", handle)) if handle is not None else 0
+
+
+# ---------------------------------------------------------------------------- acl.h
+
+def init() -> bool:
+    """aclInit(NULL). True if this call initialized CANN, False if it already was (someone
+    else, e.g. a framework, called aclInit in this process)."""
+    st = _get().acl.aclInit(_NULL)
+    if st == ACL_ERROR_REPEAT_INITIALIZE:
+        _recent_message()  # consume it: not an error for us
+        return False
+    check(st, "aclInit")
+    return True
+
+
+def finalize() -> None:
+    check(_get().acl.aclFinalize(), "aclFinalize")
+
+
+def get_version() -> tuple[int, int, int]:
+    v = ffi.new("int32_t[3]")
+    check(_get().acl.aclrtGetVersion(v, v + 1, v + 2), "aclrtGetVersion")
+    return (v[0], v[1], v[2])
+
+
+def soc_name() -> str | None:
+    p = _get().acl.aclrtGetSocName()
+    return ffi.string(p).decode("utf-8", "replace") if p != _NULL else None
+
+
+# ---------------------------------------------------------------------------- devices
+
+def device_count() -> int:
+    n = ffi.new("uint32_t *")
+    check(_get().acl.aclrtGetDeviceCount(n), "aclrtGetDeviceCount")
+    return int(n[0])
+
+
+def set_device(device_id: int) -> None:
+    check(_get().acl.aclrtSetDevice(device_id), "aclrtSetDevice")
+
+
+def get_device() -> int:
+    d = ffi.new("int32_t *")
+    check(_get().acl.aclrtGetDevice(d), "aclrtGetDevice")
+    return int(d[0])
+
+
+def current_device_or_none() -> int | None:
+    """The calling thread's current device, or None (no exception, no message left behind)."""
+    d = ffi.new("int32_t *")
+    if _get().acl.aclrtGetDevice(d) != 0:
+        _recent_message()
+        return None
+    return int(d[0])
+
+
+def reset_device(device_id: int) -> None:
+    check(_get().acl.aclrtResetDevice(device_id), "aclrtResetDevice")
+
+
+def synchronize_device() -> None:
+    check(_get().acl.aclrtSynchronizeDevice(), "aclrtSynchronizeDevice")
+
+
+def get_mem_info(attr: int = ACL_HBM_MEM) -> tuple[int, int]:
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    check(_get().acl.aclrtGetMemInfo(attr, free, total), "aclrtGetMemInfo")
+    return int(free[0]), int(total[0])
+
+
+# ---------------------------------------------------------------------------- streams, events
+
+def create_stream() -> Any:
+    acl = _get().acl
+    p = ffi.new("aclrtStream *")
+    check(acl.aclrtCreateStream(p), "aclrtCreateStream")
+    return p[0]
+
+
+def destroy_stream(stream: Any) -> None:
+    check(_get().acl.aclrtDestroyStream(stream), "aclrtDestroyStream")
+
+
+def synchronize_stream(stream: Any, timeout_ms: int | None = None) -> None:
+    acl = _get().acl
+    if timeout_ms is None:
+        check(acl.aclrtSynchronizeStream(stream), "aclrtSynchronizeStream")
+    else:
+        check(acl.aclrtSynchronizeStreamWithTimeout(stream, timeout_ms), "aclrtSynchronizeStreamWithTimeout")
+
+
+def stream_wait_event(stream: Any, event: Any) -> None:
+    check(_get().acl.aclrtStreamWaitEvent(stream, event), "aclrtStreamWaitEvent")
+
+
+def create_event() -> Any:
+    acl = _get().acl
+    p = ffi.new("aclrtEvent *")
+    check(acl.aclrtCreateEvent(p), "aclrtCreateEvent")
+    return p[0]
+
+
+def destroy_event(event: Any) -> None:
+    check(_get().acl.aclrtDestroyEvent(event), "aclrtDestroyEvent")
+
+
+def record_event(event: Any, stream: Any) -> None:
+    check(_get().acl.aclrtRecordEvent(event, stream), "aclrtRecordEvent")
+
+
+def synchronize_event(event: Any) -> None:
+    check(_get().acl.aclrtSynchronizeEvent(event), "aclrtSynchronizeEvent")
+
+
+def event_elapsed_time(start: Any, end: Any) -> float:
+    ms = ffi.new("float *")
+    check(_get().acl.aclrtEventElapsedTime(ms, start, end), "aclrtEventElapsedTime")
+    return float(ms[0])
+
+
+def null_stream() -> Any:
+    """The handle that means 'the current device's default stream'."""
+    return _NULL
+
+
+# ---------------------------------------------------------------------------- memory
+
+def malloc(size: int, policy: int = ACL_MEM_MALLOC_HUGE_FIRST) -> int:
+    p = ffi.new("void **")
+    check(_get().acl.aclrtMalloc(p, size, policy), "aclrtMalloc")
+    return int(ffi.cast("uintptr_t", p[0]))
+
+
+def free(ptr: int) -> None:
+    check(_get().acl.aclrtFree(ffi.cast("void *", ptr)), "aclrtFree")
+
+
+def malloc_host(size: int) -> int:
+    p = ffi.new("void **")
+    check(_get().acl.aclrtMallocHost(p, size), "aclrtMallocHost")
+    return int(ffi.cast("uintptr_t", p[0]))
+
+
+def free_host(ptr: int) -> None:
+    check(_get().acl.aclrtFreeHost(ffi.cast("void *", ptr)), "aclrtFreeHost")
+
+
+def memcpy(dst: int, dst_max: int, src: int, count: int, kind: int) -> None:
+    check(
+        _get().acl.aclrtMemcpy(ffi.cast("void *", dst), dst_max, ffi.cast("void *", src), count, kind),
+        "aclrtMemcpy",
+    )
+
+
+def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: int, stream: Any) -> None:
+    check(
+        _get().acl.aclrtMemcpyAsync(
+            ffi.cast("void *", dst), dst_max, ffi.cast("void *", src), count, kind, stream
+        ),
+        "aclrtMemcpyAsync",
+    )
+
+
+def memset(ptr: int, max_count: int, value: int, count: int) -> None:
+    check(_get().acl.aclrtMemset(ffi.cast("void *", ptr), max_count, value, count), "aclrtMemset")
+
+
+def memset_async(ptr: int, max_count: int, value: int, count: int, stream: Any) -> None:
+    check(
+        _get().acl.aclrtMemsetAsync(ffi.cast("void *", ptr), max_count, value, count, stream),
+        "aclrtMemsetAsync",
+    )
+
+
+# ---------------------------------------------------------------------------- aclTensor
+
+def create_tensor(
+    shape: tuple[int, ...],
+    dtype: int,
+    strides: tuple[int, ...],
+    offset: int,
+    storage_shape: tuple[int, ...],
+    addr: int,
+    fmt: int = ACL_FORMAT_ND,
+) -> Any:
+    """aclCreateTensor over device memory at ``addr`` (element strides and offset)."""
+    n = len(shape)
+    dims = ffi.new("int64_t[]", list(shape) or [0])
+    st = ffi.new("int64_t[]", list(strides) or [0])
+    sdims = ffi.new("int64_t[]", list(storage_shape) or [0])
+    t = _get().nn.aclCreateTensor(
+        dims, n, dtype, st, offset, fmt, sdims, len(storage_shape), ffi.cast("void *", addr)
+    )
+    if t == _NULL:
+        raise _null_result("aclCreateTensor")
+    return t
+
+
+def destroy_tensor(tensor: Any) -> None:
+    check(_get().nn.aclDestroyTensor(tensor), "aclDestroyTensor")
+
+
+def _int64_list(getter: Any, api: str, tensor: Any) -> tuple[int, ...]:
+    arr, n = ffi.new("int64_t **"), ffi.new("uint64_t *")
+    check(getter(tensor, arr, n), api)
+    try:
+        return tuple(int(arr[0][i]) for i in range(n[0]))
+    finally:
+        # CANN hands the array to the caller; the C library's free releases it.
+        _libc_free(arr[0])
+
+
+_libc = None
+
+
+def _libc_free(ptr: Any) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ffi.dlopen(None)
+    _libc.free(ptr)
+
+
+def tensor_view_shape(tensor: Any) -> tuple[int, ...]:
+    return _int64_list(_get().nn.aclGetViewShape, "aclGetViewShape", tensor)
+
+
+def tensor_view_strides(tensor: Any) -> tuple[int, ...]:
+    return _int64_list(_get().nn.aclGetViewStrides, "aclGetViewStrides", tensor)
+
+
+def tensor_storage_shape(tensor: Any) -> tuple[int, ...]:
+    return _int64_list(_get().nn.aclGetStorageShape, "aclGetStorageShape", tensor)
+
+
+def tensor_view_offset(tensor: Any) -> int:
+    v = ffi.new("int64_t *")
+    check(_get().nn.aclGetViewOffset(tensor, v), "aclGetViewOffset")
+    return int(v[0])
+
+
+def tensor_data_type(tensor: Any) -> int:
+    nn = _get().nn
+    v = ffi.new("aclDataType *")
+    check(nn.aclGetDataType(tensor, v), "aclGetDataType")
+    return int(v[0])
+
+
+def tensor_format(tensor: Any) -> int:
+    nn = _get().nn
+    v = ffi.new("aclFormat *")
+    check(nn.aclGetFormat(tensor, v), "aclGetFormat")
+    return int(v[0])
+
+
+def tensor_raw_addr(tensor: Any) -> int:
+    v = ffi.new("void **")
+    check(_get().nn.aclGetRawTensorAddr(tensor, v), "aclGetRawTensorAddr")
+    return int(ffi.cast("uintptr_t", v[0]))
+
+
+def tensor_set_raw_addr(tensor: Any, addr: int) -> None:
+    check(_get().nn.aclSetRawTensorAddr(tensor, ffi.cast("void *", addr)), "aclSetRawTensorAddr")
+
+
+# ---------------------------------------------------------------------------- executors
+
+def executor_set_repeatable(executor: Any) -> None:
+    check(_get().nn.aclSetAclOpExecutorRepeatable(executor), "aclSetAclOpExecutorRepeatable")
+
+
+def executor_destroy(executor: Any) -> None:
+    check(_get().nn.aclDestroyAclOpExecutor(executor), "aclDestroyAclOpExecutor")
+
+
+def executor_set_input_addr(executor: Any, index: int, tensor: Any, addr: int) -> None:
+    check(
+        _get().nn.aclSetInputTensorAddr(executor, index, tensor, ffi.cast("void *", addr)),
+        "aclSetInputTensorAddr",
+    )
+
+
+def executor_set_output_addr(executor: Any, index: int, tensor: Any, addr: int) -> None:
+    check(
+        _get().nn.aclSetOutputTensorAddr(executor, index, tensor, ffi.cast("void *", addr)),
+        "aclSetOutputTensorAddr",
+    )
+
+
+# ---------------------------------------------------------------------------- the op
+
+def moe_get_workspace_size(
+    grad_expanded_x: Any, expanded_row_idx: Any, top_k: int, drop_pad_mode: int,
+    active_num: int, out: Any,
+) -> tuple[int, Any]:
+    """aclnnMoeInitRoutingV2GradGetWorkspaceSize: (workspace bytes, executor handle)."""
+    op = _get().op
+    size, ex = ffi.new("uint64_t *"), ffi.new("aclOpExecutor **")
+    check(
+        op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
+            grad_expanded_x or _NULL, expanded_row_idx or _NULL, top_k, drop_pad_mode,
+            active_num, out or _NULL, size, ex,
+        ),
+        "aclnnMoeInitRoutingV2GradGetWorkspaceSize",
+    )
+    return int(size[0]), ex[0]
+
+
+def moe_execute(workspace: int, workspace_size: int, executor: Any, stream: Any) -> None:
+    """aclnnMoeInitRoutingV2Grad: queue the kernel on ``stream``."""
+    check(
+        _get().op.aclnnMoeInitRoutingV2Grad(ffi.cast("void *", workspace), workspace_size, executor, stream),
+        "aclnnMoeInitRoutingV2Grad",
+    )
+
+
+def ffi_call_probe() -> Any:
+    """A bound foreign function and its argument for measuring one bare call (aclrtGetDevice):
+    the unit the benchmarks express host costs in."""
+    return _get().acl.aclrtGetDevice, ffi.new("int32_t *")
+
+
+# ---------------------------------------------------------------------------- emulator extras
+
+class _EmulatorControls:
+    """The aclemu* extras of the loaded emulator."""
+
+    def __init__(self, acl: Any) -> None:
+        self._acl = acl
+        self._fields = [name for name, _ in ffi.typeof("aclemuStats").fields]
+
+    def stats(self) -> dict[str, int]:
+        s = ffi.new("aclemuStats *")
+        self._acl.aclemuGetStats(s)
+        return {name: int(getattr(s, name)) for name in self._fields}
+
+    def inject_fault(self, api: str, nth: int, status: int) -> None:
+        if self._acl.aclemuInjectFault(api.encode(), nth, status) != 0:
+            raise ValueError(f"cannot inject a fault into {api!r} at call {nth} (table full or bad argument)")
+
+    def clear_faults(self) -> None:
+        self._acl.aclemuClearFaults()
+
+    def set_mutation(self, name: str) -> None:
+        if self._acl.aclemuSetMutation(name.encode()) != 0:
+            raise ValueError(f"unknown mutation {name!r}")
+
+    def mutation(self) -> str:
+        return ffi.string(self._acl.aclemuGetMutation()).decode()
+
+    def check_guards(self) -> int:
+        return int(self._acl.aclemuCheckGuards())
+
+    def corrupt_guard(self, address: int) -> None:
+        if self._acl.aclemuCorruptGuard(ffi.cast("void *", address)) != 0:
+            raise ValueError(f"{address:#x} is not inside a live device allocation")
+
+    def version(self) -> str:
+        return ffi.string(self._acl.aclemuVersion()).decode()
+
+
+def emulator_controls() -> _EmulatorControls:
+    """The emulator's extras; RuntimeError if the process is bound to a real CANN."""
+    libs = _get()
+    if libs.info.backend != "emulator":
+        raise RuntimeError("the loaded CANN is not the emulator; its extras are unavailable")
+    return _EmulatorControls(libs.acl)

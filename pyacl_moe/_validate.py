@@ -1,0 +1,157 @@
+"""The op's contract, checked on the host.
+
+Shared by the binding (``validate=True``) and the golden reference, so both refuse the same
+inputs with the same message: the parameter's name and the rule it breaks. Pure NumPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import InvalidArgument
+
+DATA_DTYPES: tuple[np.dtype, ...] = (
+    np.dtype(np.float16),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float32),
+)
+INDEX_DTYPE = np.dtype(np.int32)
+SCENARIOS = ("dropless", "active", "drop-pad")
+
+
+def scenario(drop_pad_mode: int, active_num: int) -> str:
+    """'dropless', 'active' or 'drop-pad' for a (drop_pad_mode, active_num) pair."""
+    if drop_pad_mode == 1:
+        return "drop-pad"
+    return "active" if active_num > 0 else "dropless"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the attributes and shapes imply."""
+
+    tokens: int  # N: rows of the output
+    hidden: int  # H
+    rows: int  # rows of grad_expanded_x seen as [rows, H]
+    scenario: str
+
+
+def _as_int(value: Any, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(name, f"must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if not -(2**63) <= v < 2**63:
+        raise InvalidArgument(name, f"must fit in int64, got {v}")
+    return v
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    return "bfloat16" if dt == DATA_DTYPES[1] else str(dt)
+
+
+def check_attributes(top_k: Any, drop_pad_mode: Any, active_num: Any) -> tuple[int, int, int]:
+    """The three attributes as ints, or InvalidArgument."""
+    k = _as_int(top_k, "top_k")
+    mode = _as_int(drop_pad_mode, "drop_pad_mode")
+    active = _as_int(active_num, "active_num")
+    if k <= 0:
+        raise InvalidArgument("top_k", f"must be greater than 0, got {k}")
+    if mode not in (0, 1):
+        raise InvalidArgument("drop_pad_mode", f"must be 0 (dropless or active) or 1 (drop/pad), got {mode}")
+    if active < 0:
+        raise InvalidArgument("active_num", f"must be 0 (not active) or positive, got {active}")
+    return k, mode, active
+
+
+def check_shapes(
+    x_shape: tuple[int, ...],
+    x_dtype: np.dtype,
+    idx_shape: tuple[int, ...],
+    idx_dtype: np.dtype,
+    top_k: Any,
+    drop_pad_mode: Any,
+    active_num: Any,
+    out_shape: tuple[int, ...] | None = None,
+    out_dtype: np.dtype | None = None,
+) -> Geometry:
+    """Check dtypes, ranks, shapes and attributes against the contract."""
+    k, mode, active = check_attributes(top_k, drop_pad_mode, active_num)
+    if x_dtype not in DATA_DTYPES:
+        raise InvalidArgument(
+            "grad_expanded_x", f"dtype must be float16, bfloat16 or float32, got {_dtype_name(x_dtype)}"
+        )
+    if idx_dtype != INDEX_DTYPE:
+        raise InvalidArgument("expanded_row_idx", f"dtype must be int32, got {_dtype_name(idx_dtype)}")
+    if len(idx_shape) != 1:
+        raise InvalidArgument("expanded_row_idx", f"must be 1-D [N*top_k], got shape {idx_shape}")
+    bsk = idx_shape[0]
+    if bsk == 0:
+        raise InvalidArgument("expanded_row_idx", "must not be empty")
+    if bsk % k:
+        raise InvalidArgument("top_k", f"must divide len(expanded_row_idx) = {bsk}, got {k}")
+    n = bsk // k
+    scen = scenario(mode, active)
+    if mode == 1:
+        if len(x_shape) != 3:
+            raise InvalidArgument("grad_expanded_x", f"must be 3-D [E, C, H] in drop/pad mode, got shape {x_shape}")
+        rows = x_shape[0] * x_shape[1]
+    else:
+        if len(x_shape) != 2:
+            raise InvalidArgument(
+                "grad_expanded_x", f"must be 2-D [{'A' if active else 'N*top_k'}, H] in {scen} mode, got shape {x_shape}"
+            )
+        rows = x_shape[0]
+        if active == 0 and rows != bsk:
+            raise InvalidArgument(
+                "grad_expanded_x", f"must have len(expanded_row_idx) = {bsk} rows in dropless mode, got {rows}"
+            )
+        if active > 0 and rows != active:
+            raise InvalidArgument("grad_expanded_x", f"must have active_num = {active} rows in active mode, got {rows}")
+    h = x_shape[-1]
+    if h <= 0:
+        raise InvalidArgument("grad_expanded_x", f"hidden size (last dimension) must be positive, got {h}")
+    if out_shape is not None:
+        if out_dtype is not None and out_dtype != x_dtype:
+            raise InvalidArgument(
+                "out", f"dtype must match grad_expanded_x ({_dtype_name(x_dtype)}), got {_dtype_name(out_dtype)}"
+            )
+        if tuple(out_shape) != (n, h):
+            raise InvalidArgument("out", f"must have shape (N, H) = ({n}, {h}), got {tuple(out_shape)}")
+    return Geometry(n, h, rows, scen)
+
+
+def check_indices(idx: np.ndarray, geometry: Geometry, top_k: int, active_num: int) -> None:
+    """Check index values on the host: range and uniqueness for the scenario."""
+    v = np.asarray(idx).astype(np.int64, copy=False).ravel()
+    scen = geometry.scenario
+    if scen == "drop-pad":
+        hi, what = geometry.rows, "-1 or a row of the flattened [E*C] rows"
+        counted = v != -1
+        lo = 0
+    else:
+        hi, what = geometry.tokens * top_k, "a position in [0, N*top_k)"
+        counted = np.ones(v.shape, dtype=bool)
+        lo = 0
+    bad = counted & ((v < lo) | (v >= hi))
+    if bad.any():
+        pos = int(np.argmax(bad))
+        raise InvalidArgument(
+            "expanded_row_idx",
+            f"value {int(v[pos])} at position {pos} is out of range: in {scen} mode each index must be "
+            f"{what} (0 <= index < {hi})",
+        )
+    kept = v[counted]
+    if kept.size:
+        counts = np.bincount(kept, minlength=1)
+        if counts.max(initial=0) > 1:
+            dup = int(np.argmax(counts))
+            positions = np.flatnonzero(v == dup)[:2].tolist()
+            raise InvalidArgument(
+                "expanded_row_idx",
+                f"value {dup} appears more than once (positions {positions[0]} and {positions[1]}): "
+                "indices must be unique" + (" apart from -1" if scen == "drop-pad" else ""),
+            )

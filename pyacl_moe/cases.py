@@ -1,0 +1,151 @@
+"""Random inputs for the op in each scenario, and the comparison of a result with the
+reference. Pure NumPy: used by the CLI, the conformance harness, the benchmarks and the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ._validate import scenario as scenario_of
+
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+}
+
+# Per output dtype: (rtol, atol). An element passes when |actual - expected| <= atol + rtol *
+# |expected|. The device sums in float32 like the reference, in another order, and rounds
+# once: the tolerances allow one unit in the last place of the output type (2^-8 relative for
+# bfloat16, 2^-11 for float16) plus float32 reassociation error. See docs/conformance.md.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (1e-4, 1e-4),
+    "float16": (1e-3, 1e-3),
+    "bfloat16": (4e-3, 4e-3),
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    dt = np.dtype(dtype)
+    for name, d in DTYPES.items():
+        if d == dt:
+            return name
+    return str(dt)
+
+
+@dataclass
+class Case:
+    """One input set: arrays plus attributes."""
+
+    grad_expanded_x: np.ndarray
+    expanded_row_idx: np.ndarray
+    top_k: int
+    drop_pad_mode: int = 0
+    active_num: int = 0
+
+    @property
+    def scenario(self) -> str:
+        return scenario_of(self.drop_pad_mode, self.active_num)
+
+    @property
+    def tokens(self) -> int:
+        return self.expanded_row_idx.shape[0] // self.top_k
+
+    def args(self) -> tuple[Any, ...]:
+        return (self.grad_expanded_x, self.expanded_row_idx, self.top_k, self.drop_pad_mode, self.active_num)
+
+
+def random_values(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Standard-normal values in ``dtype`` (bfloat16 via ml_dtypes)."""
+    return rng.standard_normal(shape, dtype=np.float32).astype(np.dtype(dtype))
+
+
+def drop_pad_indices(rng: np.random.Generator, tokens: int, top_k: int, experts: int, capacity: int) -> np.ndarray:
+    """Route each (token, k) slot to a random expert; slots past an expert's capacity are
+    dropped (-1). Values address the flattened [experts * capacity] rows."""
+    experts_of = rng.integers(0, experts, size=tokens * top_k)
+    idx = np.full(tokens * top_k, -1, dtype=np.int32)
+    fill = np.zeros(experts, dtype=np.int64)
+    for slot in rng.permutation(tokens * top_k):
+        e = experts_of[slot]
+        if fill[e] < capacity:
+            idx[slot] = e * capacity + fill[e]
+            fill[e] += 1
+    return idx
+
+
+def make_case(
+    tokens: int,
+    top_k: int,
+    hidden: int,
+    dtype: Any = "float32",
+    mode: str = "dropless",
+    active_num: int | None = None,
+    experts: int | None = None,
+    capacity: int | None = None,
+    seed: int = 0,
+) -> Case:
+    """A random valid case of the given scenario ('dropless', 'active' or 'drop-pad')."""
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
+    bsk = tokens * top_k
+    if mode == "dropless":
+        idx = rng.permutation(bsk).astype(np.int32)
+        return Case(random_values(rng, (bsk, hidden), dt), idx, top_k)
+    if mode == "active":
+        a = active_num if active_num else max(1, bsk // 2)
+        idx = rng.permutation(bsk).astype(np.int32)
+        return Case(random_values(rng, (a, hidden), dt), idx, top_k, 0, a)
+    if mode == "drop-pad":
+        e = experts or 8
+        c = capacity if capacity is not None else max(1, bsk // e)
+        idx = drop_pad_indices(rng, tokens, top_k, e, c)
+        return Case(random_values(rng, (e, c, hidden), dt), idx, top_k, 1, 0)
+    raise ValueError(f"mode must be 'dropless', 'active' or 'drop-pad', not {mode!r}")
+
+
+@dataclass
+class Comparison:
+    passed: bool
+    max_abs_error: float
+    max_rel_error: float
+    mismatches: int
+    elements: int
+    rtol: float
+    atol: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def compare(actual: np.ndarray, expected: np.ndarray, dtype: Any = None, max_mismatch_share: float = 0.0) -> Comparison:
+    """Compare elementwise against the dtype's tolerance. NaN matches NaN, infinities must be
+    equal. Passes when the share of elements outside tolerance is at most
+    ``max_mismatch_share`` (0 by default: every element)."""
+    name = dtype_name(dtype if dtype is not None else expected.dtype)
+    rtol, atol = TOLERANCES.get(name, (0.0, 0.0))
+    a = np.asarray(actual).astype(np.float64)
+    e = np.asarray(expected).astype(np.float64)
+    if a.shape != e.shape:
+        return Comparison(False, float("inf"), float("inf"), e.size, e.size, rtol, atol)
+    both_nan = np.isnan(a) & np.isnan(e)
+    finite = np.isfinite(a) & np.isfinite(e)
+    with np.errstate(invalid="ignore"):
+        diff = np.where(finite, np.abs(a - e), 0.0)
+        inf_ok = ~finite & ((a == e) | both_nan)
+    bad = (finite & (diff > atol + rtol * np.abs(e))) | (~finite & ~inf_ok)
+    rel = np.where(finite & (e != 0), diff / np.where(e != 0, np.abs(e), 1.0), 0.0)
+    mismatches = int(bad.sum())
+    return Comparison(
+        passed=mismatches <= max_mismatch_share * e.size,
+        max_abs_error=float(diff.max(initial=0.0)) if np.all(finite | both_nan | inf_ok) else float("inf"),
+        max_rel_error=float(rel.max(initial=0.0)),
+        mismatches=mismatches,
+        elements=int(e.size),
+        rtol=rtol,
+        atol=atol,
+    )

@@ -1,0 +1,49 @@
+/*
+ * Emulator-only extras, exported by the emulated libascendcl.so under the
+ * aclemu prefix (never a CANN name). Plain C for cffi's cdef and for the
+ * emulator itself: no includes, no conditionals.
+ */
+
+/* Live-object counters and cumulative figures, all int64 so Python reads them uniformly. */
+typedef struct aclemuStats {
+    int64_t initialized;        /* 1 between aclInit and aclFinalize */
+    int64_t devices_set;        /* sum over devices of the aclrtSetDevice reference count */
+    int64_t device_allocations; /* live aclrtMalloc blocks */
+    int64_t device_bytes;       /* bytes requested by the live blocks */
+    int64_t host_allocations;   /* live aclrtMallocHost blocks */
+    int64_t host_bytes;
+    int64_t streams;            /* live streams created by aclrtCreateStream */
+    int64_t events;
+    int64_t tensors;
+    int64_t scalars;
+    int64_t int_arrays;
+    int64_t executors;          /* executors neither run (one-shot) nor destroyed */
+    int64_t pending_tasks;      /* tasks queued on streams and not yet run */
+    int64_t mallocs_total;      /* cumulative successful aclrtMalloc calls */
+    int64_t kernels_launched;   /* cumulative kernel launches (second phase) */
+    int64_t kernels_run;        /* cumulative kernels executed by a stream */
+    int64_t device_faults;      /* cumulative device faults raised by kernels or copies */
+    int64_t guard_corruptions;  /* cumulative guard corruptions detected */
+    int64_t faults_hit;         /* cumulative injected faults that fired */
+} aclemuStats;
+
+int aclemuGetStats(aclemuStats *stats);
+
+/* Make the nth call (counted from now) of `api` return `status`; api "*" counts every
+ * call except releases and queries (see docs/emulator.md). status 0 picks the API's
+ * default failure. Returns 0, or -1 when the table is full or an argument is invalid. */
+int aclemuInjectFault(const char *api, int64_t nth, int32_t status);
+void aclemuClearFaults(void);
+
+/* Deliberately wrong kernels: "" (none), "skip-last-k", "fp16-accumulate", "off-by-one-row".
+ * Returns 0, or -1 for an unknown name. */
+int aclemuSetMutation(const char *name);
+const char *aclemuGetMutation(void);
+
+/* Checks the guard bytes of every live device allocation; returns how many are corrupt. */
+int64_t aclemuCheckGuards(void);
+/* Test hook: overwrite one guard byte of the allocation holding devPtr, as a stray device
+ * write past its end would. Returns 0, or -1 if devPtr is not in a live allocation. */
+int aclemuCorruptGuard(void *devPtr);
+
+const char *aclemuVersion(void);

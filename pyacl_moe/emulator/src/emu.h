@@ -1,0 +1,144 @@
+/*
+ * Internal header of the host emulator. The public declarations come from the
+ * project's headers/ (the same files cffi reads), so the emulator and the
+ * binding can never disagree about a prototype or a constant.
+ */
+#ifndef PYACL_MOE_EMU_H
+#define PYACL_MOE_EMU_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "acl_base.h"
+#include "acl_rt.h"
+#include "acl.h"
+#include "acl_meta.h"
+#include "aclnn_moe_init_routing_v2_grad.h"
+#include "aclemu.h"
+
+#define EMU_API __attribute__((visibility("default")))
+#define EMU_HIDDEN __attribute__((visibility("hidden")))
+
+/* aclnn status codes: CANN defines them in an op-development header that is not part of the
+ * public API, so they live here and in the Python status table, not in headers/. */
+#define ACLNN_SUCCESS 0
+#define ACLNN_ERR_PARAM_NULLPTR 161001
+#define ACLNN_ERR_PARAM_INVALID 161002
+#define ACLNN_ERR_RUNTIME_ERROR 361001
+#define ACLNN_ERR_INNER 561000
+#define ACLNN_ERR_INNER_TILING_ERROR 561002
+
+#define EMU_MAX_DIMS 64
+#define EMU_MSG_LEN 1024
+
+/* Counter slots, in the order of the fields of aclemuStats. */
+enum {
+    EMU_C_INITIALIZED,
+    EMU_C_DEVICES_SET,
+    EMU_C_DEVICE_ALLOCATIONS,
+    EMU_C_DEVICE_BYTES,
+    EMU_C_HOST_ALLOCATIONS,
+    EMU_C_HOST_BYTES,
+    EMU_C_STREAMS,
+    EMU_C_EVENTS,
+    EMU_C_TENSORS,
+    EMU_C_SCALARS,
+    EMU_C_INT_ARRAYS,
+    EMU_C_EXECUTORS,
+    EMU_C_PENDING_TASKS,
+    EMU_C_MALLOCS_TOTAL,
+    EMU_C_KERNELS_LAUNCHED,
+    EMU_C_KERNELS_RUN,
+    EMU_C_DEVICE_FAULTS,
+    EMU_C_GUARD_CORRUPTIONS,
+    EMU_C_FAULTS_HIT,
+    EMU_C_COUNT
+};
+
+/* A task queued on a stream. `run` executes it on whichever host thread drains the stream;
+ * a non-zero return is a device-side failure reported by the stream's next synchronize. */
+typedef struct emu_task emu_task;
+typedef int (*emu_task_run)(void *payload, char *msg, size_t msg_len);
+typedef void (*emu_task_release)(void *payload);
+
+/* A device range translated to host memory and pinned so that a concurrent aclrtFree cannot
+ * release the backing store while a task is still using it. */
+typedef struct emu_pin {
+    void *host;
+    void *block; /* opaque allocation record */
+} emu_pin;
+
+/* ---- cross-library internals exported by libascendcl (prefix aclemu, never a CANN name) ---- */
+
+/* Record the calling thread's error message (what aclGetRecentErrMsg returns next). */
+EMU_API void aclemuSetErrMsg(const char *api, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Fault injection check: the injected status for this call, or 0. */
+EMU_API int aclemuFaultPoint(const char *api, int default_status);
+/* 0 when aclInit was called and the calling thread has a current device (stored in *device);
+ * otherwise the CANN status and a message. */
+EMU_API int aclemuRequireDevice(const char *api, int32_t *device);
+EMU_API void aclemuCountAdd(int slot, int64_t delta);
+/* Validate `stream` (NULL = default stream of the current device) for use on `device`. */
+EMU_API int aclemuCheckStream(const char *api, aclrtStream stream, int32_t device);
+/* Queue a task; takes ownership of payload (released with `release` after it ran, or at once
+ * on failure). */
+EMU_API int aclemuEnqueue(const char *api, aclrtStream stream, int32_t device, emu_task_run run,
+                          emu_task_release release, void *payload);
+/* Is [addr, addr + len) inside one live device allocation? Returns its device id or -1. */
+EMU_API int aclemuDeviceRangeLive(uintptr_t addr, size_t len);
+/* Translate and pin [addr, addr + len); 0 on success, -1 if not inside a live allocation. */
+EMU_API int aclemuPin(uintptr_t addr, size_t len, emu_pin *pin);
+EMU_API void aclemuUnpin(emu_pin *pin);
+/* Active mutation id (0 none, 1 skip-last-k, 2 fp16-accumulate, 3 off-by-one-row). */
+EMU_API int aclemuMutationId(void);
+
+enum { EMU_MUT_NONE = 0, EMU_MUT_SKIP_LAST_K = 1, EMU_MUT_FP16_ACC = 2, EMU_MUT_OFF_BY_ONE = 3 };
+
+/* ---- internals exported by libnnopbase ---- */
+
+typedef struct emu_tensor_desc {
+    aclDataType dtype;
+    aclFormat format;
+    int64_t ndim;
+    int64_t shape[EMU_MAX_DIMS];
+    int64_t strides[EMU_MAX_DIMS];
+    int64_t offset;
+    uintptr_t addr;
+} emu_tensor_desc;
+
+/* Snapshot of a live aclTensor; 0 on success, -1 if `t` is not a live tensor. */
+EMU_API int aclemuTensorDesc(const aclTensor *t, emu_tensor_desc *out);
+
+/* Executors: the op library registers its payload; nnopbase owns lifetime and rebinding. */
+#define EMU_EXEC_MAX_IO 4
+typedef struct emu_executor_info {
+    int32_t device;
+    uint64_t workspace_size;
+    int repeatable;
+    int n_inputs;
+    int n_outputs;
+    uintptr_t input_addr[EMU_EXEC_MAX_IO];
+    uintptr_t output_addr[EMU_EXEC_MAX_IO];
+    const aclTensor *input_tensor[EMU_EXEC_MAX_IO];
+    const aclTensor *output_tensor[EMU_EXEC_MAX_IO];
+    void *op_data; /* owned, freed with op_free */
+    void (*op_free)(void *);
+} emu_executor_info;
+
+EMU_API aclOpExecutor *aclemuExecutorCreate(const emu_executor_info *info);
+/* Copy a live executor's state into *info (op_data is borrowed). With `consume`, a one-shot
+ * executor is taken for a launch and no longer live. Returns 0, or a status with the message. */
+EMU_API int aclemuExecutorAcquire(const char *api, aclOpExecutor *ex, emu_executor_info *info,
+                                  int consume);
+/* Finish a launch started with aclemuExecutorAcquire: frees a consumed one-shot executor. */
+EMU_API void aclemuExecutorRelease(aclOpExecutor *ex);
+
+/* ---- small helpers shared by the three libraries (static, one copy each) ---- */
+
+static inline int64_t emu_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t emu_max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+#endif

@@ -1,0 +1,371 @@
+/*
+ * The emulated MoeInitRoutingV2Grad kernel.
+ *
+ * It computes what the vendor's AI Core kernel computes, in the same order: each of a token's
+ * K terms is converted to float32 and summed into 2^e partial buffers (e chosen from K as the
+ * vendor's tiling does), the buffers are combined by a pairwise tree, and the float32 sum is
+ * rounded once to the output type (round to nearest even). Terms the scenario skips (-1 in
+ * drop/pad mode, index >= activeNum in active mode) contribute nothing. Summing in the same
+ * order makes float32 results bit-identical to a kernel that follows that order.
+ *
+ * An index that addresses no row of gradExpandedX is what a device reports as an AI Core
+ * exception: the emulator checks every index before writing anything, leaves `out` untouched,
+ * and fails the task with ACL_ERROR_RT_AICORE_EXCEPTION naming the index.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_kernel.h"
+
+/* ------------------------------------------------------------------ number formats */
+
+static float g_f16_to_f32[65536];
+static pthread_once_t g_tables_once = PTHREAD_ONCE_INIT;
+
+static float bits_to_float(uint32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static uint32_t float_to_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24, exact in float32 */
+        float v = (float)mant * 5.9604644775390625e-08f;
+        return bits_to_float(float_to_bits(v) | sign);
+    }
+    if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+    return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+static void init_tables(void) {
+    for (uint32_t i = 0; i < 65536; i++) g_f16_to_f32[i] = half_to_float((uint16_t)i);
+}
+
+/* float32 -> float16, round to nearest even, with subnormals, overflow to inf, NaN kept quiet. */
+static uint16_t float_to_half(float f) {
+    uint32_t x = float_to_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (ax < 0x38800000u) { /* below the smallest normal half (2^-14) */
+        if (ax < 0x33000000u) return (uint16_t)sign; /* below 2^-25: rounds to zero */
+        uint32_t e = ax >> 23;
+        uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126u - e; /* in [14, 24]: float significand -> units of 2^-24 */
+        uint32_t q = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1u);
+        uint32_t half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (q & 1u))) q++;
+        return (uint16_t)(sign | q);
+    }
+    uint32_t q = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
+    uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++; /* a carry may reach inf: correct */
+    if (q >= 0x7c00u) q = 0x7c00u;
+    return (uint16_t)(sign | q);
+}
+
+/* float32 -> bfloat16, round to nearest even, NaN kept quiet. */
+static uint16_t float_to_bf16(float f) {
+    uint32_t x = float_to_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+EMU_HIDDEN size_t moe_dtype_size(aclDataType dt) {
+    switch (dt) {
+    case ACL_FLOAT: case ACL_INT32: return 4;
+    case ACL_FLOAT16: case ACL_BF16: return 2;
+    default: return 0;
+    }
+}
+
+/* ------------------------------------------------------------------ row arithmetic */
+
+/* One term of a sum: a row of gradExpandedX, `h` elements `stride` apart. */
+typedef struct row_ref {
+    const unsigned char *p;
+    int64_t stride; /* in elements */
+} row_ref;
+
+/* dst = row (set) or dst += row (add), in float32. Contiguous rows take loops the compiler
+ * vectorizes; strided rows are converted element by element. */
+static void row_apply(float *restrict dst, row_ref r, int64_t h, aclDataType dt, int add) {
+    if (r.stride == 1) {
+        if (dt == ACL_FLOAT) {
+            const float *restrict s = (const float *)r.p;
+            if (add)
+                for (int64_t j = 0; j < h; j++) dst[j] += s[j];
+            else
+                memcpy(dst, s, (size_t)h * sizeof(float));
+        } else if (dt == ACL_BF16) {
+            const uint16_t *restrict s = (const uint16_t *)r.p;
+            if (add)
+                for (int64_t j = 0; j < h; j++) dst[j] += bits_to_float((uint32_t)s[j] << 16);
+            else
+                for (int64_t j = 0; j < h; j++) dst[j] = bits_to_float((uint32_t)s[j] << 16);
+        } else {
+            const uint16_t *restrict s = (const uint16_t *)r.p;
+            if (add)
+                for (int64_t j = 0; j < h; j++) dst[j] += g_f16_to_f32[s[j]];
+            else
+                for (int64_t j = 0; j < h; j++) dst[j] = g_f16_to_f32[s[j]];
+        }
+        return;
+    }
+    for (int64_t j = 0; j < h; j++) {
+        const unsigned char *e = r.p + j * r.stride * (int64_t)moe_dtype_size(dt);
+        float v;
+        if (dt == ACL_FLOAT) memcpy(&v, e, sizeof v);
+        else {
+            uint16_t u;
+            memcpy(&u, e, sizeof u);
+            v = dt == ACL_BF16 ? bits_to_float((uint32_t)u << 16) : g_f16_to_f32[u];
+        }
+        dst[j] = add ? dst[j] + v : v;
+    }
+}
+
+/* The fp16-accumulate mutation: every partial sum is rounded to float16. */
+static void round_to_half(float *v, int64_t h) {
+    for (int64_t j = 0; j < h; j++) v[j] = g_f16_to_f32[float_to_half(v[j])];
+}
+
+/* ------------------------------------------------------------------ the kernel */
+
+/* Element-offset range [lo, hi] a view touches; returns 0 if it has no elements. */
+static int view_extent(const emu_tensor_desc *t, int64_t *lo, int64_t *hi) {
+    int64_t a = t->offset, b = t->offset;
+    for (int64_t d = 0; d < t->ndim; d++) {
+        if (t->shape[d] <= 0) return 0;
+        int64_t span = (t->shape[d] - 1) * t->strides[d];
+        if (span < 0) a += span;
+        else b += span;
+    }
+    *lo = a;
+    *hi = b;
+    return 1;
+}
+
+typedef struct mapped_view {
+    const emu_tensor_desc *t;
+    size_t esize;
+    int64_t lo;           /* element offset mapped at `host` */
+    unsigned char *host;  /* NULL when the view has no elements */
+    emu_pin pin;
+} mapped_view;
+
+/* Pin the device memory a view touches. 0 on success; -1 with msg filled if it is not live. */
+static int map_view(mapped_view *m, const emu_tensor_desc *t, const char *name, char *msg,
+                    size_t len) {
+    memset(m, 0, sizeof *m);
+    m->t = t;
+    m->esize = moe_dtype_size(t->dtype);
+    int64_t lo, hi;
+    if (!view_extent(t, &lo, &hi)) return 0;
+    uintptr_t start = t->addr + (uintptr_t)(lo * (int64_t)m->esize);
+    size_t bytes = (size_t)(hi - lo + 1) * m->esize;
+    if (aclemuPin(start, bytes, &m->pin)) {
+        snprintf(msg, len,
+                 "device fault (AI Core exception): %s spans [%p, +%zu) but that is not inside a "
+                 "live device allocation",
+                 name, (void *)start, bytes);
+        return -1;
+    }
+    m->lo = lo;
+    m->host = m->pin.host;
+    return 0;
+}
+
+static void unmap_view(mapped_view *m) {
+    if (m->host) aclemuUnpin(&m->pin);
+    m->host = NULL;
+}
+
+/* Partial buffers the vendor's kernel uses for K terms: 2^e with e = floor(log2 K) - 1 (at
+ * least 0), and 64 (e = 6) from K = 128 on. */
+static int64_t bin_exponent(int64_t k) {
+    if (k >= 128) return 6;
+    int64_t e = -1;
+    for (int64_t v = k; v > 1; v >>= 1) e++;
+    return e < 0 ? 0 : e;
+}
+
+EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
+    const moe_kernel_args *a = payload;
+    pthread_once(&g_tables_once, init_tables);
+    aclemuCountAdd(EMU_C_KERNELS_RUN, 1);
+
+    const int64_t n = a->n, h = a->h, k = a->top_k, bsk = a->bsk;
+    const aclDataType dt = a->x.dtype;
+    mapped_view mx, mi, mo;
+    emu_pin wpin = {0};
+    int status = ACL_ERROR_RT_AICORE_EXCEPTION;
+    int32_t *ids_buf = NULL;
+    float *bins = NULL;
+    int wpinned = 0;
+
+    memset(&mx, 0, sizeof mx);
+    memset(&mi, 0, sizeof mi);
+    memset(&mo, 0, sizeof mo);
+    if (map_view(&mx, &a->x, "gradExpandedX", msg, len) ||
+        map_view(&mi, &a->idx, "expandedRowIdx", msg, len) ||
+        map_view(&mo, &a->out, "out", msg, len))
+        goto done;
+    if (a->workspace_size) {
+        if (aclemuPin(a->workspace, a->workspace_size, &wpin)) {
+            snprintf(msg, len,
+                     "device fault (AI Core exception): the workspace [%p, +%llu) was freed "
+                     "before the kernel ran",
+                     (void *)a->workspace, (unsigned long long)a->workspace_size);
+            goto done;
+        }
+        wpinned = 1;
+    }
+
+    /* The first bsk indices in row-major order of the index view. */
+    const int32_t *ids;
+    if (a->idx.ndim == 1 && a->idx.strides[0] == 1) {
+        ids = (const int32_t *)(mi.host + (a->idx.offset - mi.lo) * 4);
+    } else {
+        ids_buf = malloc((size_t)(bsk ? bsk : 1) * sizeof(int32_t));
+        if (!ids_buf) {
+            snprintf(msg, len, "emulator out of host memory");
+            status = ACL_ERROR_RT_INTERNAL_ERROR;
+            goto done;
+        }
+        int64_t pos[EMU_MAX_DIMS] = {0};
+        for (int64_t j = 0; j < bsk; j++) {
+            int64_t off = a->idx.offset;
+            for (int64_t d = 0; d < a->idx.ndim; d++) off += pos[d] * a->idx.strides[d];
+            memcpy(&ids_buf[j], mi.host + (off - mi.lo) * 4, sizeof(int32_t));
+            for (int64_t d = a->idx.ndim - 1; d >= 0; d--) {
+                if (++pos[d] < a->idx.shape[d]) break;
+                pos[d] = 0;
+            }
+        }
+        ids = ids_buf;
+    }
+
+    /* Which terms count, and whether every counted one addresses a row that exists. */
+    const int droppad = a->drop_pad_mode == 1, active = !droppad && a->active_num > 0;
+    for (int64_t j = 0; j < bsk; j++) {
+        int32_t v = ids[j];
+        if ((droppad && v == -1) || (active && (int64_t)v >= a->active_num)) continue;
+        if (v < 0 || (int64_t)v >= a->rows) {
+            snprintf(msg, len,
+                     "device fault (AI Core exception): expandedRowIdx[%lld] = %d addresses no "
+                     "row of gradExpandedX, which has %lld rows; out was not written",
+                     (long long)j, (int)v, (long long)a->rows);
+            goto done;
+        }
+    }
+
+    const int64_t exp = bin_exponent(k), nb = (int64_t)1 << exp;
+    bins = aligned_alloc(64, (size_t)((nb * h * (int64_t)sizeof(float) + 63) / 64 * 64 + 64));
+    if (!bins) {
+        snprintf(msg, len, "emulator out of host memory");
+        status = ACL_ERROR_RT_INTERNAL_ERROR;
+        goto done;
+    }
+    const int64_t *xs = a->x.strides;
+    const int64_t sh = xs[a->x.ndim - 1];
+    const size_t es = mx.esize;
+    const int mut = a->mutation;
+    const int64_t kk = mut == EMU_MUT_SKIP_LAST_K ? k - 1 : k; /* terms that count */
+    unsigned char *out_base = mo.host + (a->out.offset - mo.lo) * (int64_t)es;
+
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *tk = ids + i * k;
+        /* The term at position t: NULL when skipped. */
+#define TERM(t, ref_out)                                                                     \
+    do {                                                                                     \
+        int32_t v_ = tk[t];                                                                  \
+        int skip_ = (t) >= kk || (droppad && v_ == -1) || (active && (int64_t)v_ >= a->active_num); \
+        if (skip_) {                                                                         \
+            (ref_out).p = NULL;                                                              \
+        } else {                                                                             \
+            int64_t r_ = v_;                                                                 \
+            if (mut == EMU_MUT_OFF_BY_ONE && r_ + 1 < a->rows) r_++;                         \
+            int64_t off_ = a->x.offset + (a->x.ndim == 3 ? (r_ / a->c) * xs[0] + (r_ % a->c) * xs[1] \
+                                                          : r_ * xs[0]);                     \
+            (ref_out).p = mx.host + (off_ - mx.lo) * (int64_t)es;                            \
+            (ref_out).stride = sh;                                                           \
+        }                                                                                    \
+    } while (0)
+
+        /* S1: the first terms at even positions seed the partial buffers. */
+        int64_t t = 0, b = 0;
+        for (; t < k && b < nb; t += 2, b++) {
+            row_ref r;
+            TERM(t, r);
+            float *dst = bins + b * h;
+            if (r.p) row_apply(dst, r, h, dt, 0);
+            else memset(dst, 0, (size_t)h * sizeof(float));
+            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
+        }
+        for (; b < nb; b++) memset(bins + b * h, 0, (size_t)h * sizeof(float));
+        /* S2: the remaining even positions, round robin over the buffers. */
+        for (int64_t t2 = t; t2 < k; t2 += 2) {
+            row_ref r;
+            TERM(t2, r);
+            if (!r.p) continue;
+            float *dst = bins + (((t2 - t) / 2) % nb) * h;
+            row_apply(dst, r, h, dt, 1);
+            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
+        }
+        /* S3: the odd positions, round robin over the buffers. */
+        for (int64_t t3 = 1; t3 < k; t3 += 2) {
+            row_ref r;
+            TERM(t3, r);
+            if (!r.p) continue;
+            float *dst = bins + (((t3 - 1) / 2) % nb) * h;
+            row_apply(dst, r, h, dt, 1);
+            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
+        }
+#undef TERM
+        /* S4: pairwise tree over the buffers. */
+        for (int64_t e = 0, stride = 1; e < exp; e++, stride *= 2) {
+            for (int64_t j = stride; j < nb; j += 2 * stride) {
+                float *restrict da = bins + (j - stride) * h;
+                const float *restrict db = bins + j * h;
+                for (int64_t c = 0; c < h; c++) da[c] += db[c];
+                if (mut == EMU_MUT_FP16_ACC) round_to_half(da, h);
+            }
+        }
+        /* One rounding to the output type. */
+        unsigned char *orow = out_base + i * h * (int64_t)es;
+        if (dt == ACL_FLOAT) {
+            memcpy(orow, bins, (size_t)h * sizeof(float));
+        } else if (dt == ACL_BF16) {
+            uint16_t *o = (uint16_t *)orow;
+            for (int64_t c = 0; c < h; c++) o[c] = float_to_bf16(bins[c]);
+        } else {
+            uint16_t *o = (uint16_t *)orow;
+            for (int64_t c = 0; c < h; c++) o[c] = float_to_half(bins[c]);
+        }
+    }
+    status = 0;
+
+done:
+    free(bins);
+    free(ids_buf);
+    if (wpinned) aclemuUnpin(&wpin);
+    unmap_view(&mo);
+    unmap_view(&mi);
+    unmap_view(&mx);
+    return status;
+}

@@ -1,0 +1,30 @@
+/*
+ * The emulated MoeInitRoutingV2Grad kernel, shared by the op library's two phases.
+ */
+#ifndef PYACL_MOE_KERNEL_H
+#define PYACL_MOE_KERNEL_H
+
+#include "emu.h"
+
+/* Everything a launch captures: tensor views with the addresses bound at launch time, the
+ * attributes and the shape figures the first phase derived from them. */
+typedef struct moe_kernel_args {
+    emu_tensor_desc x, idx, out;
+    int64_t top_k, drop_pad_mode, active_num;
+    int64_t n;    /* tokens: rows of out */
+    int64_t h;    /* hidden size */
+    int64_t rows; /* rows of gradExpandedX seen as [rows, H] */
+    int64_t c;    /* capacity (3-D input), or 0 */
+    int64_t bsk;  /* length of expandedRowIdx */
+    uintptr_t workspace;
+    uint64_t workspace_size;
+    int mutation;
+} moe_kernel_args;
+
+/* Task entry point: runs the kernel, returns 0 or a device fault status with msg filled. */
+EMU_HIDDEN int moe_kernel_run(void *args, char *msg, size_t msg_len);
+
+/* Rounding helpers, exposed for the first phase's dtype checks and for tests of the kernel. */
+EMU_HIDDEN size_t moe_dtype_size(aclDataType dt);
+
+#endif

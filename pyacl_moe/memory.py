@@ -1,0 +1,468 @@
+"""Device memory: :class:`DeviceArray` and the copies between host and device.
+
+A DeviceArray is a typed, strided view (element strides and offset, as aclCreateTensor takes
+them) of a device allocation, which it owns (aclrtMalloc/aclrtFree) or borrows
+(``DeviceArray.from_pointer``). Basic slicing gives views that share the memory. The memory is
+freed when the last array viewing it is closed or collected, or when its device is closed.
+
+Copies to the device and back follow stream order: a copy on a stream keeps its host buffer
+alive until that stream is synchronized, and reading an array back defaults to the stream that
+last wrote it, so results are never stale.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import _ffi
+from .errors import InvalidArgument
+from .runtime import Device, Stream, _resolve_device, _Resource
+
+__all__ = ["DeviceArray", "acl_data_type", "empty", "to_device", "zeros"]
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+# numpy dtype -> aclDataType (values from acl_base.h).
+_ACL_DTYPES: dict[np.dtype, int] = {
+    np.dtype(np.float32): 0,
+    np.dtype(np.float16): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(np.int32): 3,
+    np.dtype(np.uint8): 4,
+    np.dtype(np.int16): 6,
+    np.dtype(np.uint16): 7,
+    np.dtype(np.uint32): 8,
+    np.dtype(np.int64): 9,
+    np.dtype(np.uint64): 10,
+    np.dtype(np.float64): 11,
+    np.dtype(np.bool_): 12,
+    np.dtype(np.complex64): 16,
+    np.dtype(np.complex128): 17,
+    bfloat16: 27,
+}
+
+
+def acl_data_type(dtype: Any) -> int:
+    """The aclDataType code of a numpy dtype; InvalidArgument if CANN has none."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
+    code = _ACL_DTYPES.get(dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt)
+    if code is None:
+        raise InvalidArgument("dtype", f"{dt} has no CANN data type (supported: {', '.join(sorted(str(d) for d in _ACL_DTYPES))})")
+    return code
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _free_allocation(device: Device, generation: int, ptr: int) -> None:
+    """Finalizer of an owned allocation: free it unless its device already did."""
+    if device._alive(generation):
+        try:
+            device._activate()
+            _ffi.free(ptr)
+        except Exception:
+            pass  # nothing can be raised from a finalizer
+
+
+class _Allocation(_Resource):
+    """One device allocation, shared by every DeviceArray that views it."""
+
+    _release_rank = 2
+
+    def __init__(self, device: Device, ptr: int, nbytes: int, owned: bool, owner: Any = None) -> None:
+        self.device = device
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.owned = owned
+        self.owner = owner  # what keeps borrowed memory alive
+        self.generation = device._generation
+        self.last_stream: Stream | None = None  # the stream of the last queued write
+        self.lock = threading.Lock()
+        self._finalizer = (
+            weakref.finalize(self, _free_allocation, device, self.generation, ptr) if owned else None
+        )
+        device._register(self)
+
+    @property
+    def alive(self) -> bool:
+        return self.device._alive(self.generation) and (self._finalizer is None or self._finalizer.alive)
+
+    def _release(self) -> None:
+        """Free now (Device.close calls this before aclrtResetDevice)."""
+        self.device._unregister(self)
+        fin = self._finalizer
+        if fin is not None and fin.detach() is not None and self.device._alive(self.generation):
+            self.device._activate()
+            _ffi.free(self.ptr)
+        self.owner = None
+
+
+class DeviceArray:
+    """An n-dimensional array in device memory.
+
+    ``shape`` and ``dtype`` as in NumPy; ``strides`` and ``offset`` are in elements, as
+    aclCreateTensor takes them. Create one with :func:`to_device`, :func:`empty`,
+    :func:`zeros` or :meth:`from_pointer`; read it back with :meth:`to_host` / :meth:`numpy`.
+    """
+
+    __slots__ = ("_alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "__weakref__")
+
+    def __init__(self, alloc: _Allocation, shape: tuple[int, ...], dtype: np.dtype,
+                 strides: tuple[int, ...], offset: int) -> None:
+        self._alloc: _Allocation | None = alloc
+        self._shape = shape
+        self._dtype = dtype
+        self._strides = strides
+        self._offset = offset
+        self._acl_dtype = acl_data_type(dtype)
+
+    # -- construction
+
+    @classmethod
+    def from_pointer(
+        cls,
+        ptr: int,
+        shape: Sequence[int],
+        dtype: Any,
+        strides: Sequence[int] | None = None,
+        offset: int = 0,
+        owner: Any = None,
+        device: Device | int | None = None,
+    ) -> DeviceArray:
+        """Wrap device memory allocated elsewhere (a torch_npu tensor's ``data_ptr()``, say).
+
+        ``ptr`` is the storage base, ``strides``/``offset`` are in elements. The memory is
+        borrowed: it is never freed here, and ``owner`` is kept alive as long as any array
+        viewing it, so the memory cannot go away underneath.
+        """
+        if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr <= 0:
+            raise InvalidArgument("ptr", f"must be a positive integer device address, got {ptr!r}")
+        dt = np.dtype(dtype)
+        shp = _check_shape(shape)
+        st = _contiguous_strides(shp) if strides is None else tuple(int(s) for s in strides)
+        if len(st) != len(shp):
+            raise InvalidArgument("strides", f"must have {len(shp)} entries, one per dimension, got {len(st)}")
+        if any(s < 0 for s in st):
+            raise InvalidArgument("strides", "must be non-negative (CANN views take non-negative strides)")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise InvalidArgument("offset", f"must be a non-negative int (elements), got {offset!r}")
+        dev = _resolve_device(device)
+        extent = offset + (sum((n - 1) * s for n, s in zip(shp, st)) + 1 if all(shp) else 0)
+        alloc = _Allocation(dev, ptr, extent * dt.itemsize, owned=False, owner=owner)
+        return cls(alloc, shp, dt, st, offset)
+
+    # -- properties
+
+    def _live_alloc(self) -> _Allocation:
+        a = self._alloc
+        if a is None:
+            raise InvalidArgument("array", "this DeviceArray was closed")
+        if not a.alive:
+            raise InvalidArgument("array", f"the memory of this DeviceArray is gone: device {a.device.device_id} was closed")
+        return a
+
+    @property
+    def device(self) -> Device:
+        return self._live_alloc().device
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Strides in elements."""
+        return self._strides
+
+    @property
+    def offset(self) -> int:
+        """Offset of the first element from the storage base, in elements."""
+        return self._offset
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._shape, dtype=np.int64)) if self._shape else 1
+
+    @property
+    def itemsize(self) -> int:
+        return self._dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    @property
+    def acl_data_type(self) -> int:
+        return self._acl_dtype
+
+    @property
+    def data_ptr(self) -> int:
+        """The storage base address (what aclCreateTensor receives as tensorData)."""
+        return self._live_alloc().ptr
+
+    @property
+    def address(self) -> int:
+        """The device address of the first element."""
+        a = self._live_alloc()
+        return a.ptr + self._offset * self.itemsize
+
+    @property
+    def storage_size(self) -> int:
+        """Elements in the underlying storage."""
+        return self._live_alloc().nbytes // self.itemsize
+
+    @property
+    def owns_memory(self) -> bool:
+        return self._live_alloc().owned
+
+    @property
+    def is_contiguous(self) -> bool:
+        return _is_contiguous(self._shape, self._strides)
+
+    @property
+    def closed(self) -> bool:
+        return self._alloc is None or not self._alloc.alive
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d DeviceArray")
+        return self._shape[0]
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"<DeviceArray closed shape={self._shape} dtype={self._dtype}>"
+        a = self._alloc
+        assert a is not None
+        return (
+            f"<DeviceArray shape={self._shape} dtype={self._dtype} strides={self._strides} "
+            f"offset={self._offset} device={a.device.device_id} address={self.address:#x}>"
+        )
+
+    # -- views
+
+    def __getitem__(self, key: Any) -> DeviceArray:
+        """Basic slicing (ints, slices with positive steps, Ellipsis): a view, no copy."""
+        self._live_alloc()
+        if not isinstance(key, tuple):
+            key = (key,)
+        if sum(k is Ellipsis for k in key) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        if Ellipsis in key:
+            i = key.index(Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            key = key[:i] + (slice(None),) * fill + key[i + 1 :]
+        if len(key) > self.ndim:
+            raise IndexError(f"too many indices: array is {self.ndim}-dimensional, got {len(key)}")
+        shape, strides, offset = [], [], self._offset
+        for d, k in enumerate(key):
+            n, s = self._shape[d], self._strides[d]
+            if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+                k = int(k)
+                if not -n <= k < n:
+                    raise IndexError(f"index {k} is out of bounds for axis {d} with size {n}")
+                offset += (k % n) * s
+            elif isinstance(k, slice):
+                start, stop, step = k.indices(n)
+                if step <= 0:
+                    raise InvalidArgument("key", "negative slice steps are not supported: CANN views take non-negative strides")
+                length = max(0, (stop - start + step - 1) // step)
+                if length:
+                    offset += start * s
+                shape.append(length)
+                strides.append(s * step)
+            else:
+                raise InvalidArgument("key", f"only ints, slices and '...' index a DeviceArray, got {type(k).__name__}")
+        shape += self._shape[len(key) :]
+        strides += self._strides[len(key) :]
+        return DeviceArray(self._alloc, tuple(shape), self._dtype, tuple(strides), offset)  # type: ignore[arg-type]
+
+    # -- copies
+
+    def _extent(self) -> tuple[int, int]:
+        """Element offsets [lo, hi] the view touches (hi < lo for an empty view)."""
+        if not all(self._shape):
+            return self._offset, self._offset - 1
+        hi = self._offset + sum((n - 1) * s for n, s in zip(self._shape, self._strides))
+        return self._offset, hi
+
+    def to_host(self, stream: Stream | None = None) -> np.ndarray:
+        """Copy to a new NumPy array.
+
+        The copy runs on ``stream`` (default: the stream that last wrote this memory through
+        pyacl_moe, else a synchronous copy) and waits for it, so earlier work queued there is
+        visible.
+        """
+        a = self._live_alloc()
+        out = np.empty(self._shape, dtype=self._dtype)
+        lo, hi = self._extent()
+        if hi < lo:
+            return out
+        nbytes = (hi - lo + 1) * self.itemsize
+        src = a.ptr + lo * self.itemsize
+        if self.is_contiguous:
+            host = out
+        else:
+            host = np.empty(nbytes, dtype=np.uint8)
+        s = stream if stream is not None else a.last_stream
+        if s is not None and s.closed:
+            s = None
+        if s is not None:
+            h = s._use()
+            _ffi.memcpy_async(host.ctypes.data, nbytes, src, nbytes, _ffi.ACL_MEMCPY_DEVICE_TO_HOST, h)
+            s._keep(host, self)
+            s.synchronize()
+        else:
+            a.device._activate()
+            _ffi.memcpy(host.ctypes.data, nbytes, src, nbytes, _ffi.ACL_MEMCPY_DEVICE_TO_HOST)
+        if host is not out:
+            view = np.lib.stride_tricks.as_strided(
+                host.view(self._dtype),
+                shape=self._shape,
+                strides=tuple(s * self.itemsize for s in self._strides),
+            )
+            out[...] = view
+        return out
+
+    def numpy(self, stream: Stream | None = None) -> np.ndarray:
+        """Same as :meth:`to_host`."""
+        return self.to_host(stream)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.to_host()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
+        """Overwrite this (contiguous) array with ``array``'s values, on ``stream`` if given."""
+        a = self._live_alloc()
+        if not self.is_contiguous:
+            raise InvalidArgument("array", "copy_from_host needs a contiguous DeviceArray")
+        host = _host_array(np.asarray(array), "array")
+        if host.shape != self._shape or host.dtype != self._dtype:
+            raise InvalidArgument(
+                "array", f"must have shape {self._shape} and dtype {self._dtype}, got {host.shape} {host.dtype}"
+            )
+        _copy_in(a, self.address, host, stream, self)
+
+    def close(self) -> None:
+        """Drop this array's hold on the memory; it is freed once no array views it. Safe twice."""
+        self._alloc = None
+
+
+def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    expect = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        shp = tuple(int(n) for n in shape)
+    except TypeError:
+        raise InvalidArgument("shape", f"must be a sequence of ints, got {shape!r}") from None
+    if any(n < 0 for n in shp):
+        raise InvalidArgument("shape", f"dimensions must be non-negative, got {shp}")
+    return shp
+
+
+def _host_array(array: np.ndarray, name: str) -> np.ndarray:
+    """A C-contiguous, native-byte-order copy (or the array itself when it already is one)."""
+    if array.dtype == object:
+        raise InvalidArgument(name, "dtype object cannot go to the device")
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    acl_data_type(array.dtype)
+    return np.ascontiguousarray(array)
+
+
+def _allocate(device: Device, nbytes: int) -> _Allocation:
+    device._activate()
+    # aclrtMalloc rejects 0 bytes; an empty array still gets a (tiny) block of its own.
+    ptr = _ffi.malloc(max(nbytes, 1))
+    try:
+        return _Allocation(device, ptr, nbytes, owned=True)
+    except BaseException:
+        _ffi.free(ptr)
+        raise
+
+
+def _copy_in(alloc: _Allocation, dst: int, host: np.ndarray, stream: Stream | None, keep: Any) -> None:
+    n = host.nbytes
+    if n == 0:
+        return
+    if stream is not None:
+        h = stream._use()
+        _ffi.memcpy_async(dst, n, host.ctypes.data, n, _ffi.ACL_MEMCPY_HOST_TO_DEVICE, h)
+        stream._keep(host, keep)
+        alloc.last_stream = stream
+    else:
+        alloc.device._activate()
+        _ffi.memcpy(dst, n, host.ctypes.data, n, _ffi.ACL_MEMCPY_HOST_TO_DEVICE)
+
+
+def empty(shape: Any, dtype: Any, device: Device | int | None = None) -> DeviceArray:
+    """A new contiguous DeviceArray with uninitialized contents."""
+    shp = _check_shape(shape)
+    dt = np.dtype(dtype)
+    acl_data_type(dt)
+    dev = _resolve_device(device)
+    nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize if shp else dt.itemsize
+    alloc = _allocate(dev, nbytes)
+    return DeviceArray(alloc, shp, dt, _contiguous_strides(shp), 0)
+
+
+def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
+    """A new contiguous DeviceArray of zeros (memset on ``stream`` if given, else now)."""
+    arr = empty(shape, dtype, device)
+    a = arr._live_alloc()
+    n = a.nbytes
+    if n:
+        if stream is not None:
+            _ffi.memset_async(a.ptr, n, 0, n, stream._use())
+            a.last_stream = stream
+        else:
+            _ffi.memset(a.ptr, n, 0, n)
+    return arr
+
+
+def to_device(array: Any, stream: Stream | None = None, device: Device | int | None = None) -> DeviceArray:
+    """Copy a NumPy array (or anything np.asarray takes) to a new contiguous DeviceArray.
+
+    Fortran-ordered, strided or byte-swapped input is first made C-contiguous and native on
+    the host. With ``stream`` the copy is queued on it (and the host data kept alive until the
+    stream is synchronized); without, it is done before returning.
+    """
+    host = _host_array(np.asarray(array), "array")
+    dev = stream.device if stream is not None and device is None else _resolve_device(device)
+    if stream is not None and stream.device is not dev:
+        raise InvalidArgument("stream", f"belongs to device {stream.device.device_id}, not {dev.device_id}")
+    alloc = _allocate(dev, host.nbytes)
+    arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
+    _copy_in(alloc, alloc.ptr, host, stream, arr)
+    return arr
