@@ -1,0 +1,69 @@
+"""Building the emulator: cached, atomic under concurrency, clear without a compiler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pyacl_moe.emulator import _build
+
+
+def _build_in(cache: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYACL_MOE_CACHE=str(cache), **(env_extra or {}))
+    return subprocess.Popen(
+        [sys.executable, "-c", "import pyacl_moe.emulator as e; print(e.build())"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def test_fresh_build_is_fast_and_laid_out_like_cann(tmp_path):
+    t0 = time.perf_counter()
+    p = _build_in(tmp_path)
+    out, err = p.communicate(timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert p.returncode == 0, err
+    home = Path(out.strip())
+    assert home.parent == tmp_path
+    for name in ("ascendcl", "nnopbase", "opapi"):
+        assert (home / "lib64" / f"lib{name}.so").is_file()
+    assert elapsed < 10, f"build took {elapsed:.1f} s"
+    needed = subprocess.run(["readelf", "-d", str(home / "lib64" / "libopapi.so")], capture_output=True, text=True).stdout
+    assert "[libnnopbase.so]" in needed and "$ORIGIN" in needed
+
+
+def test_concurrent_builds_both_succeed(tmp_path):
+    procs = [_build_in(tmp_path) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    homes = {o[0].strip() for o in outs}
+    assert len(homes) == 1
+    assert not [d for d in tmp_path.iterdir() if d.name.startswith(".build-")]  # no debris
+
+
+def test_cached_build_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYACL_MOE_CACHE", str(tmp_path))
+    home = _build.build()
+    stamp = (Path(home) / "lib64" / "libopapi.so").stat().st_mtime_ns
+    assert _build.build() == home
+    assert (Path(home) / "lib64" / "libopapi.so").stat().st_mtime_ns == stamp
+
+
+def test_hash_follows_flags(monkeypatch):
+    h1 = _build.build_hash()
+    monkeypatch.setattr(_build, "CFLAGS", _build.CFLAGS + ("-DSOMETHING",))
+    assert _build.build_hash() != h1
+
+
+def test_no_compiler_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(_build.EmulatorBuildError, match="install a C compiler"):
+        _build.build()
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(_build.EmulatorBuildError, match="CC"):
+        _build.build()

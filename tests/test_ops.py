@@ -1,0 +1,213 @@
+"""The op through the binding: both phases, the one-call function, validation."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pyacl_moe as pm
+from pyacl_moe.cases import compare, make_case
+
+DTYPES = ["float32", "float16", "bfloat16"]
+MODES = ["dropless", "active", "drop-pad"]
+
+
+def loop_reference(case) -> np.ndarray:
+    """Per-token Python loop: the definition, written as plainly as possible."""
+    x, idx, k = case.grad_expanded_x, case.expanded_row_idx, case.top_k
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    n = idx.size // k
+    out = np.zeros((n, x.shape[-1]), np.float32)
+    for i in range(n):
+        for t in range(k):
+            j = int(idx[i * k + t])
+            if case.drop_pad_mode == 1 and j == -1:
+                continue
+            if case.drop_pad_mode == 0 and case.active_num > 0 and j >= case.active_num:
+                continue
+            out[i] += rows[j]
+    return out.astype(x.dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numpy_in_numpy_out(device, mode, dtype, no_leaks):
+    case = make_case(24, 4, 33, dtype, mode, seed=7)
+    got = pm.moe_init_routing_v2_grad(*case.args())
+    assert isinstance(got, np.ndarray) and got.dtype == case.grad_expanded_x.dtype
+    assert compare(got, loop_reference(case)).passed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_device_arrays_run_asynchronously(device, mode, no_leaks):
+    case = make_case(16, 2, 8, "float32", mode, seed=3)
+    with pm.Stream(device) as s:
+        x = pm.to_device(case.grad_expanded_x, stream=s)
+        idx = pm.to_device(case.expanded_row_idx, stream=s)
+        pending = pm.emulator.stats()["pending_tasks"]
+        out = pm.moe_init_routing_v2_grad(x, idx, case.top_k, case.drop_pad_mode, case.active_num, stream=s)
+        assert isinstance(out, pm.DeviceArray)
+        assert pm.emulator.stats()["pending_tasks"] > pending  # queued, not run
+        np.testing.assert_allclose(out.to_host(), loop_reference(case), rtol=1e-5, atol=1e-6)
+
+
+def test_out_and_workspace_are_used(device, no_leaks):
+    case = make_case(8, 2, 16, "bfloat16", "dropless", seed=1)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    out = pm.empty((8, 16), ml_dtypes.bfloat16)
+    ws = pm.empty((16 << 20,), np.uint8)
+    mallocs = pm.emulator.stats()["mallocs_total"]
+    result = pm.moe_init_routing_v2_grad(x, idx, 2, out=out, workspace=ws)
+    assert result is out
+    assert pm.emulator.stats()["mallocs_total"] == mallocs  # nothing allocated: out and workspace given
+    np.testing.assert_array_equal(out.to_host(), loop_reference(case))
+    with pytest.raises(pm.InvalidArgument, match="workspace"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, out=out, workspace=pm.empty((100,), np.uint8))
+
+
+def test_numpy_out_parameter(device):
+    case = make_case(8, 2, 4, "float32", "dropless", seed=2)
+    out = np.empty((8, 4), np.float32)
+    assert pm.moe_init_routing_v2_grad(*case.args(), out=out) is out
+    np.testing.assert_allclose(out, loop_reference(case), rtol=1e-5, atol=1e-6)
+    with pytest.raises(pm.InvalidArgument, match="out"):
+        ro = np.empty((8, 4), np.float32)
+        ro.flags.writeable = False
+        pm.moe_init_routing_v2_grad(*case.args(), out=ro)
+
+
+def test_non_contiguous_inputs_are_honoured(device, no_leaks):
+    case = make_case(12, 3, 10, "float32", "dropless", seed=5)
+    wide = np.zeros((36, 30), np.float32)
+    wide[:, 5:25:2] = case.grad_expanded_x
+    idx_wide = np.full(72, 999, np.int32)
+    idx_wide[1::2] = case.expanded_row_idx
+    x = pm.to_device(wide)[:, 5:25:2]
+    idx = pm.to_device(idx_wide)[1::2]
+    assert not x.is_contiguous and not idx.is_contiguous and x.offset == 5
+    out = pm.moe_init_routing_v2_grad(x, idx, 3)
+    np.testing.assert_allclose(out.to_host(), loop_reference(case), rtol=1e-5, atol=1e-6)
+
+
+def test_contract_examples_from_vendor_tests(device):
+    # (x shape, len(idx), out shape, dtype, top_k, mode, active) -> vendor status (0 = ok)
+    table = [
+        ((480, 8), 480, (80, 8), np.float32, 6, 0, 0, 0),
+        ((40, 512), 640, (10, 512), ml_dtypes.bfloat16, 64, 0, 40, 0),
+        ((40, 512), 80, (80, 512), np.float16, 1, 0, 40, 0),
+        ((10, 8, 512), 640, (80, 512), np.float32, 8, 1, 40, 0),
+        ((10, 512), 640, (80, 512), ml_dtypes.bfloat16, 8, 1, 40, 561002),
+        ((40, 512), 640, (10, 510), ml_dtypes.bfloat16, 64, 0, 40, 561002),
+    ]
+    for xs, n_idx, outs, dt, k, mode, active, want in table:
+        x, idx, out = pm.empty(xs, dt), pm.empty((n_idx,), np.int32), pm.empty(outs, dt)
+        size, ex = pm.get_workspace_size(x, idx, k, mode, active, out) if not want else (None, None)
+        if want:
+            with pytest.raises(pm.AclnnError) as info:
+                pm.get_workspace_size(x, idx, k, mode, active, out)
+            assert info.value.status == want
+        else:
+            assert size == 16 * 1024 * 1024
+            ex.close()
+
+
+def test_low_level_two_phases(device, no_leaks):
+    case = make_case(10, 2, 6, "float16", "dropless", seed=9)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    out = pm.empty((10, 6), np.float16)
+    tx, ti, to = pm.AclTensor(x), pm.AclTensor(idx), pm.AclTensor(out)
+    size, ex = pm.get_workspace_size(tx, ti, 2, 0, 0, to)
+    assert size == 16 << 20 and not ex.closed and not ex.repeatable
+    ws = pm.empty((size,), np.uint8)
+    with pm.Stream(device) as s:
+        pm.execute(ws, size, ex, s)
+        assert ex.closed  # a one-shot executor is consumed by its launch
+        with pytest.raises(pm.InvalidArgument, match="executor"):
+            pm.execute(ws, size, ex, s)
+        np.testing.assert_array_equal(out.to_host(s), loop_reference(case))
+    for t in (tx, ti, to):
+        t.close()
+
+
+def test_repeatable_executor_and_rebinding(device, no_leaks):
+    a = make_case(6, 2, 4, "float32", "dropless", seed=1)
+    b = make_case(6, 2, 4, "float32", "dropless", seed=2)
+    xa, ia = pm.to_device(a.grad_expanded_x), pm.to_device(a.expanded_row_idx)
+    xb, ib = pm.to_device(b.grad_expanded_x), pm.to_device(b.expanded_row_idx)
+    out_a, out_b = pm.empty((6, 4), np.float32), pm.empty((6, 4), np.float32)
+    size, ex = pm.get_workspace_size(xa, ia, 2, 0, 0, out_a)
+    ex.set_repeatable()
+    ws = pm.empty((size,), np.uint8)
+    s = device.default_stream
+    pm.execute(ws, size, ex, s)
+    pm.execute(ws, size, ex, s)  # twice: repeatable
+    tx, ti, to = ex.tensors
+    ex.set_input_addr(0, tx, xb.data_ptr)
+    ex.set_input_addr(1, ti, ib.data_ptr)
+    ex.set_output_addr(0, to, out_b.data_ptr)
+    pm.execute(ws, size, ex, s)
+    np.testing.assert_allclose(out_a.to_host(s), loop_reference(a), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out_b.to_host(s), loop_reference(b), rtol=1e-5, atol=1e-6)
+    ex.close()
+    ex.close()
+
+
+def test_vendor_checks_with_validate_false(device):
+    x = pm.empty((8, 4), np.float64)  # ACL_DOUBLE: the vendor refuses it
+    idx = pm.empty((8,), np.int32)
+    with pytest.raises(pm.AclnnError) as info:
+        pm.moe_init_routing_v2_grad(x, idx, 2, validate=False)
+    assert info.value.status == 161002
+    with pytest.raises(pm.AclnnError) as info:
+        pm.get_workspace_size(None, idx, 2, 0, 0, pm.empty((4, 4), np.float32))
+    assert info.value.status == 161001
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, text",
+    [
+        (dict(top_k=0), "top_k", "greater than 0"),
+        (dict(top_k=3), "top_k", "divide"),
+        (dict(top_k=2.0), "top_k", "int"),
+        (dict(drop_pad_mode=2), "drop_pad_mode", "0"),
+        (dict(active_num=-1), "active_num", "positive"),
+        (dict(x=np.zeros((8, 4), np.float64)), "grad_expanded_x", "float16, bfloat16 or float32"),
+        (dict(idx=np.arange(8, dtype=np.int64)), "expanded_row_idx", "int32"),
+        (dict(idx=np.array([0, 1, 2, 3, 4, 5, 6, 8], np.int32)), "expanded_row_idx", "out of range"),
+        (dict(idx=np.array([0, 1, 2, 3, 4, 5, 6, 6], np.int32)), "expanded_row_idx", "more than once"),
+        (dict(x=np.zeros((7, 4), np.float32)), "grad_expanded_x", "rows"),
+        (dict(out=np.zeros((4, 5), np.float32)), "out", "shape"),
+        (dict(out=np.zeros((4, 4), np.float16)), "out", "dtype"),
+    ],
+)
+def test_host_validation_names_parameter_and_rule(device, kwargs, param, text):
+    args = dict(x=np.zeros((8, 4), np.float32), idx=np.arange(8, dtype=np.int32), top_k=2)
+    args.update(kwargs)
+    extra = {k: args.pop(k) for k in ("drop_pad_mode", "active_num", "out") if k in args}
+    with pytest.raises(pm.InvalidArgument) as info:
+        pm.moe_init_routing_v2_grad(args["x"], args["idx"], args["top_k"], **extra)
+    assert info.value.parameter == param
+    assert text in str(info.value)
+
+
+def test_mixed_host_and_device_inputs_are_refused(device):
+    with pytest.raises(pm.InvalidArgument, match="expanded_row_idx"):
+        pm.moe_init_routing_v2_grad(pm.to_device(np.zeros((4, 2), np.float32)), np.arange(4, dtype=np.int32), 2)
+
+
+def test_non_contiguous_out_is_refused_on_host_and_by_vendor(device):
+    x, idx = pm.to_device(np.zeros((8, 4), np.float32)), pm.to_device(np.arange(8, dtype=np.int32))
+    out = pm.empty((4, 8), np.float32)[:, ::2]
+    with pytest.raises(pm.InvalidArgument, match="contiguous"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, out=out)
+    with pytest.raises(pm.AclnnError) as info:
+        pm.moe_init_routing_v2_grad(x, idx, 2, out=out, validate=False)
+    assert info.value.status == 161002
+
+
+def test_results_are_bit_identical_across_runs(device):
+    case = make_case(64, 8, 128, "bfloat16", "drop-pad", seed=11)
+    a = pm.moe_init_routing_v2_grad(*case.args())
+    b = pm.moe_init_routing_v2_grad(*case.args())
+    assert a.tobytes() == b.tobytes()

@@ -1,0 +1,15 @@
+"""The README's tour runs as written (on the emulator)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_tour_runs(device):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "no python block in the README"
+    for code in blocks:
+        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
