@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "moe_kernel.h"
 
@@ -49,40 +50,52 @@ static float half_to_float(uint16_t h) {
     return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
+/* float16 -> float32 without branches or tables, so the compiler can vectorize row loops:
+ * shift the exponent and mantissa into place and rebias; infinities and NaNs get the rest of
+ * the exponent; zeros and subnormals are rebuilt by a float subtraction. Exact for all inputs. */
+static inline float half_to_float_fast(uint16_t h) {
+    uint32_t o = (uint32_t)(h & 0x7fffu) << 13;
+    uint32_t exp = o & 0x0f800000u;
+    uint32_t normal = o + (112u << 23);
+    uint32_t special = o + (224u << 23);                       /* inf / NaN */
+    float sub = bits_to_float(o + (113u << 23)) - bits_to_float(113u << 23); /* zero / subnormal */
+    uint32_t is_special = 0u - (uint32_t)(exp == 0x0f800000u); /* all ones or zero: no branch */
+    uint32_t is_sub = 0u - (uint32_t)(exp == 0u);
+    uint32_t bits = (normal & ~is_special) | (special & is_special);
+    bits = (bits & ~is_sub) | (float_to_bits(sub) & is_sub);
+    return bits_to_float(bits | ((uint32_t)(h & 0x8000u) << 16));
+}
+
 static void init_tables(void) {
     for (uint32_t i = 0; i < 65536; i++) g_f16_to_f32[i] = half_to_float((uint16_t)i);
 }
 
-/* float32 -> float16, round to nearest even, with subnormals, overflow to inf, NaN kept quiet. */
-static uint16_t float_to_half(float f) {
+/* float32 -> float16, round to nearest even, subnormals kept, overflow to inf, NaN quiet.
+ * Branch-free so the output loops vectorize: the three candidate encodings (normal, subnormal,
+ * inf/NaN) are all computed and selected with masks. Normal: rebias the exponent and round
+ * the 13 dropped mantissa bits to even. Subnormal: adding 0.5f aligns the value so that the
+ * float addition itself rounds it to units of 2^-24. Checked against a step-by-step
+ * conversion on all 2^32 inputs. */
+static inline uint16_t float_to_half(float f) {
     uint32_t x = float_to_bits(f);
-    uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
-    if (ax < 0x38800000u) { /* below the smallest normal half (2^-14) */
-        if (ax < 0x33000000u) return (uint16_t)sign; /* below 2^-25: rounds to zero */
-        uint32_t e = ax >> 23;
-        uint32_t m = (ax & 0x7fffffu) | 0x800000u;
-        uint32_t shift = 126u - e; /* in [14, 24]: float significand -> units of 2^-24 */
-        uint32_t q = m >> shift;
-        uint32_t rem = m & ((1u << shift) - 1u);
-        uint32_t half = 1u << (shift - 1u);
-        if (rem > half || (rem == half && (q & 1u))) q++;
-        return (uint16_t)(sign | q);
-    }
-    uint32_t q = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
-    uint32_t rem = ax & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++; /* a carry may reach inf: correct */
-    if (q >= 0x7c00u) q = 0x7c00u;
-    return (uint16_t)(sign | q);
+    uint32_t normal = ((ax - (112u << 23)) + 0xfffu + ((ax >> 13) & 1u)) >> 13;
+    uint32_t sub = float_to_bits(bits_to_float(ax) + 0.5f) - (126u << 23);
+    uint32_t special = ax > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    uint32_t is_sub = 0u - (uint32_t)(ax < 0x38800000u);
+    uint32_t is_big = 0u - (uint32_t)(ax >= 0x47800000u); /* 2^16 and up: inf or NaN */
+    uint32_t r = (normal & ~is_sub) | (sub & is_sub);
+    r = (r & ~is_big) | (special & is_big);
+    return (uint16_t)(r | ((x >> 16) & 0x8000u));
 }
 
-/* float32 -> bfloat16, round to nearest even, NaN kept quiet. */
-static uint16_t float_to_bf16(float f) {
+/* float32 -> bfloat16, round to nearest even, NaN kept quiet; branch-free like the above. */
+static inline uint16_t float_to_bf16(float f) {
     uint32_t x = float_to_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
+    uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    uint32_t quiet = (x >> 16) | 0x40u;
+    uint32_t is_nan = 0u - (uint32_t)((x & 0x7fffffffu) > 0x7f800000u);
+    return (uint16_t)((rounded & ~is_nan) | (quiet & is_nan));
 }
 
 EMU_HIDDEN size_t moe_dtype_size(aclDataType dt) {
@@ -120,9 +133,9 @@ static void row_apply(float *restrict dst, row_ref r, int64_t h, aclDataType dt,
         } else {
             const uint16_t *restrict s = (const uint16_t *)r.p;
             if (add)
-                for (int64_t j = 0; j < h; j++) dst[j] += g_f16_to_f32[s[j]];
+                for (int64_t j = 0; j < h; j++) dst[j] += half_to_float_fast(s[j]);
             else
-                for (int64_t j = 0; j < h; j++) dst[j] = g_f16_to_f32[s[j]];
+                for (int64_t j = 0; j < h; j++) dst[j] = half_to_float_fast(s[j]);
         }
         return;
     }
@@ -204,18 +217,175 @@ static int64_t bin_exponent(int64_t k) {
     return e < 0 ? 0 : e;
 }
 
+/* What every token's computation needs, shared read-only by the worker threads. */
+typedef struct token_job {
+    const moe_kernel_args *a;
+    const int32_t *ids;
+    const unsigned char *x_host;
+    int64_t x_lo;
+    size_t es;
+    unsigned char *out_base;
+    int64_t exp, nb;
+    int droppad, active;
+} token_job;
+
+/* Token i's terms, summed the vendor's way, rounded once into out row i. */
+static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float *bins) {
+    const moe_kernel_args *a = j->a;
+    const int64_t h = a->h, k = a->top_k, nb = j->nb;
+    const aclDataType dt = a->x.dtype;
+    const int64_t *xs = a->x.strides;
+    const int64_t sh = xs[a->x.ndim - 1];
+    const int mut = a->mutation;
+    const int64_t kk = mut == EMU_MUT_SKIP_LAST_K ? k - 1 : k; /* positions that count */
+
+    for (int64_t i = begin; i < end; i++) {
+        const int32_t *tk = j->ids + i * k;
+        /* The row of the term at position t, or NULL when the scenario skips it. */
+#define TERM(t, ref_out)                                                                          \
+    do {                                                                                          \
+        int32_t v_ = tk[t];                                                                       \
+        int skip_ = (t) >= kk || (j->droppad && v_ == -1) || (j->active && (int64_t)v_ >= a->active_num); \
+        if (skip_) {                                                                              \
+            (ref_out).p = NULL;                                                                   \
+        } else {                                                                                  \
+            int64_t r_ = v_;                                                                      \
+            if (mut == EMU_MUT_OFF_BY_ONE && r_ + 1 < a->rows) r_++;                              \
+            int64_t off_ = a->x.offset + (a->x.ndim == 3 ? (r_ / a->c) * xs[0] + (r_ % a->c) * xs[1] \
+                                                          : r_ * xs[0]);                          \
+            (ref_out).p = j->x_host + (off_ - j->x_lo) * (int64_t)j->es;                         \
+            (ref_out).stride = sh;                                                                \
+        }                                                                                         \
+    } while (0)
+
+        /* S1: the first terms at even positions seed the partial buffers. */
+        int64_t t = 0, b = 0;
+        for (; t < k && b < nb; t += 2, b++) {
+            row_ref r;
+            TERM(t, r);
+            float *dst = bins + b * h;
+            if (r.p) row_apply(dst, r, h, dt, 0);
+            else memset(dst, 0, (size_t)h * sizeof(float));
+            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
+        }
+        for (; b < nb; b++) memset(bins + b * h, 0, (size_t)h * sizeof(float));
+        /* S2: the remaining even positions, round robin over the buffers. */
+        for (int64_t t2 = t; t2 < k; t2 += 2) {
+            row_ref r;
+            TERM(t2, r);
+            if (!r.p) continue;
+            float *dst = bins + (((t2 - t) / 2) % nb) * h;
+            row_apply(dst, r, h, dt, 1);
+            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
+        }
+        /* S3: the odd positions, round robin over the buffers. */
+        for (int64_t t3 = 1; t3 < k; t3 += 2) {
+            row_ref r;
+            TERM(t3, r);
+            if (!r.p) continue;
+            float *dst = bins + (((t3 - 1) / 2) % nb) * h;
+            row_apply(dst, r, h, dt, 1);
+            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
+        }
+#undef TERM
+        /* S4: pairwise tree over the buffers. */
+        for (int64_t e = 0, stride = 1; e < j->exp; e++, stride *= 2) {
+            for (int64_t q = stride; q < nb; q += 2 * stride) {
+                float *restrict da = bins + (q - stride) * h;
+                const float *restrict db = bins + q * h;
+                for (int64_t c = 0; c < h; c++) da[c] += db[c];
+                if (mut == EMU_MUT_FP16_ACC) round_to_half(da, h);
+            }
+        }
+        /* One rounding to the output type. */
+        unsigned char *orow = j->out_base + i * h * (int64_t)j->es;
+        if (dt == ACL_FLOAT) {
+            memcpy(orow, bins, (size_t)h * sizeof(float));
+        } else if (dt == ACL_BF16) {
+            uint16_t *restrict o = (uint16_t *)orow;
+            for (int64_t c = 0; c < h; c++) o[c] = float_to_bf16(bins[c]);
+        } else {
+            uint16_t *restrict o = (uint16_t *)orow;
+            for (int64_t c = 0; c < h; c++) o[c] = float_to_half(bins[c]);
+        }
+    }
+}
+
+typedef struct token_worker {
+    pthread_t thread;
+    const token_job *job;
+    int64_t begin, end;
+    int failed;
+} token_worker;
+
+static float *alloc_bins(const token_job *j) {
+    size_t bytes = (size_t)(j->nb * j->a->h) * sizeof(float);
+    return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+}
+
+static void *token_worker_main(void *p) {
+    token_worker *w = p;
+    float *bins = alloc_bins(w->job);
+    if (!bins) {
+        w->failed = 1;
+        return NULL;
+    }
+    compute_tokens(w->job, w->begin, w->end, bins);
+    free(bins);
+    return NULL;
+}
+
+/* Host threads the kernel may use: the CPUs online (at most 16), or PYACL_MOE_EMU_THREADS.
+ * Tokens are independent, so the result does not depend on the split. */
+static int kernel_threads(void) {
+    const char *env = getenv("PYACL_MOE_EMU_THREADS");
+    long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 16 ? 16 : (int)n;
+}
+
+/* Compute every token, splitting large kernels across threads. Returns -1 if out of memory. */
+static int run_tokens(const token_job *j) {
+    const int64_t n = j->a->n;
+    const int64_t work = n * j->a->top_k * j->a->h;
+    int threads = kernel_threads();
+    if (work < ((int64_t)1 << 20)) threads = 1; /* thread start-up would dominate */
+    if (threads > n) threads = (int)(n > 0 ? n : 1);
+    token_worker workers[16];
+    int started = 0, failed = 0;
+    int64_t per = (n + threads - 1) / threads;
+    for (int w = 1; w < threads; w++) {
+        workers[w] = (token_worker){.job = j, .begin = w * per, .end = emu_min64(n, (w + 1) * per)};
+        if (workers[w].begin >= workers[w].end) break;
+        if (pthread_create(&workers[w].thread, NULL, token_worker_main, &workers[w]) != 0) break;
+        started = w;
+    }
+    /* This thread takes the first share, and whatever threads could not be started. */
+    int64_t mine_end = started ? per : n;
+    float *bins = alloc_bins(j);
+    if (bins) compute_tokens(j, 0, emu_min64(n, mine_end), bins);
+    else failed = 1;
+    if (started && bins && started + 1 < threads) {
+        int64_t rest = (started + 1) * per;
+        if (rest < n) compute_tokens(j, rest, n, bins);
+    }
+    free(bins);
+    for (int w = 1; w <= started; w++) {
+        pthread_join(workers[w].thread, NULL);
+        failed |= workers[w].failed;
+    }
+    return failed ? -1 : 0;
+}
+
 EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
     const moe_kernel_args *a = payload;
     pthread_once(&g_tables_once, init_tables);
     aclemuCountAdd(EMU_C_KERNELS_RUN, 1);
 
-    const int64_t n = a->n, h = a->h, k = a->top_k, bsk = a->bsk;
-    const aclDataType dt = a->x.dtype;
+    const int64_t k = a->top_k, bsk = a->bsk;
     mapped_view mx, mi, mo;
     emu_pin wpin = {0};
     int status = ACL_ERROR_RT_AICORE_EXCEPTION;
     int32_t *ids_buf = NULL;
-    float *bins = NULL;
     int wpinned = 0;
 
     memset(&mx, 0, sizeof mx);
@@ -274,94 +444,20 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
         }
     }
 
-    const int64_t exp = bin_exponent(k), nb = (int64_t)1 << exp;
-    bins = aligned_alloc(64, (size_t)((nb * h * (int64_t)sizeof(float) + 63) / 64 * 64 + 64));
-    if (!bins) {
+    token_job job = {
+        .a = a, .ids = ids, .x_host = mx.host, .x_lo = mx.lo, .es = mx.esize,
+        .out_base = mo.host + (a->out.offset - mo.lo) * (int64_t)mx.esize,
+        .exp = bin_exponent(k), .droppad = droppad, .active = active,
+    };
+    job.nb = (int64_t)1 << job.exp;
+    if (run_tokens(&job)) {
         snprintf(msg, len, "emulator out of host memory");
         status = ACL_ERROR_RT_INTERNAL_ERROR;
         goto done;
     }
-    const int64_t *xs = a->x.strides;
-    const int64_t sh = xs[a->x.ndim - 1];
-    const size_t es = mx.esize;
-    const int mut = a->mutation;
-    const int64_t kk = mut == EMU_MUT_SKIP_LAST_K ? k - 1 : k; /* terms that count */
-    unsigned char *out_base = mo.host + (a->out.offset - mo.lo) * (int64_t)es;
-
-    for (int64_t i = 0; i < n; i++) {
-        const int32_t *tk = ids + i * k;
-        /* The term at position t: NULL when skipped. */
-#define TERM(t, ref_out)                                                                     \
-    do {                                                                                     \
-        int32_t v_ = tk[t];                                                                  \
-        int skip_ = (t) >= kk || (droppad && v_ == -1) || (active && (int64_t)v_ >= a->active_num); \
-        if (skip_) {                                                                         \
-            (ref_out).p = NULL;                                                              \
-        } else {                                                                             \
-            int64_t r_ = v_;                                                                 \
-            if (mut == EMU_MUT_OFF_BY_ONE && r_ + 1 < a->rows) r_++;                         \
-            int64_t off_ = a->x.offset + (a->x.ndim == 3 ? (r_ / a->c) * xs[0] + (r_ % a->c) * xs[1] \
-                                                          : r_ * xs[0]);                     \
-            (ref_out).p = mx.host + (off_ - mx.lo) * (int64_t)es;                            \
-            (ref_out).stride = sh;                                                           \
-        }                                                                                    \
-    } while (0)
-
-        /* S1: the first terms at even positions seed the partial buffers. */
-        int64_t t = 0, b = 0;
-        for (; t < k && b < nb; t += 2, b++) {
-            row_ref r;
-            TERM(t, r);
-            float *dst = bins + b * h;
-            if (r.p) row_apply(dst, r, h, dt, 0);
-            else memset(dst, 0, (size_t)h * sizeof(float));
-            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
-        }
-        for (; b < nb; b++) memset(bins + b * h, 0, (size_t)h * sizeof(float));
-        /* S2: the remaining even positions, round robin over the buffers. */
-        for (int64_t t2 = t; t2 < k; t2 += 2) {
-            row_ref r;
-            TERM(t2, r);
-            if (!r.p) continue;
-            float *dst = bins + (((t2 - t) / 2) % nb) * h;
-            row_apply(dst, r, h, dt, 1);
-            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
-        }
-        /* S3: the odd positions, round robin over the buffers. */
-        for (int64_t t3 = 1; t3 < k; t3 += 2) {
-            row_ref r;
-            TERM(t3, r);
-            if (!r.p) continue;
-            float *dst = bins + (((t3 - 1) / 2) % nb) * h;
-            row_apply(dst, r, h, dt, 1);
-            if (mut == EMU_MUT_FP16_ACC) round_to_half(dst, h);
-        }
-#undef TERM
-        /* S4: pairwise tree over the buffers. */
-        for (int64_t e = 0, stride = 1; e < exp; e++, stride *= 2) {
-            for (int64_t j = stride; j < nb; j += 2 * stride) {
-                float *restrict da = bins + (j - stride) * h;
-                const float *restrict db = bins + j * h;
-                for (int64_t c = 0; c < h; c++) da[c] += db[c];
-                if (mut == EMU_MUT_FP16_ACC) round_to_half(da, h);
-            }
-        }
-        /* One rounding to the output type. */
-        unsigned char *orow = out_base + i * h * (int64_t)es;
-        if (dt == ACL_FLOAT) {
-            memcpy(orow, bins, (size_t)h * sizeof(float));
-        } else if (dt == ACL_BF16) {
-            uint16_t *o = (uint16_t *)orow;
-            for (int64_t c = 0; c < h; c++) o[c] = float_to_bf16(bins[c]);
-        } else {
-            uint16_t *o = (uint16_t *)orow;
-            for (int64_t c = 0; c < h; c++) o[c] = float_to_half(bins[c]);
-        }
-    }
     status = 0;
 
 done:
-    free(bins);
     free(ids_buf);
     if (wpinned) aclemuUnpin(&wpin);
     unmap_view(&mo);
