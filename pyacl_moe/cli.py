@@ -94,6 +94,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if cmp.passed else 1
 
 
+def _conformance(args: argparse.Namespace) -> int:
+    from . import conformance
+
+    report = conformance.run("full" if args.full else "quick", args.filter, args.seed)
+    print(report.table())
+    if args.report:
+        report.write_json(args.report)
+    if args.junit:
+        report.write_junit(args.junit)
+    return 0 if report.ok else 1
+
+
 def _emulator(args: argparse.Namespace) -> int:
     from . import emulator
 
@@ -127,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", action="store_true", help="print JSON")
     run.set_defaults(func=_run)
+
+    conf = sub.add_parser("conformance", help="check the op against its contract: results, refusals, determinism")
+    prof = conf.add_mutually_exclusive_group()
+    prof.add_argument("--quick", action="store_true", help="small shapes, under a minute on the emulator (default)")
+    prof.add_argument("--full", action="store_true", help="add the large shapes (up to 512 MiB inputs)")
+    conf.add_argument("--filter", metavar="SUBSTRING", help="only cases whose name contains SUBSTRING")
+    conf.add_argument("--report", metavar="FILE.json", help="write a JSON report")
+    conf.add_argument("--junit", metavar="FILE.xml", help="write a JUnit XML report")
+    conf.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    conf.set_defaults(func=_conformance)
 
     emu = sub.add_parser("emulator", help="build the bundled emulator or print where it is")
     emu_sub = emu.add_subparsers(dest="emulator_command", required=True)

@@ -371,6 +371,8 @@ class DeviceArray:
 
 
 def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    if not all(shape):
+        return True  # no elements: nothing is laid out
     expect = 1
     for n, s in zip(reversed(shape), reversed(strides)):
         if n != 1 and s != expect:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from . import _validate
@@ -19,8 +20,12 @@ from .errors import InvalidArgument
 
 __all__ = ["moe_init_routing_v2_grad"]
 
-# Float32 working set per chunk: the accumulator plus one gathered term.
-_CHUNK_BYTES = 16 * 1024 * 1024
+# Tokens are processed in chunks whose float32 working set (accumulator and one term) stays
+# around 512 KiB, inside a core's L2 cache: main memory then sees the input once and the
+# output once, like a copy, and the extra memory is tiny whatever the input size.
+_WORKING_SET_BYTES = 512 * 1024
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def moe_init_routing_v2_grad(
@@ -57,27 +62,53 @@ def moe_init_routing_v2_grad(
         out = np.empty((n, h), dtype=x.dtype)
     elif not out.flags.writeable:
         raise InvalidArgument("out", "must be writable")
-    rows = x.reshape(geo.rows, h)
+    rows = np.ascontiguousarray(x).reshape(geo.rows, h)
     ids = idx.reshape(n, k)
-    droppad = geo.scenario == "drop-pad"
-    active = int(active_num) if geo.scenario == "active" else 0
-    chunk = max(1, _CHUNK_BYTES // (8 * h))
+    if geo.scenario == "drop-pad":
+        skip_all = ids == -1
+    elif geo.scenario == "active":
+        skip_all = ids >= int(active_num)
+    else:
+        skip_all = None
+    if skip_all is not None and not skip_all.any():
+        skip_all = None
+    if skip_all is not None:
+        ids = np.where(skip_all, 0, ids)  # any valid row; the term is zeroed below
+    if geo.rows == 0:
+        out[...] = 0
+        return out
+
+    chunk = max(1, min(n, _WORKING_SET_BYTES // (8 * h)))
+    is_bf16 = rows.dtype == _BF16
+    # bfloat16 is the top half of a float32: widen by shifting the bits, no float conversion.
+    src = rows.view(np.uint16) if is_bf16 else rows
+    gathered = np.empty((chunk, h), dtype=src.dtype)
+    term = np.empty((chunk, h), dtype=np.float32)
+    acc = np.empty((chunk, h), dtype=np.float32)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        c = ids[start:stop]
-        if droppad:
-            skip = c == -1
-        elif active:
-            skip = c >= active
-        else:
-            skip = None
-        safe = np.where(skip, 0, c) if skip is not None else c
-        acc = np.zeros((stop - start, h), dtype=np.float32)
-        term = np.empty_like(acc)
+        c = stop - start
+        g, tm, a = gathered[:c], term[:c], acc[:c]
         for t in range(k):
-            np.copyto(term, rows[safe[:, t]], casting="unsafe")
-            if skip is not None and skip[:, t].any():
-                term[skip[:, t]] = 0.0
-            acc += term
-        out[start:stop] = acc.astype(out.dtype)
+            np.take(src, ids[start:stop, t], axis=0, out=g)
+            if is_bf16:
+                np.left_shift(g, 16, out=tm.view(np.uint32), dtype=np.uint32)
+            elif src.dtype != np.float32:
+                np.copyto(tm, g, casting="unsafe")
+            else:
+                tm = g
+            if skip_all is not None:
+                skip = skip_all[start:stop, t]
+                if skip.any():
+                    if tm is g:
+                        tm = term[:c]
+                        np.copyto(tm, g)
+                    tm[skip] = 0.0
+            if t == 0:
+                np.copyto(a, tm)
+            else:
+                np.add(a, tm, out=a)
+            tm = term[:c]
+        with np.errstate(over="ignore"):  # beyond the dtype's range is inf, as on the device
+            out[start:stop] = a  # the one rounding to the output dtype (nearest even)
     return out

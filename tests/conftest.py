@@ -167,8 +167,8 @@ def no_leaks():
     _needs_emulator()
     import gc
 
-    pyacl_moe.Device(0)
     gc.collect()
+    pyacl_moe.Device(0).synchronize()  # work queued by earlier tests is not this test's
     before = pyacl_moe.emulator.stats()
     yield
     gc.collect()

@@ -12,9 +12,14 @@ from __future__ import annotations
 from ._build import EmulatorBuildError, build, cache_root, home_if_built
 
 MUTATIONS: tuple[str, ...] = ("skip-last-k", "fp16-accumulate", "off-by-one-row")
+FIRST_PHASE_API = "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
+# Status that, injected into the first phase, weakens it instead of failing it.
+SKIP_CHECKS = -1
 
 __all__ = [
+    "FIRST_PHASE_API",
     "MUTATIONS",
+    "SKIP_CHECKS",
     "EmulatorBuildError",
     "build",
     "cache_root",
@@ -25,6 +30,7 @@ __all__ = [
     "mutation",
     "path",
     "set_mutation",
+    "weaken_validation",
     "stats",
     "version",
 ]
@@ -50,9 +56,18 @@ def stats() -> dict[str, int]:
 
 def inject_fault(api: str, nth: int = 1, status: int | None = None) -> None:
     """Make the ``nth`` call (counted from now) of the CANN function ``api`` fail with
-    ``status`` (None: that function's usual failure). ``api="*"`` counts every call except
-    releases and queries."""
+    ``status`` (None: that function's usual failure); ``nth=0`` fails every call until
+    :func:`clear_faults`. ``api="*"`` counts every call except releases and queries."""
+    if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
+        raise ValueError(f"nth must be an int >= 0 (0: every call), got {nth!r}")
     _emu().inject_fault(api, nth, status or 0)
+
+
+def weaken_validation() -> None:
+    """Make the op's first phase skip the vendor's data type, format and tiling checks until
+    :func:`clear_faults` (null checks stay): what a broken CANN release would do. Executors it
+    builds that way are never launched."""
+    _emu().inject_fault(FIRST_PHASE_API, 0, SKIP_CHECKS)
 
 
 def clear_faults() -> None:

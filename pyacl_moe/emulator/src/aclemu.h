@@ -29,9 +29,13 @@ typedef struct aclemuStats {
 
 int aclemuGetStats(aclemuStats *stats);
 
-/* Make the nth call (counted from now) of `api` return `status`; api "*" counts every
- * call except releases and queries (see docs/emulator.md). status 0 picks the API's
- * default failure. Returns 0, or -1 when the table is full or an argument is invalid. */
+/* Make the nth call (counted from now) of `api` return `status`; nth 0 means every call until
+ * aclemuClearFaults. api "*" counts every call except releases and queries (see
+ * docs/emulator.md). status 0 picks the API's default failure. status ACLEMU_SKIP_CHECKS on
+ * aclnnMoeInitRoutingV2GradGetWorkspaceSize weakens it instead: that call skips the vendor's
+ * data type, format and tiling checks (its executor cannot be launched). Returns 0, or -1
+ * when the table is full or an argument is invalid. */
+#define ACLEMU_SKIP_CHECKS -1
 int aclemuInjectFault(const char *api, int64_t nth, int32_t status);
 void aclemuClearFaults(void);
 

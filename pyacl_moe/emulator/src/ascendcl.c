@@ -210,21 +210,23 @@ EMU_API int aclemuFaultPoint(const char *api, int default_status) {
         emu_fault *f = &g_faults[i];
         int match = strcmp(f->api, api) == 0 || (strcmp(f->api, "*") == 0 && !wildcard_skips(api));
         if (!match) continue;
-        if (++f->calls == f->nth) {
+        if (f->nth == 0 || ++f->calls == f->nth) {
             status = f->status ? f->status : default_status;
-            g_faults[i] = g_faults[--g_nfaults];
-            __atomic_store_n(&g_faults_armed, g_nfaults > 0, __ATOMIC_RELEASE);
+            if (f->nth != 0) { /* one-shot; nth 0 fires on every call until cleared */
+                g_faults[i] = g_faults[--g_nfaults];
+                __atomic_store_n(&g_faults_armed, g_nfaults > 0, __ATOMIC_RELEASE);
+            }
             g_counters[EMU_C_FAULTS_HIT]++;
             break;
         }
     }
     pthread_mutex_unlock(&g_lock);
-    if (status) aclemuSetErrMsg(api, status, "fault injected by the emulator (aclemuInjectFault)");
+    if (status > 0) aclemuSetErrMsg(api, status, "fault injected by the emulator (aclemuInjectFault)");
     return status;
 }
 
 EMU_API int aclemuInjectFault(const char *api, int64_t nth, int32_t status) {
-    if (!api || !*api || strlen(api) >= sizeof g_faults[0].api || nth < 1) return -1;
+    if (!api || !*api || strlen(api) >= sizeof g_faults[0].api || nth < 0) return -1;
     pthread_mutex_lock(&g_lock);
     if (g_nfaults >= EMU_MAX_FAULTS) {
         pthread_mutex_unlock(&g_lock);

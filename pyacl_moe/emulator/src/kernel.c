@@ -229,8 +229,25 @@ typedef struct token_job {
     int droppad, active;
 } token_job;
 
+/* Row r of a view read as flat runs of H (see moe_kernel_args.flat): gather its elements, in
+ * the view's row-major order, into `scratch`. */
+static row_ref flat_row(const token_job *j, int64_t r, unsigned char *scratch) {
+    const emu_tensor_desc *x = &j->a->x;
+    const int64_t h = j->a->h;
+    for (int64_t c = 0; c < h; c++) {
+        int64_t f = r * h + c, off = x->offset;
+        for (int64_t d = x->ndim - 1; d >= 0; d--) {
+            off += (f % x->shape[d]) * x->strides[d];
+            f /= x->shape[d];
+        }
+        memcpy(scratch + c * (int64_t)j->es, j->x_host + (off - j->x_lo) * (int64_t)j->es, j->es);
+    }
+    return (row_ref){scratch, 1};
+}
+
 /* Token i's terms, summed the vendor's way, rounded once into out row i. */
-static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float *bins) {
+static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float *bins,
+                           unsigned char *scratch) {
     const moe_kernel_args *a = j->a;
     const int64_t h = a->h, k = a->top_k, nb = j->nb;
     const aclDataType dt = a->x.dtype;
@@ -251,10 +268,14 @@ static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float
         } else {                                                                                  \
             int64_t r_ = v_;                                                                      \
             if (mut == EMU_MUT_OFF_BY_ONE && r_ + 1 < a->rows) r_++;                              \
-            int64_t off_ = a->x.offset + (a->x.ndim == 3 ? (r_ / a->c) * xs[0] + (r_ % a->c) * xs[1] \
-                                                          : r_ * xs[0]);                          \
-            (ref_out).p = j->x_host + (off_ - j->x_lo) * (int64_t)j->es;                         \
-            (ref_out).stride = sh;                                                                \
+            if (a->flat) {                                                                        \
+                (ref_out) = flat_row(j, r_, scratch);                                             \
+            } else {                                                                              \
+                int64_t off_ = a->x.offset + (a->x.ndim == 3 ? (r_ / a->c) * xs[0] + (r_ % a->c) * xs[1] \
+                                                              : r_ * xs[0]);                      \
+                (ref_out).p = j->x_host + (off_ - j->x_lo) * (int64_t)j->es;                     \
+                (ref_out).stride = sh;                                                            \
+            }                                                                                     \
         }                                                                                         \
     } while (0)
 
@@ -318,9 +339,14 @@ typedef struct token_worker {
     int failed;
 } token_worker;
 
+/* One thread's working memory: the partial buffers, then a row of scratch for flat reads. */
 static float *alloc_bins(const token_job *j) {
-    size_t bytes = (size_t)(j->nb * j->a->h) * sizeof(float);
+    size_t bytes = (size_t)(j->nb * j->a->h) * sizeof(float) + (size_t)j->a->h * j->es;
     return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+}
+
+static unsigned char *scratch_of(const token_job *j, float *bins) {
+    return (unsigned char *)(bins + j->nb * j->a->h);
 }
 
 static void *token_worker_main(void *p) {
@@ -330,7 +356,7 @@ static void *token_worker_main(void *p) {
         w->failed = 1;
         return NULL;
     }
-    compute_tokens(w->job, w->begin, w->end, bins);
+    compute_tokens(w->job, w->begin, w->end, bins, scratch_of(w->job, bins));
     free(bins);
     return NULL;
 }
@@ -362,11 +388,11 @@ static int run_tokens(const token_job *j) {
     /* This thread takes the first share, and whatever threads could not be started. */
     int64_t mine_end = started ? per : n;
     float *bins = alloc_bins(j);
-    if (bins) compute_tokens(j, 0, emu_min64(n, mine_end), bins);
+    if (bins) compute_tokens(j, 0, emu_min64(n, mine_end), bins, scratch_of(j, bins));
     else failed = 1;
     if (started && bins && started + 1 < threads) {
         int64_t rest = (started + 1) * per;
-        if (rest < n) compute_tokens(j, rest, n, bins);
+        if (rest < n) compute_tokens(j, rest, n, bins, scratch_of(j, bins));
     }
     free(bins);
     for (int w = 1; w <= started; w++) {

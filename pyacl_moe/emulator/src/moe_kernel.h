@@ -13,8 +13,10 @@ typedef struct moe_kernel_args {
     int64_t top_k, drop_pad_mode, active_num;
     int64_t n;    /* tokens: rows of out */
     int64_t h;    /* hidden size */
-    int64_t rows; /* rows of gradExpandedX seen as [rows, H] */
-    int64_t c;    /* capacity (3-D input), or 0 */
+    int64_t rows; /* rows of gradExpandedX as the kernel sees it: numel / H */
+    int64_t c;    /* dim 1 of a 3-D input whose last dim is H (drop/pad), else 0 */
+    int flat;     /* H is not the view's last dim (3-D input, dropPadMode 0): rows are
+                     read as the vendor does, flat runs of H in the view's row-major order */
     int64_t bsk;  /* length of expandedRowIdx */
     uintptr_t workspace;
     uint64_t workspace_size;

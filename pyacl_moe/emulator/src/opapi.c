@@ -22,6 +22,7 @@ static const char *const API2 = "aclnnMoeInitRoutingV2Grad";
 
 typedef struct moe_op {
     moe_kernel_args args; /* addresses are refreshed from the executor at each launch */
+    int unchecked;        /* built with the checks skipped: never launched */
 } moe_op;
 
 static const char *dtype_name(aclDataType dt) {
@@ -53,6 +54,8 @@ static int format_is_nd_compatible(aclFormat f) {
 }
 
 static int is_contiguous(const emu_tensor_desc *t) {
+    for (int64_t d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 1; /* no elements: nothing is laid out */
     int64_t expect = 1;
     for (int64_t d = t->ndim - 1; d >= 0; d--) {
         if (t->shape[d] != 1 && t->strides[d] != expect) return 0;
@@ -151,7 +154,8 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     int64_t dropPadMode, int64_t activeNum, const aclTensor *out, uint64_t *workspaceSize,
     aclOpExecutor **executor) {
     int f = aclemuFaultPoint(API1, ACLNN_ERR_INNER);
-    if (f) return f;
+    const int unchecked = f == ACLEMU_SKIP_CHECKS; /* validation weakened by fault injection */
+    if (f && !unchecked) return f;
     const char *null_name = !gradExpandedX    ? "gradExpandedX"
                             : !expandedRowIdx ? "expandedRowIdx"
                             : !out            ? "out"
@@ -178,6 +182,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     int st = get_desc(gradExpandedX, "gradExpandedX", x);
     if (!st) st = get_desc(expandedRowIdx, "expandedRowIdx", idx);
     if (!st) st = get_desc(out, "out", o);
+    if (unchecked) goto checked;
     if (!st && x->dtype != ACL_FLOAT && x->dtype != ACL_FLOAT16 && x->dtype != ACL_BF16) {
         st = ACLNN_ERR_PARAM_INVALID;
         aclemuSetErrMsg(API1, st,
@@ -210,6 +215,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
                                   "and does not support a strided out");
     }
     if (!st) st = check_tiling(x, idx, o, topK, dropPadMode, activeNum);
+checked:
     if (st) {
         free(op);
         return st;
@@ -218,11 +224,20 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     a->top_k = topK;
     a->drop_pad_mode = dropPadMode;
     a->active_num = dropPadMode == 1 ? 0 : activeNum; /* activeNum is ignored in drop/pad mode */
-    a->bsk = idx->shape[0];
-    a->n = a->bsk / topK;
-    a->h = o->shape[1];
-    a->c = x->ndim == 3 ? x->shape[1] : 0;
-    a->rows = x->ndim == 3 ? x->shape[0] * x->shape[1] : x->shape[0];
+    /* Unchecked descriptors may be anything: derive nothing that could trap. */
+    a->bsk = idx->ndim >= 1 ? idx->shape[0] : 0;
+    a->n = topK > 0 ? a->bsk / topK : 0;
+    a->h = o->ndim >= 2 ? o->shape[1] : 0;
+    /* The vendor's kernel reads gradExpandedX, made contiguous, as rows of H elements: H is dim
+     * 1 in dropless/active mode and dim 2 in drop/pad mode. For a 2-D input and for drop/pad
+     * that is the view's last dimension; a 3-D input in dropless/active mode passes the tiling
+     * too, and is then read as flat runs of H. Rows that exist: numel / H. */
+    int64_t numel = 1;
+    for (int64_t d = 0; d < x->ndim; d++) numel *= x->shape[d] > 0 ? x->shape[d] : 0;
+    a->rows = a->h > 0 ? numel / a->h : 0;
+    a->flat = x->ndim == 3 && dropPadMode != 1;
+    a->c = x->ndim == 3 && !a->flat ? x->shape[1] : 0;
+    op->unchecked = unchecked;
     emu_executor_info info;
     memset(&info, 0, sizeof info);
     info.device = device;
@@ -301,6 +316,12 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
         aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_INVALID,
                         "workspace [%p, +%llu) is not inside a live device allocation of device %d",
                         workspace, (unsigned long long)info.workspace_size, (int)device);
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (((const moe_op *)info.op_data)->unchecked) {
+        aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_INVALID,
+                        "this executor was built with the first phase's checks skipped by fault "
+                        "injection; it is not launched, since its shapes were never validated");
         return ACLNN_ERR_PARAM_INVALID;
     }
     st = aclemuExecutorAcquire(API2, executor, &info, 1);
