@@ -19,8 +19,8 @@ from .errors import (
     PyaclMoeError,
     status_name,
 )
-from .memory import DeviceArray, bfloat16, empty, to_device, zeros
-from .ops import Executor, execute, get_workspace_size, moe_init_routing_v2_grad
+from .memory import DeviceArray, bfloat16, empty, memory_stats, to_device, zeros
+from .ops import Executor, MoeInitRoutingV2Grad, empty_cache, execute, get_workspace_size, moe_init_routing_v2_grad
 from .runtime import Device, Event, Stream, acl_version, current_device, device_count, soc_name
 from .tensor import AclTensor
 
@@ -38,6 +38,7 @@ __all__ = [
     "Executor",
     "InvalidArgument",
     "LibraryInfo",
+    "MoeInitRoutingV2Grad",
     "PyaclMoeError",
     "Stream",
     "__version__",
@@ -47,11 +48,13 @@ __all__ = [
     "device_count",
     "emulator",
     "empty",
+    "empty_cache",
     "execute",
     "get_workspace_size",
     "library_info",
     "load",
     "loaded_info",
+    "memory_stats",
     "moe_init_routing_v2_grad",
     "reference",
     "soc_name",

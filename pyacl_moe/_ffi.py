@@ -15,6 +15,7 @@ instead.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ ACL_DATA_TYPES: dict[str, int] = {"float32": 0, "float16": 1, "int32": 3, "bfloa
 ffi = cffi.FFI()
 _NULL = ffi.NULL
 _declared = False
+_VOID_P = ffi.typeof("void *")
+_cast_void = functools.partial(ffi.cast, _VOID_P)
 
 
 def _declare() -> None:
@@ -54,7 +57,14 @@ def _declare() -> None:
         ffi.cdef((_paths.headers_dir() / name).read_text())
     ffi.cdef((Path(__file__).resolve().parent / "emulator" / "src" / "aclemu.h").read_text())
     ffi.cdef("void free(void *);")
+    global _U64_P, _EXECUTOR_PP
+    _U64_P = ffi.typeof("uint64_t *")
+    _EXECUTOR_PP = ffi.typeof("aclOpExecutor **")
     _declared = True
+
+
+_U64_P: Any = None
+_EXECUTOR_PP: Any = None
 
 
 @dataclass(frozen=True)
@@ -386,6 +396,39 @@ def memset_async(ptr: int, max_count: int, value: int, count: int, stream: Any) 
 
 # ---------------------------------------------------------------------------- aclTensor
 
+class _TensorDesc:
+    """aclCreateTensor's array arguments, built once per DeviceArray and reused."""
+
+    __slots__ = ("dims", "ndim", "dtype", "strides", "offset", "sdims", "sndim")
+
+    def __init__(self, shape: tuple[int, ...], dtype: int, strides: tuple[int, ...], offset: int,
+                 storage_shape: tuple[int, ...]) -> None:
+        _get()
+        self.dims = ffi.new("int64_t[]", list(shape) or [0])
+        self.ndim = len(shape)
+        self.dtype = dtype
+        self.strides = ffi.new("int64_t[]", list(strides) or [0])
+        self.offset = offset
+        self.sdims = ffi.new("int64_t[]", list(storage_shape) or [0])
+        self.sndim = len(storage_shape)
+
+
+def tensor_desc(shape: tuple[int, ...], dtype: int, strides: tuple[int, ...], offset: int,
+                storage_shape: tuple[int, ...]) -> _TensorDesc:
+    return _TensorDesc(shape, dtype, strides, offset, storage_shape)
+
+
+def create_tensor_from_desc(desc: _TensorDesc, addr: int, fmt: int = ACL_FORMAT_ND) -> Any:
+    """aclCreateTensor from a prepared description over device memory at ``addr``."""
+    t = _libs.nn.aclCreateTensor(  # type: ignore[union-attr]
+        desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset, fmt, desc.sdims, desc.sndim,
+        _cast_void(addr),
+    )
+    if t == _NULL:
+        raise _null_result("aclCreateTensor")
+    return t
+
+
 def create_tensor(
     shape: tuple[int, ...],
     dtype: int,
@@ -409,7 +452,9 @@ def create_tensor(
 
 
 def destroy_tensor(tensor: Any) -> None:
-    check(_get().nn.aclDestroyTensor(tensor), "aclDestroyTensor")
+    st = _get().nn.aclDestroyTensor(tensor)
+    if st:
+        check(st, "aclDestroyTensor")
 
 
 def _int64_list(getter: Any, api: str, tensor: Any) -> tuple[int, ...]:
@@ -506,7 +551,7 @@ def moe_get_workspace_size(
 ) -> tuple[int, Any]:
     """aclnnMoeInitRoutingV2GradGetWorkspaceSize: (workspace bytes, executor handle)."""
     op = _get().op
-    size, ex = ffi.new("uint64_t *"), ffi.new("aclOpExecutor **")
+    size, ex = ffi.new(_U64_P), ffi.new(_EXECUTOR_PP)
     check(
         op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
             grad_expanded_x or _NULL, expanded_row_idx or _NULL, top_k, drop_pad_mode,
@@ -519,10 +564,17 @@ def moe_get_workspace_size(
 
 def moe_execute(workspace: int, workspace_size: int, executor: Any, stream: Any) -> None:
     """aclnnMoeInitRoutingV2Grad: queue the kernel on ``stream``."""
-    check(
-        _get().op.aclnnMoeInitRoutingV2Grad(ffi.cast("void *", workspace), workspace_size, executor, stream),
-        "aclnnMoeInitRoutingV2Grad",
-    )
+    st = _get().op.aclnnMoeInitRoutingV2Grad(_cast_void(workspace), workspace_size, executor, stream)
+    if st:
+        check(st, "aclnnMoeInitRoutingV2Grad")
+
+
+def bound_launch(workspace: int, workspace_size: int, executor: Any, stream: Any) -> Any:
+    """aclnnMoeInitRoutingV2Grad with every argument bound: calling it is one foreign call and
+    returns the raw status (for a prepared plan's steady state; the caller checks it)."""
+    fn = _get().op.aclnnMoeInitRoutingV2Grad
+    ws = ffi.cast("void *", workspace)
+    return functools.partial(fn, ws, workspace_size, executor, stream)
 
 
 def ffi_call_probe() -> Any:

@@ -106,6 +106,18 @@ def _conformance(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    log = None if args.json else (lambda msg: print(f"  measuring: {msg}", file=sys.stderr, flush=True))
+    res, extra = bench.run(quick=args.quick, log=log)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(bench.report(res, extra))
+    return 0
+
+
 def _emulator(args: argparse.Namespace) -> int:
     from . import emulator
 
@@ -149,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--junit", metavar="FILE.xml", help="write a JUnit XML report")
     conf.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     conf.set_defaults(func=_conformance)
+
+    bench = sub.add_parser("bench", help="host cost of each launch path, reference and kernel speed, side by side")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions, 128 MiB cases (under a minute)")
+    bench.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bench.set_defaults(func=_bench)
 
     emu = sub.add_parser("emulator", help="build the bundled emulator or print where it is")
     emu_sub = emu.add_subparsers(dest="emulator_command", required=True)

@@ -24,7 +24,7 @@ from . import _ffi
 from .errors import InvalidArgument
 from .runtime import Device, Stream, _resolve_device, _Resource
 
-__all__ = ["DeviceArray", "acl_data_type", "empty", "to_device", "zeros"]
+__all__ = ["DeviceArray", "acl_data_type", "empty", "memory_stats", "to_device", "zeros"]
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -91,18 +91,17 @@ class _Allocation(_Resource):
         self.owner = owner  # what keeps borrowed memory alive
         self.generation = device._generation
         self.last_stream: Stream | None = None  # the stream of the last queued write
-        self.lock = threading.Lock()
+        # A plain flag, read on every use: set when the memory is released (by its device's
+        # close, or by the pool). Device.close releases every registered allocation first.
+        self.alive = True
         self._finalizer = (
             weakref.finalize(self, _free_allocation, device, self.generation, ptr) if owned else None
         )
         device._register(self)
 
-    @property
-    def alive(self) -> bool:
-        return self.device._alive(self.generation) and (self._finalizer is None or self._finalizer.alive)
-
     def _release(self) -> None:
         """Free now (Device.close calls this before aclrtResetDevice)."""
+        self.alive = False
         self.device._unregister(self)
         fin = self._finalizer
         if fin is not None and fin.detach() is not None and self.device._alive(self.generation):
@@ -119,7 +118,7 @@ class DeviceArray:
     :func:`zeros` or :meth:`from_pointer`; read it back with :meth:`to_host` / :meth:`numpy`.
     """
 
-    __slots__ = ("_alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "__weakref__")
+    __slots__ = ("_alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "__weakref__")
 
     def __init__(self, alloc: _Allocation, shape: tuple[int, ...], dtype: np.dtype,
                  strides: tuple[int, ...], offset: int) -> None:
@@ -129,6 +128,17 @@ class DeviceArray:
         self._strides = strides
         self._offset = offset
         self._acl_dtype = acl_data_type(dtype)
+        self._desc: Any = None  # the aclTensor description, built on first use
+
+    def _tensor_desc(self) -> Any:
+        """What aclCreateTensor needs for this array, built once (an opaque object of _ffi)."""
+        d = self._desc
+        if d is None:
+            a = self._live_alloc()
+            d = self._desc = _ffi.tensor_desc(
+                self._shape, self._acl_dtype, self._strides, self._offset, (a.nbytes // self._dtype.itemsize,)
+            )
+        return d
 
     # -- construction
 
@@ -468,3 +478,143 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
     _copy_in(alloc, alloc.ptr, host, stream, arr)
     return arr
+
+
+# ---------------------------------------------------------------------------- workspace pool
+
+class _Block:
+    """A workspace block of the pool, tagged with the stream that last used it."""
+
+    __slots__ = ("alloc", "nbytes", "stream")
+
+    def __init__(self, alloc: _Allocation, nbytes: int) -> None:
+        self.alloc = alloc
+        self.nbytes = nbytes
+        self.stream: Stream | None = None
+
+    @property
+    def address(self) -> int:
+        return self.alloc.ptr
+
+
+class _WorkspacePool:
+    """A per-device, stream-ordered cache of workspace blocks.
+
+    A block returns to the pool as soon as its kernel is queued: work queued later on the same
+    stream runs after that kernel, so the same stream may take it again at once, without any
+    synchronization. Another stream gets it only behind an event recorded on the stream that
+    used it (aclrtStreamWaitEvent), so it never runs before that stream's kernel is done. Only a
+    miss calls aclrtMalloc.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.lock = threading.Lock()
+        self.free: list[_Block] = []
+        self.lent = 0
+        self.bytes_held = 0
+        self.hits = 0
+        self.misses = 0
+        self.cross_stream = 0
+
+    def acquire(self, nbytes: int, stream: Stream) -> _Block:
+        with self.lock:
+            same = other = None
+            for b in self.free:
+                if b.nbytes < nbytes or b.nbytes > 2 * nbytes + (1 << 20):
+                    continue  # too small, or would waste too much
+                owner = b.stream
+                if owner is None or owner is stream or owner.closed:
+                    if same is None or b.nbytes < same.nbytes:
+                        same = b
+                elif other is None or b.nbytes < other.nbytes:
+                    other = b
+            block = same or other
+            if block is not None:
+                self.free.remove(block)
+                self.lent += 1
+                self.hits += 1
+                if block is other:
+                    self.cross_stream += 1
+        if block is None:
+            alloc = _allocate(self.device, nbytes)
+            block = _Block(alloc, nbytes)
+            with self.lock:
+                self.misses += 1
+                self.lent += 1
+                self.bytes_held += nbytes
+        elif block is other:
+            # Stream order across streams: the new stream waits for an event recorded behind
+            # whatever the previous one queued.
+            from .runtime import Event
+
+            ev = Event(self.device)
+            ev.record(other.stream)
+            stream.wait_event(ev)
+            stream._keep(ev)  # destroyed once the waiting stream has been synchronized
+        block.stream = stream
+        return block
+
+    def release(self, block: _Block, stream: Stream) -> None:
+        block.stream = stream
+        with self.lock:
+            self.lent -= 1
+            if block.alloc.alive:
+                self.free.append(block)
+            else:
+                self.bytes_held -= block.nbytes
+
+    def empty(self) -> None:
+        # A block is idle in the pool as soon as its kernel is queued, not when it has run:
+        # wait for the device before handing memory back to CANN.
+        if not self.device.closed:
+            self.device.synchronize()
+        with self.lock:
+            blocks, self.free = self.free, []
+            self.bytes_held -= sum(b.nbytes for b in blocks)
+        for b in blocks:
+            if b.alloc.alive:
+                b.alloc._release()
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "cross_stream_reuses": self.cross_stream,
+                "blocks_free": len(self.free),
+                "blocks_in_use": self.lent,
+                "bytes_held": self.bytes_held,
+            }
+
+
+_pools: dict[int, tuple[Device, _WorkspacePool]] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(device: Device) -> _WorkspacePool:
+    with _pools_lock:
+        for key in [k for k, (d, _) in _pools.items() if d.closed]:
+            del _pools[key]  # its blocks went with the device
+        entry = _pools.get(id(device))
+        if entry is None or entry[0] is not device:
+            entry = (device, _WorkspacePool(device))
+            _pools[id(device)] = entry
+        return entry[1]
+
+
+def memory_stats(device: Device | int | None = None) -> dict[str, int]:
+    """The workspace pool's figures for a device (default: the current one): hits, misses,
+    cross-stream reuses, blocks free and in use, bytes held."""
+    return _pool(_resolve_device(device)).stats()
+
+
+def _empty_pools(device: Device | None = None) -> None:
+    """Free the pools' idle workspace blocks (all devices if ``device`` is None)."""
+    if device is None:
+        with _pools_lock:
+            pools = [p for d, p in _pools.values() if not d.closed]
+        for p in pools:
+            p.empty()
+    else:
+        _pool(device).empty()

@@ -11,17 +11,19 @@ copy out) or DeviceArrays (queued on a stream, returns at once).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from . import _ffi, _validate
 from .errors import InvalidArgument
-from .memory import DeviceArray, _host_array, empty, to_device
+from .memory import DeviceArray, _empty_pools, _host_array, _pool, empty, to_device
 from .runtime import Device, Stream, current_device
 from .tensor import AclTensor
 
-__all__ = ["Executor", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
+__all__ = ["Executor", "MoeInitRoutingV2Grad", "empty_cache", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
 
 
 class Executor:
@@ -255,9 +257,8 @@ def moe_init_routing_v2_grad(
                      out, stream, workspace, validate)
 
 
-def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any,
-                out: DeviceArray | None, stream: Stream | None, workspace: DeviceArray | None,
-                validate: bool) -> DeviceArray:
+def _arg_checks(x: DeviceArray, idx: DeviceArray, out: DeviceArray | None, stream: Stream | None,
+                workspace: DeviceArray | None) -> Device:
     arrays = {"grad_expanded_x": x, "expanded_row_idx": idx}
     if out is not None:
         if not isinstance(out, DeviceArray):
@@ -275,32 +276,194 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
             raise InvalidArgument("stream", "is closed")
         if stream.device is not dev:
             raise InvalidArgument("stream", f"is on device {stream.device.device_id}, the arrays on {dev.device_id}")
-    if validate:
+    return dev
+
+
+# Validated layouts: the contract's checks depend only on shapes, dtypes, strides and the
+# attributes, so a layout that passed once passes again. Keys carry the attributes' types, so
+# True never stands for 1.
+_validated: dict[tuple[Any, ...], _validate.Geometry] = {}
+_VALIDATED_MAX = 256
+
+
+def _check_layout(key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any,
+                  out: DeviceArray | None) -> _validate.Geometry:
+    geo = _validated.get(key)
+    if geo is None:
         geo = _validate.check_shapes(
             x.shape, x.dtype, idx.shape, idx.dtype, top_k, mode, active,
             None if out is None else out.shape, None if out is None else out.dtype,
         )
         if out is not None and not out.is_contiguous:
             raise InvalidArgument("out", "must be contiguous (the op writes its output densely)")
-        n, h = geo.tokens, geo.hidden
-    else:
-        n = idx.shape[0] // int(top_k) if idx.ndim and int(top_k) > 0 else 0
-        h = x.shape[-1] if x.ndim else 0
+        if len(_validated) >= _VALIDATED_MAX:
+            _validated.clear()
+        _validated[key] = geo
+    return geo
+
+
+def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any,
+                out: DeviceArray | None, stream: Stream | None, workspace: DeviceArray | None,
+                validate: bool) -> DeviceArray:
+    dev = _arg_checks(x, idx, out, stream, workspace)
+    s = stream if stream is not None else dev.default_stream
+    if validate:
+        key = (x._shape, x._dtype, x._strides, idx._shape, idx._dtype, idx._strides,
+               type(top_k), top_k, type(mode), mode, type(active), active,
+               None if out is None else (out._shape, out._dtype, out._strides))
+        geo = _check_layout(key, x, idx, top_k, mode, active, out)
+        if out is None:
+            out = empty((geo.tokens, geo.hidden), x.dtype, dev)
+        # A layout seen before relaunches its cached executor with the new addresses.
+        _plans.launch(dev, key, x, idx, int(top_k), int(mode), int(active), out, s, workspace)
+        return out
+    n = idx.shape[0] // int(top_k) if idx.ndim and int(top_k) > 0 else 0
+    h = x.shape[-1] if x.ndim else 0
     if out is None:
         out = empty((n, h), x.dtype, dev)
-    s = stream if stream is not None else dev.default_stream
     size, executor = get_workspace_size(x, idx, top_k, mode, active, out, device=dev)
     try:
         if workspace is not None:
-            if validate and workspace.nbytes < size:
-                raise InvalidArgument("workspace", f"must hold at least {size} bytes, got {workspace.nbytes}")
-            ws: DeviceArray | None = workspace
+            execute(workspace, size, executor, s)
+        elif size:
+            pool = _pool(dev)
+            block = pool.acquire(size, s)
+            try:
+                execute(block.address, size, executor, s)
+            finally:
+                pool.release(block, s)  # stream-ordered: later work on s may reuse it at once
         else:
-            ws = empty((size,), np.uint8, dev) if size else None
-        execute(ws, size, executor, s)
+            execute(None, 0, executor, s)
     finally:
         executor.close()
     return out
+
+
+class _CachedPlan:
+    """A repeatable executor for one layout, rebound to each call's arrays. It holds raw
+    aclTensor handles, not the arrays, so it never keeps a caller's memory alive."""
+
+    __slots__ = ("device", "executor", "tensors", "offsets", "itemsizes", "bound", "size", "lock")
+
+    def __init__(self, dev: Device, x: DeviceArray, idx: DeviceArray, top_k: int, mode: int, active: int,
+                 out: DeviceArray) -> None:
+        self.device = dev
+        self.tensors: list[Any] = []
+        self.executor = None
+        arrays = (x, idx, out)
+        try:
+            for a in arrays:
+                self.tensors.append(_ffi.create_tensor_from_desc(a._tensor_desc(), a.data_ptr))
+            dev._activate()
+            self.size, self.executor = _ffi.moe_get_workspace_size(*self.tensors[:2], top_k, mode, active,
+                                                                   self.tensors[2])
+            _ffi.executor_set_repeatable(self.executor)
+        except BaseException:
+            self.destroy()
+            raise
+        self.offsets = tuple(a._offset for a in arrays)
+        self.itemsizes = tuple(a._dtype.itemsize for a in arrays)
+        self.bound = [a.address for a in arrays]
+        self.lock = threading.Lock()
+
+    def launch(self, x: DeviceArray, idx: DeviceArray, out: DeviceArray, s: Stream,
+               workspace: DeviceArray | None, pool: Any) -> None:
+        h = s._use()
+        with self.lock:
+            for slot, a in enumerate((x, idx, out)):
+                alloc = a._alloc
+                if alloc is None or not alloc.alive:
+                    a._live_alloc()  # raises the right error
+                addr = alloc.ptr + a._offset * self.itemsizes[slot]  # type: ignore[union-attr]
+                if addr != self.bound[slot]:
+                    base = addr - self.offsets[slot] * self.itemsizes[slot]
+                    if slot < 2:
+                        _ffi.executor_set_input_addr(self.executor, slot, self.tensors[slot], base)
+                    else:
+                        _ffi.executor_set_output_addr(self.executor, 0, self.tensors[2], base)
+                    self.bound[slot] = addr
+            if workspace is not None:
+                if workspace.nbytes < self.size:
+                    raise InvalidArgument("workspace", f"must hold at least {self.size} bytes, got {workspace.nbytes}")
+                _ffi.moe_execute(workspace.address, self.size, self.executor, h)
+            elif self.size:
+                block = pool.acquire(self.size, s)
+                try:
+                    _ffi.moe_execute(block.address, self.size, self.executor, h)
+                finally:
+                    pool.release(block, s)
+            else:
+                _ffi.moe_execute(0, 0, self.executor, h)
+        # The kernel reads these when the stream runs it.
+        s._keep(x, idx, out, workspace)
+        out._alloc.last_stream = s  # type: ignore[union-attr]
+
+    def destroy(self) -> None:
+        ex, self.executor = self.executor, None
+        tensors, self.tensors = self.tensors, []
+        try:
+            if ex is not None:
+                _ffi.executor_destroy(ex)
+        finally:
+            for t in tensors:
+                _ffi.destroy_tensor(t)
+
+
+class _PlanCache:
+    """The high-level function's cache of executors, keyed by layout and attributes (LRU)."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: OrderedDict[tuple[Any, ...], _CachedPlan] = OrderedDict()
+
+    def launch(self, dev: Device, key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k: int, mode: int,
+               active: int, out: DeviceArray, s: Stream, workspace: DeviceArray | None) -> None:
+        full_key = (id(dev), dev._generation, *key[:-1], (out._shape, out._dtype, out._strides))
+        with self.lock:
+            plan = self.entries.get(full_key)
+            if plan is not None:
+                self.entries.move_to_end(full_key)
+        if plan is None:
+            plan = _CachedPlan(dev, x, idx, top_k, mode, active, out)
+            evicted = []
+            with self.lock:
+                if full_key in self.entries:  # another thread built it meanwhile
+                    evicted.append(plan)
+                    plan = self.entries[full_key]
+                else:
+                    self.entries[full_key] = plan
+                    while len(self.entries) > self.SIZE:
+                        evicted.append(self.entries.popitem(last=False)[1])
+            for p in evicted:
+                with p.lock:
+                    p.destroy()
+        plan.launch(x, idx, out, s, workspace, _pool(dev))
+
+    def clear(self, device: Device | None = None) -> None:
+        with self.lock:
+            doomed = [k for k, p in self.entries.items() if device is None or p.device is device]
+            plans = [self.entries.pop(k) for k in doomed]
+        for p in plans:
+            with p.lock:
+                try:
+                    p.destroy()
+                except Exception:
+                    pass
+
+
+_plans = _PlanCache()
+Device._close_hooks.append(_plans.clear)  # cached executors go before their device
+
+
+def empty_cache(device: Device | int | None = None) -> None:
+    """Release what is cached for speed: the high-level function's executors and the
+    workspace pool's idle blocks (all devices if ``device`` is None). Waits for the device(s)
+    first, since pooled blocks may still be in use by queued kernels."""
+    dev = None if device is None else (device if isinstance(device, Device) else Device(device))
+    _plans.clear(dev)
+    _empty_pools(dev)
 
 
 def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any,
@@ -325,7 +488,8 @@ def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any,
     try:
         di = to_device(_host_array(hi, "expanded_row_idx"), stream=s)
         try:
-            dout = _run_device(dx, di, top_k, mode, active, None, s, workspace, False)
+            # The indices were checked above; the layout check below is a memo lookup.
+            dout = _run_device(dx, di, top_k, mode, active, None, s, workspace, validate)
             try:
                 result = dout.to_host(s)
             finally:
@@ -338,3 +502,214 @@ def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any,
         out[...] = result
         return out
     return result
+
+
+# ---------------------------------------------------------------------------- prepared plans
+
+def _layout(a: DeviceArray) -> tuple[Any, ...]:
+    return (a.shape, a.dtype, a.strides)
+
+
+class MoeInitRoutingV2Grad:
+    """A prepared launch of the op on fixed DeviceArrays: the first phase runs once, and each
+    call relaunches the same (repeatable) executor.
+
+    ``plan(stream=None, workspace=None)`` queues the kernel and returns ``out``;
+    ``plan.rebind(...)`` points it at other arrays of the same shape, dtype and strides;
+    ``close()`` (or the context manager) destroys the executor and returns the workspace.
+    With ``repeatable=False`` the plan launches once, as CANN's one-shot executors do.
+    """
+
+    def __init__(
+        self,
+        grad_expanded_x: DeviceArray,
+        expanded_row_idx: DeviceArray,
+        top_k: int,
+        drop_pad_mode: int = 0,
+        active_num: int = 0,
+        *,
+        out: DeviceArray | None = None,
+        repeatable: bool = True,
+        validate: bool = True,
+    ) -> None:
+        self._h = None
+        self._closed = True
+        arrays = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx}
+        for name, a in arrays.items():
+            if not isinstance(a, DeviceArray):
+                raise InvalidArgument(name, f"must be a DeviceArray, got {type(a).__name__}")
+        if out is not None:
+            if not isinstance(out, DeviceArray):
+                raise InvalidArgument("out", f"must be a DeviceArray, got {type(out).__name__}")
+            arrays["out"] = out
+        dev = _check_device_arrays(arrays)
+        x, idx = grad_expanded_x, expanded_row_idx
+        if validate:
+            geo = _validate.check_shapes(
+                x.shape, x.dtype, idx.shape, idx.dtype, top_k, drop_pad_mode, active_num,
+                None if out is None else out.shape, None if out is None else out.dtype,
+            )
+            if out is not None and not out.is_contiguous:
+                raise InvalidArgument("out", "must be contiguous (the op writes its output densely)")
+            n, h = geo.tokens, geo.hidden
+        else:
+            n, h = idx.shape[0] // int(top_k) if idx.ndim and int(top_k) > 0 else 0, x.shape[-1] if x.ndim else 0
+        if out is None:
+            out = empty((n, h), x.dtype, dev)
+        self._device = dev
+        self._x, self._idx, self._out = x, idx, out
+        self._size, self._executor = get_workspace_size(x, idx, top_k, drop_pad_mode, active_num, out, device=dev)
+        self._closed = False
+        self._repeatable = repeatable
+        if repeatable:
+            try:
+                self._executor.set_repeatable()
+            except BaseException:
+                self._executor.close()
+                raise
+        self._h = self._executor._h
+        self._pool = _pool(dev)
+        self._block: Any = None  # the pool block this plan launches with
+        self._block_stream: Stream | None = None
+        self._fast: Any = None  # the bound launch for the stream of the last call
+        self._fast_stream: Stream | None = None
+        self._lock = __import__("threading").Lock()
+
+    # -- properties
+
+    @property
+    def workspace_size(self) -> int:
+        return self._size
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
+
+    @property
+    def out(self) -> DeviceArray:
+        return self._out
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return (f"<MoeInitRoutingV2Grad x={self._x.shape} idx={self._idx.shape} out={self._out.shape} "
+                f"{'closed' if self._closed else 'repeatable' if self._repeatable else 'one-shot'}>")
+
+    # -- launching
+
+    def __call__(self, stream: Stream | None = None, workspace: DeviceArray | None = None) -> DeviceArray:
+        """Queue the kernel on ``stream`` (default: the device's default stream) and return
+        ``out``. ``workspace``: your own DeviceArray of at least ``workspace_size`` bytes;
+        by default the plan keeps a block from the device's workspace pool."""
+        fast = self._fast
+        if fast is not None and stream is self._fast_stream and workspace is None:
+            # The steady state: same stream, own workspace. One foreign call.
+            self._device._activate()
+            st = fast()
+            if st:
+                _ffi.check(st, "aclnnMoeInitRoutingV2Grad")
+            return self._out
+        return self._launch_slow(stream, workspace)
+
+    def _launch_slow(self, stream: Stream | None, workspace: DeviceArray | None) -> DeviceArray:
+        with self._lock:
+            if self._closed:
+                raise InvalidArgument("plan", "is closed")
+            if self._executor.closed:
+                raise InvalidArgument("plan", "was one-shot (repeatable=False) and has launched; build a new plan")
+            s = stream if stream is not None else self._device.default_stream
+            if not isinstance(s, Stream) or s.closed:
+                raise InvalidArgument("stream", "must be an open Stream")
+            if s.device is not self._device:
+                raise InvalidArgument("stream", f"is on device {s.device.device_id}, the plan on {self._device.device_id}")
+            if workspace is not None:
+                if not isinstance(workspace, DeviceArray) or workspace.nbytes < self._size:
+                    raise InvalidArgument("workspace", f"must be a DeviceArray of at least {self._size} bytes")
+                execute(workspace, self._size, self._executor, s)
+                self._fast = None
+                return self._out
+            if self._size and (self._block is None or self._block_stream is not s):
+                if self._block is not None:
+                    self._pool.release(self._block, self._block_stream)  # type: ignore[arg-type]
+                self._block = self._pool.acquire(self._size, s)
+                self._block_stream = s
+            ws = self._block.address if self._block is not None else 0
+            execute(ws, self._size, self._executor, s)
+            if self._repeatable:
+                self._fast = _ffi.bound_launch(ws, self._size, self._executor._h, s._h)
+                self._fast_stream = s if stream is not None else None
+            return self._out
+
+    def rebind(self, grad_expanded_x: DeviceArray | None = None, expanded_row_idx: DeviceArray | None = None,
+               out: DeviceArray | None = None) -> None:
+        """Point the executor at other arrays with the same shape, dtype and strides (the
+        offset may differ). Launches already queued keep the arrays they were queued with."""
+        if self._closed:
+            raise InvalidArgument("plan", "is closed")
+        if not self._repeatable:
+            raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
+        x_t, idx_t, out_t = self._executor.tensors
+        changes = []
+        for name, new, old, tensor, kind, index in (
+            ("grad_expanded_x", grad_expanded_x, self._x, x_t, "input", 0),
+            ("expanded_row_idx", expanded_row_idx, self._idx, idx_t, "input", 1),
+            ("out", out, self._out, out_t, "output", 0),
+        ):
+            if new is None:
+                continue
+            if not isinstance(new, DeviceArray):
+                raise InvalidArgument(name, f"must be a DeviceArray, got {type(new).__name__}")
+            if _layout(new) != _layout(old):
+                raise InvalidArgument(
+                    name,
+                    f"has shape {new.shape}, dtype {new.dtype}, strides {new.strides} but the plan was built for "
+                    f"{old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout",
+                )
+            if new.device is not self._device:
+                raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}")
+            changes.append((name, new, tensor, kind, index))
+        # The next launch takes the slow path once: it records the stream on the new out.
+        self._fast = None
+        for name, new, tensor, kind, index in changes:
+            # The aclTensor keeps the view offset it was built with: give CANN the base that
+            # puts the first element where the new array has it.
+            base = new.address - tensor.array.offset * new.itemsize
+            if kind == "input":
+                self._executor.set_input_addr(index, tensor, base)
+            else:
+                self._executor.set_output_addr(index, tensor, base)
+            tensor._rebind(new)
+            setattr(self, {"grad_expanded_x": "_x", "expanded_row_idx": "_idx", "out": "_out"}[name], new)
+
+    def close(self) -> None:
+        """Destroy the executor and give the workspace back to the pool. Safe twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._fast = None
+            block, self._block = self._block, None
+            last = self._block_stream
+        if last is not None and not last.closed:
+            # Launches may still be queued: their arrays must outlive them, not the plan.
+            last._keep(self._x, self._idx, self._out)
+        try:
+            self._executor.close()
+        finally:
+            if block is not None:
+                self._pool.release(block, self._block_stream)  # type: ignore[arg-type]
+
+    def __enter__(self) -> MoeInitRoutingV2Grad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:
+            pass

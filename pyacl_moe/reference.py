@@ -82,6 +82,13 @@ def moe_init_routing_v2_grad(
     is_bf16 = rows.dtype == _BF16
     # bfloat16 is the top half of a float32: widen by shifting the bits, no float conversion.
     src = rows.view(np.uint16) if is_bf16 else rows
+    with np.errstate(over="ignore"):  # sums beyond the dtype's range are inf, as on the device
+        _accumulate(src, ids, skip_all, out, n, k, chunk, h, is_bf16)
+    return out
+
+
+def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, out: np.ndarray,
+                n: int, k: int, chunk: int, h: int, is_bf16: bool) -> None:
     gathered = np.empty((chunk, h), dtype=src.dtype)
     term = np.empty((chunk, h), dtype=np.float32)
     acc = np.empty((chunk, h), dtype=np.float32)
@@ -109,6 +116,4 @@ def moe_init_routing_v2_grad(
             else:
                 np.add(a, tm, out=a)
             tm = term[:c]
-        with np.errstate(over="ignore"):  # beyond the dtype's range is inf, as on the device
-            out[start:stop] = a  # the one rounding to the output dtype (nearest even)
-    return out
+        out[start:stop] = a  # the one rounding to the output dtype (nearest even)

@@ -72,6 +72,9 @@ class Device:
     """
 
     _instances: dict[int, Device] = {}
+    # Called with the device at the start of close(), before anything is released: caches in
+    # layers above register here (the runtime does not know them).
+    _close_hooks: list[Any] = []
 
     def __new__(cls, device_id: int = 0) -> Device:
         if isinstance(device_id, bool) or not isinstance(device_id, int):
@@ -165,7 +168,14 @@ class Device:
     def synchronize(self) -> None:
         """Wait for every stream of the device (aclrtSynchronizeDevice)."""
         self._activate()
-        _ffi.synchronize_device()
+        try:
+            _ffi.synchronize_device()
+        finally:
+            # Every stream of the device has run: what they kept alive may go.
+            with self._lock:
+                streams = [r for r in self._resources if isinstance(r, Stream)]
+            for s in (self._default_stream, *streams):
+                s._drop_keepalive()
 
     def mem_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device's memory."""
@@ -184,6 +194,11 @@ class Device:
             if self._closed:
                 return
             first_error: BaseException | None = None
+            for hook in Device._close_hooks:
+                try:
+                    hook(self)
+                except Exception as exc:
+                    first_error = first_error or exc
             try:
                 self._activate()
                 with self._lock:
@@ -344,9 +359,12 @@ class Stream(_Resource):
         try:
             _ffi.synchronize_stream(h, timeout_ms)
         finally:
-            with self._lock:
-                done, self._keepalive = self._keepalive, []
-            del done
+            self._drop_keepalive()
+
+    def _drop_keepalive(self) -> None:
+        with self._lock:
+            done, self._keepalive = self._keepalive, []
+        del done  # released outside the lock: finalizers may run here
 
     def wait_event(self, event: Event) -> None:
         """Make later tasks on this stream wait until ``event`` completes."""

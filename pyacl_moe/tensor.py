@@ -32,15 +32,8 @@ class AclTensor:
         if not isinstance(array, DeviceArray):
             raise TypeError(f"AclTensor needs a DeviceArray, got {type(array).__name__}")
         self._array = array
-        self._h = _ffi.create_tensor(
-            array.shape,
-            array.acl_data_type,
-            array.strides,
-            array.offset,
-            (array.storage_size,),
-            array.data_ptr,
-            fmt,
-        )
+        self._h = None
+        self._h = _ffi.create_tensor_from_desc(array._tensor_desc(), array._live_alloc().ptr, fmt)
 
     @property
     def handle(self) -> int:
@@ -88,6 +81,10 @@ class AclTensor:
     @property
     def raw_address(self) -> int:
         return _ffi.tensor_raw_addr(self._use())
+
+    def _rebind(self, array: DeviceArray) -> None:
+        """Point the wrapper at ``array`` after CANN was told its new address."""
+        self._array = array
 
     def close(self) -> None:
         """aclDestroyTensor. Safe twice."""

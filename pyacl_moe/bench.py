@@ -1,0 +1,216 @@
+"""The benchmarks behind ``pyacl-moe bench``.
+
+Every figure is measured in this process, side by side with its baseline, as a median over
+repeated batches. Host costs are compared with the cost of one bare foreign call through the
+same FFI (aclrtGetDevice), so the ratios mean the same on any machine; absolute times on a
+shared machine are noise.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _ffi, reference
+from .cases import make_case
+from .memory import empty, to_device
+from .ops import MoeInitRoutingV2Grad, moe_init_routing_v2_grad
+from .runtime import Event, Stream, current_device
+
+KEYS = (
+    "backend",
+    "ffi_call_ns",
+    "plan_launch_ns",
+    "oneshot_launch_ns",
+    "numpy_call_ns",
+    "numpy_copy_ns",
+    "reference_s",
+    "reference_copy_s",
+    "kernel_s",
+    "kernel_copy_s",
+)
+
+# name: (numerator, denominator, factor): numerator <= factor * denominator.
+TARGETS = {
+    "plan launch": ("plan_launch_ns", "ffi_call_ns", 4.0),
+    "one-shot launch": ("oneshot_launch_ns", "ffi_call_ns", 30.0),
+    "reference": ("reference_s", "reference_copy_s", 2.0),
+}
+
+
+def _per_call_ns(fn: Callable[[], Any], calls: int, batches: int, between: Callable[[], Any] | None = None) -> float:
+    """Median over batches of the time per call, in ns. ``between`` runs untimed after each
+    batch (e.g. to let the queued kernels run)."""
+    results = []
+    gc_was = gc.isenabled()
+    gc.disable()  # a collection inside a batch is not the call's cost
+    try:
+        for _ in range(batches):
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            results.append((time.perf_counter_ns() - t0) / calls)
+            if between is not None:
+                between()
+    finally:
+        if gc_was:
+            gc.enable()
+    return statistics.median(results)
+
+
+def _seconds(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _ffi_call(calls: int, batches: int) -> float:
+    fn, arg = _ffi.ffi_call_probe()
+    return _per_call_ns(lambda: fn(arg), calls, batches)
+
+
+def _launches(calls: int, batches: int) -> tuple[float, float]:
+    dev = current_device()
+    case = make_case(1, 1, 1, "float32", "dropless", seed=0)  # the kernel is not what is timed
+    with Stream(dev) as s:
+        x, idx = to_device(case.grad_expanded_x, stream=s), to_device(case.expanded_row_idx, stream=s)
+        out = empty((1, 1), np.float32, dev)
+        with MoeInitRoutingV2Grad(x, idx, 1, out=out) as plan:
+            plan(s)  # the first launch binds stream and workspace
+            plan_ns = _per_call_ns(lambda: plan(s), calls, batches, s.synchronize)
+        moe_init_routing_v2_grad(x, idx, 1, out=out, stream=s)
+        oneshot_ns = _per_call_ns(lambda: moe_init_routing_v2_grad(x, idx, 1, out=out, stream=s),
+                                  max(calls // 10, 100), batches, s.synchronize)
+        s.synchronize()
+    return plan_ns, oneshot_ns
+
+
+def _numpy_path(batches: int) -> tuple[float, float]:
+    dev = current_device()
+    case = make_case(64, 8, 1024, "bfloat16", "dropless", seed=1)
+    s = dev.default_stream
+    call = lambda: moe_init_routing_v2_grad(*case.args())  # noqa: E731
+
+    def copies() -> None:
+        dx = to_device(case.grad_expanded_x, stream=s)
+        di = to_device(case.expanded_row_idx, stream=s)
+        out = empty((case.tokens, case.grad_expanded_x.shape[-1]), case.grad_expanded_x.dtype, dev)
+        out.to_host(s)
+        del dx, di
+
+    call()
+    copies()
+    return _per_call_ns(call, 20, batches), _per_call_ns(copies, 20, batches)
+
+
+def _big_case(quick: bool):
+    tokens = 2048 if quick else 8192  # 128 MiB or 512 MiB of bfloat16 gradExpandedX
+    return make_case(tokens, 8, 4096, "bfloat16", "dropless", seed=2)
+
+
+def _reference(case, repeats: int) -> tuple[float, float, float]:
+    x, idx = case.grad_expanded_x, case.expanded_row_idx
+    out_like = np.empty((case.tokens, x.shape[-1]), x.dtype)
+
+    def copy() -> None:
+        np.copy(x)
+        np.copy(out_like)
+
+    ref = lambda: reference.moe_init_routing_v2_grad(x, idx, case.top_k)  # noqa: E731
+    ref()
+    copy()
+    ref_s, copy_s = [], []
+    for _ in range(repeats):  # interleaved, so both see the same machine
+        ref_s.append(_seconds(ref, 1))
+        copy_s.append(_seconds(copy, 1))
+    tracemalloc.start()
+    result = ref()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return statistics.median(ref_s), statistics.median(copy_s), (peak - result.nbytes) / 2**20
+
+
+def _kernel(case, repeats: int) -> tuple[float, float, int]:
+    dev = current_device()
+    x_host = case.grad_expanded_x
+    with Stream(dev) as s:
+        x, idx = to_device(x_host, stream=s), to_device(case.expanded_row_idx, stream=s)
+        out = empty((case.tokens, x_host.shape[-1]), x_host.dtype, dev)
+        moved = x.nbytes + idx.nbytes + out.nbytes
+        src = np.ones(moved, np.uint8)
+        dst = np.empty_like(src)
+        with MoeInitRoutingV2Grad(x, idx, case.top_k, out=out) as plan, Event(dev) as a, Event(dev) as b:
+            plan(s)
+            s.synchronize()
+            kern, copy = [], []
+            for _ in range(repeats):
+                a.record(s)
+                plan(s)
+                b.record(s)
+                s.synchronize()
+                kern.append(a.elapsed_ms(b) / 1e3)
+                copy.append(_seconds(lambda: np.copyto(dst, src), 1))
+    return statistics.median(kern), statistics.median(copy), moved
+
+
+def run(quick: bool = False, log: Callable[[str], None] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """All figures: (the JSON dict with exactly KEYS, extra figures for the text report)."""
+    say = log or (lambda _msg: None)
+    batches = 7 if quick else 15
+    calls = 2000 if quick else 10000
+    res: dict[str, Any] = {"backend": _ffi.library_info().backend}
+    say("bare foreign call")
+    res["ffi_call_ns"] = _ffi_call(calls, batches)
+    say("plan and one-shot launches")
+    res["plan_launch_ns"], res["oneshot_launch_ns"] = _launches(calls, batches)
+    say("NumPy in, NumPy out")
+    res["numpy_call_ns"], res["numpy_copy_ns"] = _numpy_path(5 if quick else 9)
+    case = _big_case(quick)
+    say(f"golden reference on {case.grad_expanded_x.nbytes >> 20} MiB")
+    res["reference_s"], res["reference_copy_s"], peak_mib = _reference(case, 3 if quick else 5)
+    say("kernel")
+    res["kernel_s"], res["kernel_copy_s"], moved = _kernel(case, 3 if quick else 5)
+    extra = {
+        "input_mib": case.grad_expanded_x.nbytes / 2**20,
+        "reference_peak_extra_mib": peak_mib,
+        "kernel_gb_per_s": moved / res["kernel_s"] / 1e9,
+        "copy_gb_per_s": moved / res["kernel_copy_s"] / 1e9,
+    }
+    return {k: res[k] for k in KEYS}, extra
+
+
+def report(res: dict[str, Any], extra: dict[str, Any]) -> str:
+    unit = res["ffi_call_ns"]
+    lines = [
+        f"backend                {res['backend']}",
+        f"bare foreign call      {unit:10.0f} ns   (the unit)",
+        f"plan relaunch          {res['plan_launch_ns']:10.0f} ns   {res['plan_launch_ns'] / unit:6.2f} units",
+        f"one-shot call          {res['oneshot_launch_ns']:10.0f} ns   {res['oneshot_launch_ns'] / unit:6.2f} units",
+        f"NumPy call             {res['numpy_call_ns'] / 1e3:10.1f} us   (its copies alone: "
+        f"{res['numpy_copy_ns'] / 1e3:.1f} us)",
+        f"reference              {res['reference_s'] * 1e3:10.1f} ms   copy of the same bytes "
+        f"{res['reference_copy_s'] * 1e3:.1f} ms, ratio {res['reference_s'] / res['reference_copy_s']:.2f} "
+        f"({extra['input_mib']:.0f} MiB input, peak extra memory {extra['reference_peak_extra_mib']:.1f} MiB)",
+        f"kernel                 {res['kernel_s'] * 1e3:10.1f} ms   copy of the same bytes "
+        f"{res['kernel_copy_s'] * 1e3:.1f} ms, throughput {res['kernel_copy_s'] / res['kernel_s']:.2f} of a copy "
+        f"({extra['kernel_gb_per_s']:.1f} GB/s)",
+        "",
+    ]
+    for name, (num, den, factor) in TARGETS.items():
+        ratio = res[num] / res[den]
+        lines.append(f"target {name:<16} {num} <= {factor:g} x {den}: {ratio:.2f} x  "
+                     f"{'met' if ratio <= factor else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def targets_met(res: dict[str, Any]) -> bool:
+    return all(res[num] <= factor * res[den] for num, den, factor in TARGETS.values())

@@ -1,0 +1,29 @@
+"""The benchmark command prints its figures (checked for shape, never for speed: timings are
+figures to read, not assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pyacl_moe import bench
+
+
+def test_bench_quick_json_has_exactly_the_keys():
+    r = subprocess.run([sys.executable, "-m", "pyacl_moe.cli", "--emulator", "bench", "--quick", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert tuple(data) == bench.KEYS
+    assert data["backend"] == "emulator"
+    assert all(isinstance(data[k], float) and data[k] > 0 for k in bench.KEYS[1:])
+
+
+def test_report_states_each_target():
+    res = dict.fromkeys(bench.KEYS, 1.0)
+    res["backend"] = "emulator"
+    res["plan_launch_ns"] = 5.0
+    text = bench.report(res, {"input_mib": 1, "reference_peak_extra_mib": 1, "kernel_gb_per_s": 1, "copy_gb_per_s": 1})
+    assert "plan launch" in text and "MISSED" in text and "met" in text
+    assert not bench.targets_met(res)
