@@ -510,6 +510,9 @@ class _WorkspacePool:
     def __init__(self, device: Device) -> None:
         self.device = device
         self.lock = threading.Lock()
+        # The block each stream released last: the steady state takes and gives it back
+        # without searching (dict operations are atomic under the GIL).
+        self.hot: dict[Stream, _Block] = {}
         self.free: list[_Block] = []
         self.lent = 0
         self.bytes_held = 0
@@ -518,7 +521,16 @@ class _WorkspacePool:
         self.cross_stream = 0
 
     def acquire(self, nbytes: int, stream: Stream) -> _Block:
+        block = self.hot.pop(stream, None)
+        if block is not None:
+            if nbytes <= block.nbytes <= 2 * nbytes + (1 << 20) and block.alloc.alive:
+                self.hits += 1
+                self.lent += 1
+                return block
+            with self.lock:
+                self.free.append(block)
         with self.lock:
+            self.free.extend(self.hot.pop(s) for s in [s for s in list(self.hot) if s.closed])
             same = other = None
             for b in self.free:
                 if b.nbytes < nbytes or b.nbytes > 2 * nbytes + (1 << 20):
@@ -529,9 +541,18 @@ class _WorkspacePool:
                         same = b
                 elif other is None or b.nbytes < other.nbytes:
                     other = b
+            for s, b in list(self.hot.items()):  # other streams' hot blocks are candidates too
+                if s is not stream and nbytes <= b.nbytes <= 2 * nbytes + (1 << 20):
+                    if other is None or b.nbytes < other.nbytes:
+                        other = b
             block = same or other
             if block is not None:
-                self.free.remove(block)
+                if block in self.free:
+                    self.free.remove(block)
+                else:
+                    for s, b in list(self.hot.items()):
+                        if b is block:
+                            del self.hot[s]
                 self.lent += 1
                 self.hits += 1
                 if block is other:
@@ -557,12 +578,16 @@ class _WorkspacePool:
 
     def release(self, block: _Block, stream: Stream) -> None:
         block.stream = stream
-        with self.lock:
-            self.lent -= 1
-            if block.alloc.alive:
-                self.free.append(block)
-            else:
+        self.lent -= 1
+        if not block.alloc.alive:
+            with self.lock:
                 self.bytes_held -= block.nbytes
+            return
+        previous = self.hot.get(stream)
+        self.hot[stream] = block
+        if previous is not None and previous is not block:
+            with self.lock:
+                self.free.append(previous)
 
     def empty(self) -> None:
         # A block is idle in the pool as soon as its kernel is queued, not when it has run:
@@ -570,7 +595,8 @@ class _WorkspacePool:
         if not self.device.closed:
             self.device.synchronize()
         with self.lock:
-            blocks, self.free = self.free, []
+            blocks, self.free = self.free + list(self.hot.values()), []
+            self.hot = {}
             self.bytes_held -= sum(b.nbytes for b in blocks)
         for b in blocks:
             if b.alloc.alive:
@@ -582,7 +608,7 @@ class _WorkspacePool:
                 "hits": self.hits,
                 "misses": self.misses,
                 "cross_stream_reuses": self.cross_stream,
-                "blocks_free": len(self.free),
+                "blocks_free": len(self.free) + len(self.hot),
                 "blocks_in_use": self.lent,
                 "bytes_held": self.bytes_held,
             }

@@ -12,7 +12,6 @@ copy out) or DeviceArrays (queued on a stream, returns at once).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ import numpy as np
 from . import _ffi, _validate
 from .errors import InvalidArgument
 from .memory import DeviceArray, _empty_pools, _host_array, _pool, empty, to_device
-from .runtime import Device, Stream, current_device
+from .runtime import Device, Stream, _tls, current_device
 from .tensor import AclTensor
 
 __all__ = ["Executor", "MoeInitRoutingV2Grad", "empty_cache", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
@@ -302,20 +301,43 @@ def _check_layout(key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k:
     return geo
 
 
+def _fast_device(x: DeviceArray, idx: DeviceArray, out: DeviceArray | None, stream: Stream | None) -> Device | None:
+    """The common case's checks, without building anything: all arrays live on one device,
+    the stream (if any) open on it. None: fall back to the thorough checks (and their errors)."""
+    xa, ia = x._alloc, idx._alloc
+    if xa is None or ia is None or not xa.alive or not ia.alive:
+        return None
+    dev = xa.device
+    if ia.device is not dev:
+        return None
+    if out is not None:
+        oa = out._alloc
+        if oa is None or not oa.alive or oa.device is not dev:
+            return None
+    if stream is not None and (stream._closed or stream._device is not dev or dev._closed):
+        return None
+    return dev
+
+
 def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any,
                 out: DeviceArray | None, stream: Stream | None, workspace: DeviceArray | None,
                 validate: bool) -> DeviceArray:
-    dev = _arg_checks(x, idx, out, stream, workspace)
+    dev = None
+    if workspace is None and (out is None or type(out) is DeviceArray) and type(stream) in (Stream, type(None)):
+        dev = _fast_device(x, idx, out, stream)
+    if dev is None:
+        dev = _arg_checks(x, idx, out, stream, workspace)
     s = stream if stream is not None else dev.default_stream
     if validate:
-        key = (x._shape, x._dtype, x._strides, idx._shape, idx._dtype, idx._strides,
+        key = (dev, x._shape, x._dtype, x._strides, idx._shape, idx._dtype, idx._strides,
                type(top_k), top_k, type(mode), mode, type(active), active,
                None if out is None else (out._shape, out._dtype, out._strides))
-        geo = _check_layout(key, x, idx, top_k, mode, active, out)
+        geo = _check_layout(key[1:], x, idx, top_k, mode, active, out)
         if out is None:
             out = empty((geo.tokens, geo.hidden), x.dtype, dev)
+            key = (*key[:-1], (out._shape, out._dtype, out._strides))
         # A layout seen before relaunches its cached executor with the new addresses.
-        _plans.launch(dev, key, x, idx, int(top_k), int(mode), int(active), out, s, workspace)
+        _plans.launch(dev, key, x, idx, top_k, mode, active, out, s, workspace)
         return out
     n = idx.shape[0] // int(top_k) if idx.ndim and int(top_k) > 0 else 0
     h = x.shape[-1] if x.ndim else 0
@@ -343,7 +365,7 @@ class _CachedPlan:
     """A repeatable executor for one layout, rebound to each call's arrays. It holds raw
     aclTensor handles, not the arrays, so it never keeps a caller's memory alive."""
 
-    __slots__ = ("device", "executor", "tensors", "offsets", "itemsizes", "bound", "size", "lock")
+    __slots__ = ("device", "executor", "tensors", "offsets", "itemsizes", "bound", "size", "lock", "pool")
 
     def __init__(self, dev: Device, x: DeviceArray, idx: DeviceArray, top_k: int, mode: int, active: int,
                  out: DeviceArray) -> None:
@@ -355,8 +377,8 @@ class _CachedPlan:
             for a in arrays:
                 self.tensors.append(_ffi.create_tensor_from_desc(a._tensor_desc(), a.data_ptr))
             dev._activate()
-            self.size, self.executor = _ffi.moe_get_workspace_size(*self.tensors[:2], top_k, mode, active,
-                                                                   self.tensors[2])
+            self.size, self.executor = _ffi.moe_get_workspace_size(*self.tensors[:2], int(top_k), int(mode),
+                                                                   int(active), self.tensors[2])
             _ffi.executor_set_repeatable(self.executor)
         except BaseException:
             self.destroy()
@@ -365,31 +387,41 @@ class _CachedPlan:
         self.itemsizes = tuple(a._dtype.itemsize for a in arrays)
         self.bound = [a.address for a in arrays]
         self.lock = threading.Lock()
+        self.pool = _pool(dev)
+
+    def _rebind(self, slot: int, a: DeviceArray) -> None:
+        alloc = a._alloc
+        if alloc is None or not alloc.alive:
+            a._live_alloc()  # raises the right error
+        item = self.itemsizes[slot]
+        addr = alloc.ptr + a._offset * item  # type: ignore[union-attr]
+        if addr != self.bound[slot]:
+            base = addr - self.offsets[slot] * item
+            if slot < 2:
+                _ffi.executor_set_input_addr(self.executor, slot, self.tensors[slot], base)
+            else:
+                _ffi.executor_set_output_addr(self.executor, 0, self.tensors[2], base)
+            self.bound[slot] = addr
 
     def launch(self, x: DeviceArray, idx: DeviceArray, out: DeviceArray, s: Stream,
-               workspace: DeviceArray | None, pool: Any) -> None:
-        h = s._use()
+               workspace: DeviceArray | None) -> None:
+        dev = self.device
+        if getattr(_tls, "device", None) is not dev:
+            dev._activate()
+        h = s._h
         with self.lock:
-            for slot, a in enumerate((x, idx, out)):
-                alloc = a._alloc
-                if alloc is None or not alloc.alive:
-                    a._live_alloc()  # raises the right error
-                addr = alloc.ptr + a._offset * self.itemsizes[slot]  # type: ignore[union-attr]
-                if addr != self.bound[slot]:
-                    base = addr - self.offsets[slot] * self.itemsizes[slot]
-                    if slot < 2:
-                        _ffi.executor_set_input_addr(self.executor, slot, self.tensors[slot], base)
-                    else:
-                        _ffi.executor_set_output_addr(self.executor, 0, self.tensors[2], base)
-                    self.bound[slot] = addr
+            self._rebind(0, x)
+            self._rebind(1, idx)
+            self._rebind(2, out)
             if workspace is not None:
                 if workspace.nbytes < self.size:
                     raise InvalidArgument("workspace", f"must hold at least {self.size} bytes, got {workspace.nbytes}")
                 _ffi.moe_execute(workspace.address, self.size, self.executor, h)
             elif self.size:
+                pool = self.pool
                 block = pool.acquire(self.size, s)
                 try:
-                    _ffi.moe_execute(block.address, self.size, self.executor, h)
+                    _ffi.moe_execute(block.alloc.ptr, self.size, self.executor, h)
                 finally:
                     pool.release(block, s)
             else:
@@ -410,36 +442,33 @@ class _CachedPlan:
 
 
 class _PlanCache:
-    """The high-level function's cache of executors, keyed by layout and attributes (LRU)."""
+    """The high-level function's cache of executors, keyed by device, layout and attributes.
+    Lookups take no lock (a dict read is atomic); inserting evicts the oldest entries."""
 
     SIZE = 8
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.entries: OrderedDict[tuple[Any, ...], _CachedPlan] = OrderedDict()
+        self.entries: dict[tuple[Any, ...], _CachedPlan] = {}
 
-    def launch(self, dev: Device, key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k: int, mode: int,
-               active: int, out: DeviceArray, s: Stream, workspace: DeviceArray | None) -> None:
-        full_key = (id(dev), dev._generation, *key[:-1], (out._shape, out._dtype, out._strides))
-        with self.lock:
-            plan = self.entries.get(full_key)
-            if plan is not None:
-                self.entries.move_to_end(full_key)
+    def launch(self, dev: Device, key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any,
+               active: Any, out: DeviceArray, s: Stream, workspace: DeviceArray | None) -> None:
+        plan = self.entries.get(key)
         if plan is None:
             plan = _CachedPlan(dev, x, idx, top_k, mode, active, out)
             evicted = []
             with self.lock:
-                if full_key in self.entries:  # another thread built it meanwhile
+                if key in self.entries:  # another thread built it meanwhile
                     evicted.append(plan)
-                    plan = self.entries[full_key]
+                    plan = self.entries[key]
                 else:
-                    self.entries[full_key] = plan
+                    self.entries[key] = plan
                     while len(self.entries) > self.SIZE:
-                        evicted.append(self.entries.popitem(last=False)[1])
+                        evicted.append(self.entries.pop(next(iter(self.entries))))
             for p in evicted:
                 with p.lock:
                     p.destroy()
-        plan.launch(x, idx, out, s, workspace, _pool(dev))
+        plan.launch(x, idx, out, s, workspace)
 
     def clear(self, device: Device | None = None) -> None:
         with self.lock:
@@ -605,8 +634,10 @@ class MoeInitRoutingV2Grad:
         by default the plan keeps a block from the device's workspace pool."""
         fast = self._fast
         if fast is not None and stream is self._fast_stream and workspace is None:
-            # The steady state: same stream, own workspace. One foreign call.
-            self._device._activate()
+            # The steady state: same stream, own workspace. One foreign call, and the device
+            # check inlined (a method call here costs a measurable share of the launch).
+            if getattr(_tls, "device", None) is not self._device:
+                self._device._activate()
             st = fast()
             if st:
                 _ffi.check(st, "aclnnMoeInitRoutingV2Grad")

@@ -345,10 +345,9 @@ class Stream(_Resource):
 
     def _keep(self, *objs: Any) -> None:
         """Keep objects alive until the stream is next synchronized."""
-        with self._lock:
-            self._keepalive.extend(objs)
-            too_many = len(self._keepalive) > self._KEEPALIVE_LIMIT
-        if too_many:
+        keep = self._keepalive
+        keep.extend(objs)  # atomic under the GIL; the list is swapped, never mutated, on sync
+        if len(keep) > self._KEEPALIVE_LIMIT:
             # Bound the list in loops that never synchronize.
             self.synchronize()
 

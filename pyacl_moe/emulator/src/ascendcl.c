@@ -556,28 +556,6 @@ static int resolve_stream_locked(const char *api, aclrtStream h, int32_t device,
     return 0;
 }
 
-EMU_API int aclemuCheckStream(const char *api, aclrtStream stream, int32_t device) {
-    pthread_mutex_lock(&g_lock);
-    emu_stream *s = NULL;
-    int st = resolve_stream_locked(api, stream, device, &s);
-    pthread_mutex_unlock(&g_lock);
-    return st;
-}
-
-EMU_API int aclemuEnqueue(const char *api, aclrtStream stream, int32_t device, emu_task_run run,
-                          emu_task_release release, void *payload) {
-    pthread_mutex_lock(&g_lock);
-    emu_stream *s = NULL;
-    int st = resolve_stream_locked(api, stream, device, &s);
-    if (!st && enqueue_locked(s, run, release, payload)) {
-        st = ACL_ERROR_RT_INTERNAL_ERROR;
-        aclemuSetErrMsg(api, st, "out of host memory while queueing a task");
-    }
-    if (st && release) release(payload);
-    pthread_mutex_unlock(&g_lock);
-    return st;
-}
-
 /* ------------------------------------------------------------------ device memory */
 
 static emu_block *find_block_locked(uintptr_t addr, size_t *index) {
@@ -664,14 +642,6 @@ static int place_locked(int32_t d, size_t span, uintptr_t *addr) {
     return -1;
 }
 
-EMU_API int aclemuDeviceRangeLive(uintptr_t addr, size_t len) {
-    pthread_mutex_lock(&g_lock);
-    emu_block *b = find_block_locked(addr, NULL);
-    int d = (b && addr + len <= b->addr + b->padded) ? b->device : -1;
-    pthread_mutex_unlock(&g_lock);
-    return d;
-}
-
 static int pin_locked(uintptr_t addr, size_t len, emu_pin *pin) {
     emu_block *b = find_block_locked(addr, NULL);
     if (!b || addr + len > b->addr + b->padded || addr + len < addr) return -1;
@@ -719,6 +689,51 @@ EMU_API int aclemuCorruptGuard(void *devPtr) {
     if (b) b->base[EMU_GUARD + b->padded] ^= 0xFF;
     pthread_mutex_unlock(&g_lock);
     return b ? 0 : -1;
+}
+
+EMU_API int aclemuLaunch(const char *api, int32_t device, aclrtStream stream, uintptr_t workspace,
+                         uint64_t workspace_size, int *mutation_slot, emu_task_run run,
+                         emu_task_release release, void *payload) {
+    pthread_mutex_lock(&g_lock);
+    config_locked();
+    int st = 0;
+    emu_stream *s = NULL;
+    if (!g_initialized || tls_device < 0 || !device_active_locked(tls_device)) {
+        st = ACLNN_ERR_RUNTIME_ERROR;
+        aclemuSetErrMsg(api, st, "no device context: call aclInit and aclrtSetDevice on this thread first");
+    } else if (tls_device != device) {
+        st = ACLNN_ERR_RUNTIME_ERROR;
+        aclemuSetErrMsg(api, st, "the executor was built on device %d but the current device is %d",
+                        (int)device, (int)tls_device);
+    } else {
+        int rt = resolve_stream_locked(api, stream, device, &s);
+        if (rt) {
+            st = ACLNN_ERR_RUNTIME_ERROR;
+            aclemuSetErrMsg(api, st,
+                            "stream %p cannot run the kernel (runtime status %d): it is not a live "
+                            "stream of device %d",
+                            stream, rt, (int)device);
+        }
+    }
+    if (!st && workspace_size) {
+        emu_block *b = find_block_locked(workspace, NULL);
+        if (!b || b->device != device || workspace + workspace_size > b->addr + b->padded) {
+            st = ACLNN_ERR_PARAM_INVALID;
+            aclemuSetErrMsg(api, st,
+                            "workspace [%p, +%llu) is not inside a live device allocation of device %d",
+                            (void *)workspace, (unsigned long long)workspace_size, (int)device);
+        }
+    }
+    if (!st && run) {
+        if (mutation_slot) *mutation_slot = g_mutation;
+        if (enqueue_locked(s, run, release, payload)) {
+            st = ACLNN_ERR_INNER;
+            aclemuSetErrMsg(api, st, "out of host memory while queueing the kernel");
+        }
+    }
+    if (st && release) release(payload);
+    pthread_mutex_unlock(&g_lock);
+    return st;
 }
 
 /* ------------------------------------------------------------------ acl.h */

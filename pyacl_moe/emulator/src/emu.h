@@ -30,7 +30,8 @@
 #define ACLNN_ERR_INNER 561000
 #define ACLNN_ERR_INNER_TILING_ERROR 561002
 
-#define EMU_MAX_DIMS 64
+#define EMU_MAX_DIMS 64    /* what aclCreateTensor accepts */
+#define EMU_OP_MAX_DIMS 8  /* what an aclnn operator takes (CANN's limit for op tensors) */
 #define EMU_MSG_LEN 1024
 
 /* Counter slots, in the order of the fields of aclemuStats. */
@@ -81,14 +82,15 @@ EMU_API int aclemuFaultPoint(const char *api, int default_status);
  * otherwise the CANN status and a message. */
 EMU_API int aclemuRequireDevice(const char *api, int32_t *device);
 EMU_API void aclemuCountAdd(int slot, int64_t delta);
-/* Validate `stream` (NULL = default stream of the current device) for use on `device`. */
-EMU_API int aclemuCheckStream(const char *api, aclrtStream stream, int32_t device);
-/* Queue a task; takes ownership of payload (released with `release` after it ran, or at once
- * on failure). */
-EMU_API int aclemuEnqueue(const char *api, aclrtStream stream, int32_t device, emu_task_run run,
-                          emu_task_release release, void *payload);
-/* Is [addr, addr + len) inside one live device allocation? Returns its device id or -1. */
-EMU_API int aclemuDeviceRangeLive(uintptr_t addr, size_t len);
+/* The second phase's runtime part, under one lock: the calling thread must have `device`
+ * current, `stream` (NULL: default) must be a live stream of it, [workspace, +size) must lie in
+ * one live allocation of it; then the active mutation is written to *mutation_slot and the
+ * task is queued. With run == NULL only the checks are made. Returns an aclnn status (0,
+ * 361001 for device or stream, 161002 for the workspace) with the message set; on failure
+ * `payload` is released. */
+EMU_API int aclemuLaunch(const char *api, int32_t device, aclrtStream stream, uintptr_t workspace,
+                         uint64_t workspace_size, int *mutation_slot, emu_task_run run,
+                         emu_task_release release, void *payload);
 /* Translate and pin [addr, addr + len); 0 on success, -1 if not inside a live allocation. */
 EMU_API int aclemuPin(uintptr_t addr, size_t len, emu_pin *pin);
 EMU_API void aclemuUnpin(emu_pin *pin);
@@ -103,13 +105,14 @@ typedef struct emu_tensor_desc {
     aclDataType dtype;
     aclFormat format;
     int64_t ndim;
-    int64_t shape[EMU_MAX_DIMS];
-    int64_t strides[EMU_MAX_DIMS];
+    int64_t shape[EMU_OP_MAX_DIMS];
+    int64_t strides[EMU_OP_MAX_DIMS];
     int64_t offset;
     uintptr_t addr;
 } emu_tensor_desc;
 
-/* Snapshot of a live aclTensor; 0 on success, -1 if `t` is not a live tensor. */
+/* Snapshot of a live aclTensor; 0 on success, -1 if `t` is not a live tensor, -2 if it has more
+ * than EMU_OP_MAX_DIMS dimensions (ndim is still filled in). */
 EMU_API int aclemuTensorDesc(const aclTensor *t, emu_tensor_desc *out);
 
 /* Executors: the op library registers its payload; nnopbase owns lifetime and rebinding. */

@@ -443,7 +443,7 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
             status = ACL_ERROR_RT_INTERNAL_ERROR;
             goto done;
         }
-        int64_t pos[EMU_MAX_DIMS] = {0};
+        int64_t pos[EMU_OP_MAX_DIMS] = {0};
         for (int64_t j = 0; j < bsk; j++) {
             int64_t off = a->idx.offset;
             for (int64_t d = 0; d < a->idx.ndim; d++) off += pos[d] * a->idx.strides[d];

@@ -232,20 +232,24 @@ static int tensor_get(const char *api, const aclTensor *tensor, struct aclTensor
 
 EMU_API int aclemuTensorDesc(const aclTensor *tensor, emu_tensor_desc *out) {
     pthread_mutex_lock(&g_lock);
-    int live = set_contains(&g_tensors, tensor);
-    if (live) {
+    int st = set_contains(&g_tensors, tensor) ? 0 : -1;
+    if (!st) {
         const struct aclTensor *t = tensor;
         memset(out, 0, sizeof *out);
         out->dtype = t->dtype;
         out->format = t->format;
         out->ndim = (int64_t)t->ndim;
-        memcpy(out->shape, t->view, t->ndim * sizeof(int64_t));
-        memcpy(out->strides, t->strides, t->ndim * sizeof(int64_t));
+        if (t->ndim > EMU_OP_MAX_DIMS) {
+            st = -2;
+        } else {
+            memcpy(out->shape, t->view, t->ndim * sizeof(int64_t));
+            memcpy(out->strides, t->strides, t->ndim * sizeof(int64_t));
+        }
         out->offset = t->offset;
         out->addr = (uintptr_t)t->data;
     }
     pthread_mutex_unlock(&g_lock);
-    return live ? 0 : -1;
+    return st;
 }
 
 /* Copy `n` dims into a malloc'd array the caller frees (CANN hands these arrays to the caller). */

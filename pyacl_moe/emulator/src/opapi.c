@@ -141,9 +141,16 @@ static int check_tiling(const emu_tensor_desc *x, const emu_tensor_desc *idx,
 }
 
 static int get_desc(const aclTensor *t, const char *name, emu_tensor_desc *d) {
-    if (aclemuTensorDesc(t, d)) {
+    int r = aclemuTensorDesc(t, d);
+    if (r == -1) {
         aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID, "%s (%p) is not a live aclTensor", name,
                         (const void *)t);
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (r == -2) {
+        aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
+                        "%s has %lld dimensions: operator tensors have at most %d", name,
+                        (long long)d->ndim, EMU_OP_MAX_DIMS);
         return ACLNN_ERR_PARAM_INVALID;
     }
     return 0;
@@ -273,30 +280,17 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
         aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_NULLPTR, "executor is a null pointer");
         return ACLNN_ERR_PARAM_NULLPTR;
     }
-    int32_t device;
-    if (aclemuRequireDevice(API2, &device)) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_RUNTIME_ERROR,
-                        "no device context: call aclInit and aclrtSetDevice on this thread first");
-        return ACLNN_ERR_RUNTIME_ERROR;
-    }
-    /* Everything is checked before the executor is taken, so a rejected launch leaves a
-     * one-shot executor alive for a corrected retry or for aclDestroyAclOpExecutor. */
+    /* Everything is checked before a one-shot executor is taken, so a rejected launch leaves
+     * it alive for a corrected retry or for aclDestroyAclOpExecutor. */
     emu_executor_info info;
     int st = aclemuExecutorAcquire(API2, executor, &info, 0);
     if (st) return st;
-    if (info.device != device) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_RUNTIME_ERROR,
-                        "the executor was built on device %d but the current device is %d",
-                        (int)info.device, (int)device);
-        return ACLNN_ERR_RUNTIME_ERROR;
-    }
-    st = aclemuCheckStream(API2, stream, device);
-    if (st) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_RUNTIME_ERROR,
-                        "stream %p cannot run the kernel (runtime status %d): it is not a live "
-                        "stream of device %d",
-                        stream, st, (int)device);
-        return ACLNN_ERR_RUNTIME_ERROR;
+    const moe_op *op = info.op_data;
+    if (op->unchecked) {
+        aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_INVALID,
+                        "this executor was built with the first phase's checks skipped by fault "
+                        "injection; it is not launched, since its shapes were never validated");
+        return ACLNN_ERR_PARAM_INVALID;
     }
     if (workspaceSize < info.workspace_size) {
         aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_INVALID,
@@ -311,41 +305,32 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
                         (unsigned long long)info.workspace_size);
         return ACLNN_ERR_PARAM_NULLPTR;
     }
-    if (info.workspace_size &&
-        aclemuDeviceRangeLive((uintptr_t)workspace, info.workspace_size) != device) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_INVALID,
-                        "workspace [%p, +%llu) is not inside a live device allocation of device %d",
-                        workspace, (unsigned long long)info.workspace_size, (int)device);
-        return ACLNN_ERR_PARAM_INVALID;
+    if (!info.repeatable) {
+        /* Check the runtime side too, then take the executor. */
+        st = aclemuLaunch(API2, info.device, stream, (uintptr_t)workspace, info.workspace_size,
+                          NULL, NULL, NULL, NULL);
+        if (st) return st;
+        st = aclemuExecutorAcquire(API2, executor, &info, 1);
+        if (st) return st;
+        op = info.op_data;
     }
-    if (((const moe_op *)info.op_data)->unchecked) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_INVALID,
-                        "this executor was built with the first phase's checks skipped by fault "
-                        "injection; it is not launched, since its shapes were never validated");
-        return ACLNN_ERR_PARAM_INVALID;
-    }
-    st = aclemuExecutorAcquire(API2, executor, &info, 1);
-    if (st) return st;
     moe_kernel_args *k = malloc(sizeof *k);
     if (!k) {
-        aclemuExecutorRelease(executor);
+        if (!info.repeatable) aclemuExecutorRelease(executor);
         aclemuSetErrMsg(API2, ACLNN_ERR_INNER, "out of host memory");
         return ACLNN_ERR_INNER;
     }
     /* A launch captures the addresses bound now; later rebinding affects later launches. */
-    *k = ((const moe_op *)info.op_data)->args;
+    *k = op->args;
     k->x.addr = info.input_addr[0];
     k->idx.addr = info.input_addr[1];
     k->out.addr = info.output_addr[0];
     k->workspace = (uintptr_t)workspace;
     k->workspace_size = info.workspace_size;
-    k->mutation = aclemuMutationId();
-    aclemuExecutorRelease(executor);
-    st = aclemuEnqueue(API2, stream, device, moe_kernel_run, kernel_release, k);
-    if (st) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_RUNTIME_ERROR, "queueing the kernel failed (status %d)", st);
-        return ACLNN_ERR_RUNTIME_ERROR;
-    }
+    if (!info.repeatable) aclemuExecutorRelease(executor); /* frees the consumed executor */
+    st = aclemuLaunch(API2, info.device, stream, (uintptr_t)workspace, info.workspace_size,
+                      &k->mutation, moe_kernel_run, kernel_release, k);
+    if (st) return st;
     aclemuCountAdd(EMU_C_KERNELS_LAUNCHED, 1);
     return ACLNN_SUCCESS;
 }
