@@ -565,16 +565,25 @@ class _WorkspacePool:
                 self.lent += 1
                 self.bytes_held += nbytes
         elif block is other:
-            # Stream order across streams: the new stream waits for an event recorded behind
-            # whatever the previous one queued.
-            from .runtime import Event
-
-            ev = Event(self.device)
-            ev.record(other.stream)
-            stream.wait_event(ev)
-            stream._keep(ev)  # destroyed once the waiting stream has been synchronized
+            self._wait_for(block.stream, stream)  # type: ignore[arg-type]
         block.stream = stream
         return block
+
+    def _wait_for(self, owner: Stream, stream: Stream) -> None:
+        """Stream order across streams: ``stream`` waits for an event recorded behind whatever
+        ``owner`` queued. A stream closed meanwhile needs no event: closing waited for it."""
+        from .runtime import Event
+
+        ev = Event(self.device)
+        try:
+            ev.record(owner)
+            stream.wait_event(ev)
+        except Exception:
+            ev.close()
+            if owner.closed:
+                return
+            raise
+        stream._keep(ev)  # destroyed once the waiting stream has been synchronized
 
     def release(self, block: _Block, stream: Stream) -> None:
         block.stream = stream

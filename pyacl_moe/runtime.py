@@ -309,6 +309,7 @@ class Stream(_Resource):
         self._h = handle
         self._is_default = is_default
         self._closed = False
+        self._closing = False
         self._generation = device._generation
         # Host buffers and device memory that queued tasks still use: kept alive until the
         # stream is synchronized, because CANN reads them when the task runs, not when queued.
@@ -377,16 +378,20 @@ class Stream(_Resource):
         return ev
 
     def _release(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed or self._closing:
+                return
+            self._closing = True
         self._device._unregister(self)
         if self._is_default or not self._device._alive(self._generation):
+            self._closed = True
             return
         self._device._activate()
         try:
             _ffi.synchronize_stream(self._h)
         finally:
+            # Marked closed only once its work has run: whoever sees `closed` may rely on it.
+            self._closed = True
             self._keepalive = []
             _ffi.destroy_stream(self._h)
 
