@@ -454,12 +454,16 @@ def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: St
     arr = empty(shape, dtype, device)
     a = arr._live_alloc()
     n = a.nbytes
-    if n:
-        if stream is not None:
-            _ffi.memset_async(a.ptr, n, 0, n, stream._use())
-            a.last_stream = stream
-        else:
-            _ffi.memset(a.ptr, n, 0, n)
+    try:
+        if n:
+            if stream is not None:
+                _ffi.memset_async(a.ptr, n, 0, n, stream._use())
+                a.last_stream = stream
+            else:
+                _ffi.memset(a.ptr, n, 0, n)
+    except BaseException:
+        a._release()  # now, not whenever the traceback lets go of it
+        raise
     return arr
 
 
@@ -476,7 +480,11 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
         raise InvalidArgument("stream", f"belongs to device {stream.device.device_id}, not {dev.device_id}")
     alloc = _allocate(dev, host.nbytes)
     arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
-    _copy_in(alloc, alloc.ptr, host, stream, arr)
+    try:
+        _copy_in(alloc, alloc.ptr, host, stream, arr)
+    except BaseException:
+        alloc._release()  # now, not whenever the traceback lets go of it
+        raise
     return arr
 
 
@@ -565,7 +573,11 @@ class _WorkspacePool:
                 self.lent += 1
                 self.bytes_held += nbytes
         elif block is other:
-            self._wait_for(block.stream, stream)  # type: ignore[arg-type]
+            try:
+                self._wait_for(block.stream, stream)  # type: ignore[arg-type]
+            except BaseException:
+                self.release(block, block.stream)  # type: ignore[arg-type]
+                raise
         block.stream = stream
         return block
 

@@ -598,10 +598,12 @@ class MoeInitRoutingV2Grad:
                 raise
         self._h = self._executor._h
         self._pool = _pool(dev)
-        self._block: Any = None  # the pool block this plan launches with
-        self._block_stream: Stream | None = None
-        self._fast: Any = None  # the bound launch for the stream of the last call
-        self._fast_stream: Stream | None = None
+        # One pool block per stream the plan launched on, kept until close: launches on a
+        # stream are ordered, so its block is never in use twice at once.
+        self._blocks: dict[Stream, Any] = {}
+        # (stream argument, bound launch) of the last slow launch, read and replaced as one
+        # tuple so that a thread never pairs one stream with another stream's launch.
+        self._fast: Any = None
         self._lock = __import__("threading").Lock()
 
     # -- properties
@@ -633,12 +635,12 @@ class MoeInitRoutingV2Grad:
         ``out``. ``workspace``: your own DeviceArray of at least ``workspace_size`` bytes;
         by default the plan keeps a block from the device's workspace pool."""
         fast = self._fast
-        if fast is not None and stream is self._fast_stream and workspace is None:
+        if fast is not None and stream is fast[0] and workspace is None:
             # The steady state: same stream, own workspace. One foreign call, and the device
             # check inlined (a method call here costs a measurable share of the launch).
             if getattr(_tls, "device", None) is not self._device:
                 self._device._activate()
-            st = fast()
+            st = fast[1]()
             if st:
                 _ffi.check(st, "aclnnMoeInitRoutingV2Grad")
             return self._out
@@ -661,16 +663,13 @@ class MoeInitRoutingV2Grad:
                 execute(workspace, self._size, self._executor, s)
                 self._fast = None
                 return self._out
-            if self._size and (self._block is None or self._block_stream is not s):
-                if self._block is not None:
-                    self._pool.release(self._block, self._block_stream)  # type: ignore[arg-type]
-                self._block = self._pool.acquire(self._size, s)
-                self._block_stream = s
-            ws = self._block.address if self._block is not None else 0
+            block = self._blocks.get(s)
+            if self._size and block is None:
+                block = self._blocks[s] = self._pool.acquire(self._size, s)
+            ws = block.address if block is not None else 0
             execute(ws, self._size, self._executor, s)
             if self._repeatable:
-                self._fast = _ffi.bound_launch(ws, self._size, self._executor._h, s._h)
-                self._fast_stream = s if stream is not None else None
+                self._fast = (stream, _ffi.bound_launch(ws, self._size, self._executor._h, s._h))
             return self._out
 
     def rebind(self, grad_expanded_x: DeviceArray | None = None, expanded_row_idx: DeviceArray | None = None,
@@ -721,16 +720,16 @@ class MoeInitRoutingV2Grad:
                 return
             self._closed = True
             self._fast = None
-            block, self._block = self._block, None
-            last = self._block_stream
-        if last is not None and not last.closed:
-            # Launches may still be queued: their arrays must outlive them, not the plan.
-            last._keep(self._x, self._idx, self._out)
+            blocks, self._blocks = self._blocks, {}
+        for s in blocks:
+            if not s.closed:
+                # Launches may still be queued: their arrays must outlive them, not the plan.
+                s._keep(self._x, self._idx, self._out)
         try:
             self._executor.close()
         finally:
-            if block is not None:
-                self._pool.release(block, self._block_stream)  # type: ignore[arg-type]
+            for s, block in blocks.items():
+                self._pool.release(block, s)
 
     def __enter__(self) -> MoeInitRoutingV2Grad:
         return self

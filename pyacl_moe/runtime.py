@@ -168,14 +168,12 @@ class Device:
     def synchronize(self) -> None:
         """Wait for every stream of the device (aclrtSynchronizeDevice)."""
         self._activate()
-        try:
-            _ffi.synchronize_device()
-        finally:
-            # Every stream of the device has run: what they kept alive may go.
-            with self._lock:
-                streams = [r for r in self._resources if isinstance(r, Stream)]
-            for s in (self._default_stream, *streams):
-                s._drop_keepalive()
+        _ffi.synchronize_device()
+        # Every stream of the device has run: what they kept alive may go.
+        with self._lock:
+            streams = [r for r in self._resources if isinstance(r, Stream)]
+        for s in (self._default_stream, *streams):
+            s._drop_keepalive()
 
     def mem_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device's memory."""
@@ -356,10 +354,9 @@ class Stream(_Resource):
         """Block until every task queued on the stream has run. Raises AclRuntimeError for a
         device-side failure (e.g. 507015 for a kernel fault) or a timeout."""
         h = self._use()
-        try:
-            _ffi.synchronize_stream(h, timeout_ms)
-        finally:
-            self._drop_keepalive()
+        _ffi.synchronize_stream(h, timeout_ms)
+        # Only after a successful wait: if it failed, queued tasks may still read what is kept.
+        self._drop_keepalive()
 
     def _drop_keepalive(self) -> None:
         with self._lock:
