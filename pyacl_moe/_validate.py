@@ -23,6 +23,12 @@ INDEX_DTYPE = np.dtype(np.int32)
 SCENARIOS = ("dropless", "active", "drop-pad")
 
 
+def native(a: np.ndarray) -> np.ndarray:
+    """The array in native byte order (a copy only if it was byte-swapped): the values are
+    what matter, and CANN reads native order."""
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
 def scenario(drop_pad_mode: int, active_num: int) -> str:
     """'dropless', 'active' or 'drop-pad' for a (drop_pad_mode, active_num) pair."""
     if drop_pad_mode == 1:
@@ -139,10 +145,11 @@ def check_indices(idx: np.ndarray, geometry: Geometry, top_k: int, active_num: i
     bad = counted & ((v < lo) | (v >= hi))
     if bad.any():
         pos = int(np.argmax(bad))
+        hint = " (-1 marks a dropped slot only in drop/pad mode)" if v[pos] == -1 else ""
         raise InvalidArgument(
             "expanded_row_idx",
             f"value {int(v[pos])} at position {pos} is out of range: in {scen} mode each index must be "
-            f"{what} (0 <= index < {hi})",
+            f"{what} (0 <= index < {hi}){hint}",
         )
     kept = v[counted]
     if kept.size:

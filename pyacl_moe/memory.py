@@ -341,7 +341,7 @@ class DeviceArray:
         if s is not None:
             h = s._use()
             _ffi.memcpy_async(host.ctypes.data, nbytes, src, nbytes, _ffi.ACL_MEMCPY_DEVICE_TO_HOST, h)
-            s._keep(host, self)
+            s._keep(host, a)  # the allocation, not the array: closing the array must not free it
             s.synchronize()
         else:
             a.device._activate()
@@ -424,14 +424,20 @@ def _allocate(device: Device, nbytes: int) -> _Allocation:
         raise
 
 
-def _copy_in(alloc: _Allocation, dst: int, host: np.ndarray, stream: Stream | None, keep: Any) -> None:
+def _pin(array: DeviceArray | None) -> _Allocation | None:
+    """What queued work must keep alive for an array: its allocation (closing the array only
+    drops the array's own hold)."""
+    return array._alloc if array is not None else None
+
+
+def _copy_in(alloc: _Allocation, dst: int, host: np.ndarray, stream: Stream | None, keep: Any = None) -> None:
     n = host.nbytes
     if n == 0:
         return
     if stream is not None:
         h = stream._use()
         _ffi.memcpy_async(dst, n, host.ctypes.data, n, _ffi.ACL_MEMCPY_HOST_TO_DEVICE, h)
-        stream._keep(host, keep)
+        stream._keep(host, alloc)
         alloc.last_stream = stream
     else:
         alloc.device._activate()
@@ -458,6 +464,7 @@ def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: St
         if n:
             if stream is not None:
                 _ffi.memset_async(a.ptr, n, 0, n, stream._use())
+                stream._keep(a)  # the memset writes it when the stream runs
                 a.last_stream = stream
             else:
                 _ffi.memset(a.ptr, n, 0, n)
@@ -481,7 +488,7 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     alloc = _allocate(dev, host.nbytes)
     arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
     try:
-        _copy_in(alloc, alloc.ptr, host, stream, arr)
+        _copy_in(alloc, alloc.ptr, host, stream)
     except BaseException:
         alloc._release()  # now, not whenever the traceback lets go of it
         raise

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _ffi, _validate
 from .errors import InvalidArgument
-from .memory import DeviceArray, _empty_pools, _host_array, _pool, empty, to_device
+from .memory import DeviceArray, _empty_pools, _host_array, _pin, _pool, empty, to_device
 from .runtime import Device, Stream, _tls, current_device
 from .tensor import AclTensor
 
@@ -192,7 +192,8 @@ def execute(
         ws = int(workspace)
     _ffi.moe_execute(ws, int(workspace_size), executor._use(), h)
     # The kernel reads these when the stream runs it: keep them until then.
-    s._keep(workspace, *executor._tensors)
+    s._keep(_pin(workspace) if isinstance(workspace, DeviceArray) else None,
+            *(_pin(t.array) for t in executor._tensors))
     for t in executor._tensors[2:]:
         t.array._live_alloc().last_stream = s
     if not executor._repeatable:
@@ -427,7 +428,7 @@ class _CachedPlan:
             else:
                 _ffi.moe_execute(0, 0, self.executor, h)
         # The kernel reads these when the stream runs it.
-        s._keep(x, idx, out, workspace)
+        s._keep(x._alloc, idx._alloc, out._alloc, _pin(workspace))
         out._alloc.last_stream = s  # type: ignore[union-attr]
 
     def destroy(self) -> None:
@@ -497,7 +498,7 @@ def empty_cache(device: Device | int | None = None) -> None:
 
 def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any,
               stream: Stream | None, workspace: DeviceArray | None, validate: bool) -> np.ndarray:
-    hx, hi = np.asarray(x), np.asarray(idx)
+    hx, hi = _validate.native(np.asarray(x)), _validate.native(np.asarray(idx))
     if out is not None and not isinstance(out, np.ndarray):
         raise InvalidArgument("out", f"must be a NumPy array when the inputs are, got {type(out).__name__}")
     if validate:
@@ -724,7 +725,7 @@ class MoeInitRoutingV2Grad:
         for s in blocks:
             if not s.closed:
                 # Launches may still be queued: their arrays must outlive them, not the plan.
-                s._keep(self._x, self._idx, self._out)
+                s._keep(self._x._alloc, self._idx._alloc, self._out._alloc)
         try:
             self._executor.close()
         finally:

@@ -43,8 +43,8 @@ def moe_init_routing_v2_grad(
     Same arguments as :func:`pyacl_moe.moe_init_routing_v2_grad` (NumPy arrays only).
     ``validate`` checks the contract, index values included, and raises InvalidArgument.
     """
-    x = np.asarray(grad_expanded_x)
-    idx = np.asarray(expanded_row_idx)
+    x = _validate.native(np.asarray(grad_expanded_x))
+    idx = _validate.native(np.asarray(expanded_row_idx))
     if validate:
         geo = _validate.check_shapes(
             x.shape, x.dtype, idx.shape, idx.dtype, top_k, drop_pad_mode, active_num,

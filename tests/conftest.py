@@ -179,3 +179,15 @@ def no_leaks():
     live = ("device_allocations", "device_bytes", "streams", "events", "tensors", "executors", "pending_tasks")
     leaked = {k: (before[k], after[k]) for k in live if before[k] != after[k]}
     assert not leaked, f"objects left behind (before, after): {leaked}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After the whole run, no live device allocation may have corrupt guard bytes."""
+    if BACKEND != "emulator" or pyacl_moe.loaded_info() is None:
+        return
+    corrupt = pyacl_moe.emulator.check_guards()
+    if corrupt:
+        session.config.get_terminal_writer().line(
+            f"emulator: {corrupt} live device allocation(s) with corrupt guard bytes after the run", red=True
+        )
+        session.exitstatus = 1

@@ -1,0 +1,55 @@
+"""The fuzz tests' worker: runs cases through the binding in its own process, so that a crash
+(a segmentation fault, say) fails one example instead of killing pytest.
+
+Protocol on stdin/stdout: a 4-byte big-endian length, then a pickled request; the reply is
+framed the same way. Request: dict(x, idx, top_k, drop_pad_mode, active_num, validate, device).
+Reply: ("ok", ndarray) or ("error", exception type name, message).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+
+
+def _read(stream):
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack(">I", head)
+    return pickle.loads(stream.read(n))
+
+
+def _write(stream, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack(">I", len(data)) + data)
+    stream.flush()
+
+
+def main() -> None:
+    os.environ.setdefault("PYACL_MOE_EMULATOR", "1")
+    import pyacl_moe as pm
+
+    pm.Device(0)
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        req = _read(inp)
+        if req is None:
+            return
+        try:
+            args = (req["x"], req["idx"], req["top_k"], req["drop_pad_mode"], req["active_num"])
+            if req["device"]:
+                x, idx = pm.to_device(args[0]), pm.to_device(args[1])
+                res = pm.moe_init_routing_v2_grad(x, idx, *args[2:], validate=req["validate"]).to_host()
+            else:
+                res = pm.moe_init_routing_v2_grad(*args, validate=req["validate"])
+            reply = ("ok", res)
+        except Exception as exc:
+            reply = ("error", type(exc).__name__, str(exc), isinstance(exc, (pm.InvalidArgument, pm.AclError)))
+        _write(out, reply)
+
+
+if __name__ == "__main__":
+    main()

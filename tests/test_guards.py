@@ -1,0 +1,22 @@
+"""Guard bytes: the end-of-run check (conftest.pytest_sessionfinish) would catch a stray
+write; this shows the check sees one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyacl_moe as pm
+
+
+def test_corruption_is_seen_and_reported_on_free(device):
+    arr = pm.to_device(np.zeros(100, np.uint8))
+    assert pm.emulator.check_guards() == 0
+    pm.emulator.corrupt_guard(arr.address)
+    assert pm.emulator.check_guards() == 1
+    before = pm.emulator.stats()["guard_corruptions"]
+    with pytest.raises(pm.AclRuntimeError) as info:
+        arr._alloc._release()  # aclrtFree reports it (and frees the block anyway)
+    assert info.value.status == 507053 and "guard" in info.value.message
+    assert pm.emulator.check_guards() == 0
+    assert pm.emulator.stats()["guard_corruptions"] == before + 1
