@@ -37,7 +37,8 @@ with pm.Device(0) as dev, pm.Stream(dev) as stream:
 
     result = out.to_host(stream)
     expected = pm.reference.moe_init_routing_v2_grad(x_host, idx_host, top_k)
-    print("max abs difference from the reference:", float(np.abs(result.astype(np.float32) - expected.astype(np.float32)).max()))
+    diff = np.abs(result.astype(np.float32) - expected.astype(np.float32)).max()
+    print("max abs difference from the reference:", float(diff))
     assert np.array_equal(result, out2.to_host(stream))
 
     # A strided view goes to CANN as a strided aclTensor, without a copy: here every other

@@ -108,7 +108,8 @@ def check_shapes(
     else:
         if len(x_shape) != 2:
             raise InvalidArgument(
-                "grad_expanded_x", f"must be 2-D [{'A' if active else 'N*top_k'}, H] in {scen} mode, got shape {x_shape}"
+                "grad_expanded_x",
+                f"must be 2-D [{'A' if active else 'N*top_k'}, H] in {scen} mode, got shape {x_shape}",
             )
         rows = x_shape[0]
         if active == 0 and rows != bsk:

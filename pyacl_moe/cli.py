@@ -51,6 +51,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import pyacl_moe as pm
+
     from .cases import compare, make_case
 
     case = make_case(
@@ -90,7 +91,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  time             {elapsed * 1e3:.3f} ms (NumPy in, NumPy out)")
         print(f"  max abs error    {cmp.max_abs_error:.3g}  max rel error {cmp.max_rel_error:.3g}  "
               f"(tolerance rtol={cmp.rtol:g} atol={cmp.atol:g})")
-        print(f"  result           {'PASS' if cmp.passed else f'FAIL: {cmp.mismatches} of {cmp.elements} elements outside tolerance'}")
+        verdict = "PASS" if cmp.passed else f"FAIL: {cmp.mismatches} of {cmp.elements} elements outside tolerance"
+        print(f"  result           {verdict}")
     return 0 if cmp.passed else 1
 
 
@@ -178,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .errors import PyaclMoeError
     from .emulator import EmulatorBuildError
+    from .errors import PyaclMoeError
 
     try:
         if args.emulator:

@@ -82,7 +82,8 @@ class Context:
 
 # ---------------------------------------------------------------------------- inputs
 
-def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, values: str, k: int) -> tuple[np.ndarray, bool]:
+def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, values: str,
+            k: int) -> tuple[np.ndarray, bool]:
     """Input values; the flag says whether the case cancels (compare against sum |terms|)."""
     dt = _cases.DTYPES[dtype]
     if values == "normal":
@@ -428,7 +429,8 @@ class Report:
         for key in ("backend", "cann_version", "soc", "profile", "seed"):
             ET.SubElement(props, "property", name=key, value=str(getattr(self, key)))
         for c in self.cases:
-            tc = ET.SubElement(suite, "testcase", classname=f"conformance.{c.kind}", name=c.name, time=f"{c.seconds:.3f}")
+            tc = ET.SubElement(suite, "testcase", classname=f"conformance.{c.kind}", name=c.name,
+                               time=f"{c.seconds:.3f}")
             if not c.passed:
                 ET.SubElement(tc, "failure", message=c.detail or "failed").text = json.dumps(c.as_dict(), indent=1)
         ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)

@@ -56,7 +56,8 @@ def acl_data_type(dtype: Any) -> int:
         raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
     code = _ACL_DTYPES.get(dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt)
     if code is None:
-        raise InvalidArgument("dtype", f"{dt} has no CANN data type (supported: {', '.join(sorted(str(d) for d in _ACL_DTYPES))})")
+        supported = ", ".join(sorted(str(d) for d in _ACL_DTYPES))
+        raise InvalidArgument("dtype", f"{dt} has no CANN data type (supported: {supported})")
     return code
 
 
@@ -182,7 +183,9 @@ class DeviceArray:
         if a is None:
             raise InvalidArgument("array", "this DeviceArray was closed")
         if not a.alive:
-            raise InvalidArgument("array", f"the memory of this DeviceArray is gone: device {a.device.device_id} was closed")
+            raise InvalidArgument(
+                "array", f"the memory of this DeviceArray is gone: device {a.device.device_id} was closed"
+            )
         return a
 
     @property
@@ -296,7 +299,9 @@ class DeviceArray:
             elif isinstance(k, slice):
                 start, stop, step = k.indices(n)
                 if step <= 0:
-                    raise InvalidArgument("key", "negative slice steps are not supported: CANN views take non-negative strides")
+                    raise InvalidArgument(
+                        "key", "negative slice steps are not supported: CANN views take non-negative strides"
+                    )
                 length = max(0, (stop - start + step - 1) // step)
                 if length:
                     offset += start * s

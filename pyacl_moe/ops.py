@@ -22,7 +22,14 @@ from .memory import DeviceArray, _empty_pools, _host_array, _pin, _pool, empty, 
 from .runtime import Device, Stream, _tls, current_device
 from .tensor import AclTensor
 
-__all__ = ["Executor", "MoeInitRoutingV2Grad", "empty_cache", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
+__all__ = [
+    "Executor",
+    "MoeInitRoutingV2Grad",
+    "empty_cache",
+    "execute",
+    "get_workspace_size",
+    "moe_init_routing_v2_grad",
+]
 
 
 class Executor:
@@ -657,7 +664,9 @@ class MoeInitRoutingV2Grad:
             if not isinstance(s, Stream) or s.closed:
                 raise InvalidArgument("stream", "must be an open Stream")
             if s.device is not self._device:
-                raise InvalidArgument("stream", f"is on device {s.device.device_id}, the plan on {self._device.device_id}")
+                raise InvalidArgument(
+                    "stream", f"is on device {s.device.device_id}, the plan on {self._device.device_id}"
+                )
             if workspace is not None:
                 if not isinstance(workspace, DeviceArray) or workspace.nbytes < self._size:
                     raise InvalidArgument("workspace", f"must be a DeviceArray of at least {self._size} bytes")
@@ -699,7 +708,9 @@ class MoeInitRoutingV2Grad:
                     f"{old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout",
                 )
             if new.device is not self._device:
-                raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}")
+                raise InvalidArgument(
+                    name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}"
+                )
             changes.append((name, new, tensor, kind, index))
         # The next launch takes the slow path once: it records the stream on the new out.
         self._fast = None

@@ -15,7 +15,8 @@ from pyacl_moe import cli
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pyacl_moe.cli", *args], capture_output=True, text=True, env=e, timeout=300)
+    return subprocess.run([sys.executable, "-m", "pyacl_moe.cli", *args], capture_output=True, text=True, env=e,
+                          timeout=300)
 
 
 def test_info_json():

@@ -1252,7 +1252,7 @@ def test_two_threads_two_streams(emu):
                 xt, it, ot, out_p = op_on(emu, r, x, idx, 4, mode, act, ACL_FLOAT16)
                 ref, mag = reference(x, idx, 4, mode, act, np.float16)
                 ok = 0
-                for i in range(40):
+                for _ in range(40):
                     emu.ok(acl.aclrtMemset(out_p, 16 * 24 * 2, 0, 16 * 24 * 2))
                     launch(emu, r, xt, it, 4, mode, act, ot, stream=s)
                     assert_matches(r.read(out_p, (16, 24), np.float16), ref, mag)

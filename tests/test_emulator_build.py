@@ -32,7 +32,8 @@ def test_fresh_build_is_fast_and_laid_out_like_cann(tmp_path):
     for name in ("ascendcl", "nnopbase", "opapi"):
         assert (home / "lib64" / f"lib{name}.so").is_file()
     assert elapsed < 10, f"build took {elapsed:.1f} s"
-    needed = subprocess.run(["readelf", "-d", str(home / "lib64" / "libopapi.so")], capture_output=True, text=True).stdout
+    lib = str(home / "lib64" / "libopapi.so")
+    needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
     assert "[libnnopbase.so]" in needed and "$ORIGIN" in needed
 
 

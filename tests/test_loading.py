@@ -38,11 +38,11 @@ print('ok')
 
 
 def test_not_found_lists_every_place_and_both_fixes(isolated, tmp_path):
-    r = isolated(PRELUDE + f"""
+    r = isolated(PRELUDE + """
 try:
     pm.device_count()
 except pm.CannNotFoundError as e:
-    print(json.dumps({{'tried': e.tried, 'text': str(e)}}))
+    print(json.dumps({'tried': e.tried, 'text': str(e)}))
 else:
     sys.exit('loaded something')
 """, env=_clean_env(ASCEND_HOME_PATH=str(tmp_path / "nowhere"), ASCEND_TOOLKIT_HOME=str(tmp_path / "also-nowhere")))
@@ -76,7 +76,8 @@ def test_home_path_takes_precedence_over_toolkit_home(isolated, emu_home, tmp_pa
 
 
 def test_explicit_home_wins_and_bad_explicit_home_is_an_error(isolated, emu_home, tmp_path):
-    r = isolated(PRELUDE + f"print(pm.load(ascend_home={emu_home!r}).home)", env=_clean_env(ASCEND_HOME_PATH=str(tmp_path)))
+    r = isolated(PRELUDE + f"print(pm.load(ascend_home={emu_home!r}).home)",
+                 env=_clean_env(ASCEND_HOME_PATH=str(tmp_path)))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == emu_home
     r = isolated(PRELUDE + f"""

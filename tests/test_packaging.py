@@ -38,7 +38,8 @@ def test_wheel_installs_and_runs_quickstart(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
-    r = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     # The dependencies come from this environment (no network in the test): a .pth line adds
     # its site-packages after the venv's own, so the wheel's copy of the package wins.

@@ -9,7 +9,7 @@ when the process is bound to a real CANN instead.
 
 from __future__ import annotations
 
-from ._build import EmulatorBuildError, build, cache_root, home_if_built
+from ._build import EmulatorBuildError, build, cache_root
 
 MUTATIONS: tuple[str, ...] = ("skip-last-k", "fp16-accumulate", "off-by-one-row")
 FIRST_PHASE_API = "aclnnMoeInitRoutingV2GradGetWorkspaceSize"

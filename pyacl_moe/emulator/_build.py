@@ -182,12 +182,3 @@ def build(force: bool = False) -> str:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return str(home)
-
-
-def home_if_built() -> str | None:
-    """The emulator home if a build for the current sources exists, else None."""
-    try:
-        home = cache_root() / f"emulator-{build_hash()}"
-    except EmulatorBuildError:
-        return None
-    return str(home) if _complete(home) else None
