@@ -306,6 +306,14 @@ static emu_event *find_event_locked(aclrtEvent h) {
     return NULL;
 }
 
+/* The live event behind a handle, or the status (and message) for a stale one. Lock held. */
+static int event_locked(const char *api, aclrtEvent h, emu_event **out) {
+    *out = find_event_locked(h);
+    if (*out) return 0;
+    aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_HANDLE, "event %p is not a live event", h);
+    return ACL_ERROR_RT_INVALID_HANDLE;
+}
+
 static void stream_unref_locked(emu_stream *s) {
     if (--s->refs == 0) {
         s->magic = 0;
@@ -1059,10 +1067,7 @@ EMU_API aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
     emu_stream *s = NULL;
     emu_event *e = NULL;
     if (!st) st = resolve_stream_locked(api, stream, d, &s);
-    if (!st && !(e = find_event_locked(event))) {
-        st = ACL_ERROR_RT_INVALID_HANDLE;
-        aclemuSetErrMsg(api, st, "event %p is not a live event", event);
-    }
+    if (!st) st = event_locked(api, event, &e);
     if (!st && e->stream && e->stream != s) { /* waiting on an unrecorded event is a no-op */
         wait_payload *w = malloc(sizeof *w);
         if (!w || enqueue_locked(s, wait_run, wait_release, w)) {
@@ -1118,10 +1123,7 @@ EMU_API aclError aclrtDestroyEvent(aclrtEvent event) {
     pthread_mutex_lock(&g_lock);
     int st = require_init_locked(api);
     emu_event *e = NULL;
-    if (!st && !(e = find_event_locked(event))) {
-        st = ACL_ERROR_RT_INVALID_HANDLE;
-        aclemuSetErrMsg(api, st, "event %p is not a live event", event);
-    }
+    if (!st) st = event_locked(api, event, &e);
     if (!st) {
         for (size_t i = 0; i < g_nevents; i++) {
             if (g_events[i] == e) {
@@ -1171,10 +1173,7 @@ EMU_API aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
     int st = require_device_locked(api, &d);
     emu_stream *s = NULL;
     emu_event *e = NULL;
-    if (!st && !(e = find_event_locked(event))) {
-        st = ACL_ERROR_RT_INVALID_HANDLE;
-        aclemuSetErrMsg(api, st, "event %p is not a live event", event);
-    }
+    if (!st) st = event_locked(api, event, &e);
     if (!st) st = resolve_stream_locked(api, stream, d, &s);
     if (!st) {
         record_payload *r = malloc(sizeof *r);
@@ -1203,10 +1202,7 @@ EMU_API aclError aclrtSynchronizeEvent(aclrtEvent event) {
     pthread_mutex_lock(&g_lock);
     int st = require_init_locked(api);
     emu_event *e = NULL;
-    if (!st && !(e = find_event_locked(event))) {
-        st = ACL_ERROR_RT_INVALID_HANDLE;
-        aclemuSetErrMsg(api, st, "event %p is not a live event", event);
-    }
+    if (!st) st = event_locked(api, event, &e);
     if (!st && e->stream) {
         emu_stream *s = e->stream;
         s->refs++;
