@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,36 @@ _declared = False
 _VOID_P = ffi.typeof("void *")
 _cast_void = functools.partial(ffi.cast, _VOID_P)
 
+# Every C type this module builds values of, parsed once when the declarations are read.
+# cffi parses a type given as a string under an internal lock, and resolves a library
+# function on first use under the same lock: a finalizer (a DeviceArray's aclrtFree, say) run
+# by the garbage collector in the middle of such a parse would take the lock again and hang
+# the thread. With every type pre-parsed and every function pre-resolved at load, calls made
+# from finalizers need no lock.
+_TYPE_NAMES = (
+    "void *", "void **", "uintptr_t", "int32_t *", "int32_t[]", "uint32_t *", "size_t *", "float *",
+    "int64_t *", "int64_t[]", "int64_t **", "uint64_t *", "aclrtStream *", "aclrtEvent *",
+    "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclemuStats *",
+)
+_CT: dict[str, Any] = {}
+
+
+def _ctype(type_name: str) -> Any:
+    ct = _CT.get(type_name)
+    if ct is None:  # before anything was loaded: declare first (under the load lock)
+        with _lock:
+            _declare()
+        ct = _CT[type_name]
+    return ct
+
+
+def _new(type_name: str, init: Any = None) -> Any:
+    return ffi.new(_ctype(type_name), init)
+
+
+def _cast(type_name: str, value: Any) -> Any:
+    return ffi.cast(_ctype(type_name), value)
+
 
 def _declare() -> None:
     """Feed headers/ (and the emulator's extras) to cdef, once. Done lazily so that importing
@@ -57,14 +88,25 @@ def _declare() -> None:
         ffi.cdef((_paths.headers_dir() / name).read_text())
     ffi.cdef((Path(__file__).resolve().parent / "emulator" / "src" / "aclemu.h").read_text())
     ffi.cdef("void free(void *);")
-    global _U64_P, _EXECUTOR_PP
-    _U64_P = ffi.typeof("uint64_t *")
-    _EXECUTOR_PP = ffi.typeof("aclOpExecutor **")
+    for name in _TYPE_NAMES:
+        _CT[name] = ffi.typeof(name)
     _declared = True
 
 
-_U64_P: Any = None
-_EXECUTOR_PP: Any = None
+def _function_names() -> list[str]:
+    text = "".join((_paths.headers_dir() / n).read_text() for n in _paths.HEADER_FILES)
+    text += (Path(__file__).resolve().parent / "emulator" / "src" / "aclemu.h").read_text()
+    return sorted(set(re.findall(r"\b(acl\w+)\s*\(", text)))
+
+
+def _prime(libs: _Libs) -> None:
+    """Resolve every declared function now (see _TYPE_NAMES for why)."""
+    for name in _function_names():
+        for lib in (libs.acl, libs.nn, libs.op):
+            try:
+                getattr(lib, name)
+            except AttributeError:  # not in this library (or an emulator extra on a real CANN)
+                continue
 
 
 @dataclass(frozen=True)
@@ -167,11 +209,13 @@ def load(ascend_home: str | None = None, *, emulator: bool | None = None) -> Lib
         if want_emu:
             from .emulator import _build
 
-            _libs = _dlopen_home(_build.build(), "emulator")
+            libs = _dlopen_home(_build.build(), "emulator")
             _want_emulator = True
         else:
-            _libs = _search(ascend_home)
-        return _libs.info
+            libs = _search(ascend_home)
+        _prime(libs)
+        _libs = libs
+        return libs.info
 
 
 def _get() -> _Libs:
@@ -218,7 +262,7 @@ def _null_result(api: str, status_if_no_message: int = 561103) -> errors.AclErro
 
 def address(handle: Any) -> int:
     """The integer address of an opaque handle (0 for NULL)."""
-    return int(ffi.cast("uintptr_t", handle)) if handle is not None else 0
+    return int(_cast("uintptr_t", handle)) if handle is not None else 0
 
 
 # ---------------------------------------------------------------------------- acl.h
@@ -239,7 +283,7 @@ def finalize() -> None:
 
 
 def get_version() -> tuple[int, int, int]:
-    v = ffi.new("int32_t[3]")
+    v = _new("int32_t[]", 3)
     check(_get().acl.aclrtGetVersion(v, v + 1, v + 2), "aclrtGetVersion")
     return (v[0], v[1], v[2])
 
@@ -252,7 +296,7 @@ def soc_name() -> str | None:
 # ---------------------------------------------------------------------------- devices
 
 def device_count() -> int:
-    n = ffi.new("uint32_t *")
+    n = _new("uint32_t *")
     check(_get().acl.aclrtGetDeviceCount(n), "aclrtGetDeviceCount")
     return int(n[0])
 
@@ -262,18 +306,11 @@ def set_device(device_id: int) -> None:
 
 
 def get_device() -> int:
-    d = ffi.new("int32_t *")
+    d = _new("int32_t *")
     check(_get().acl.aclrtGetDevice(d), "aclrtGetDevice")
     return int(d[0])
 
 
-def current_device_or_none() -> int | None:
-    """The calling thread's current device, or None (no exception, no message left behind)."""
-    d = ffi.new("int32_t *")
-    if _get().acl.aclrtGetDevice(d) != 0:
-        _recent_message()
-        return None
-    return int(d[0])
 
 
 def reset_device(device_id: int) -> None:
@@ -285,7 +322,7 @@ def synchronize_device() -> None:
 
 
 def get_mem_info(attr: int = ACL_HBM_MEM) -> tuple[int, int]:
-    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    free, total = _new("size_t *"), _new("size_t *")
     check(_get().acl.aclrtGetMemInfo(attr, free, total), "aclrtGetMemInfo")
     return int(free[0]), int(total[0])
 
@@ -294,7 +331,7 @@ def get_mem_info(attr: int = ACL_HBM_MEM) -> tuple[int, int]:
 
 def create_stream() -> Any:
     acl = _get().acl
-    p = ffi.new("aclrtStream *")
+    p = _new("aclrtStream *")
     check(acl.aclrtCreateStream(p), "aclrtCreateStream")
     return p[0]
 
@@ -317,7 +354,7 @@ def stream_wait_event(stream: Any, event: Any) -> None:
 
 def create_event() -> Any:
     acl = _get().acl
-    p = ffi.new("aclrtEvent *")
+    p = _new("aclrtEvent *")
     check(acl.aclrtCreateEvent(p), "aclrtCreateEvent")
     return p[0]
 
@@ -335,7 +372,7 @@ def synchronize_event(event: Any) -> None:
 
 
 def event_elapsed_time(start: Any, end: Any) -> float:
-    ms = ffi.new("float *")
+    ms = _new("float *")
     check(_get().acl.aclrtEventElapsedTime(ms, start, end), "aclrtEventElapsedTime")
     return float(ms[0])
 
@@ -348,28 +385,28 @@ def null_stream() -> Any:
 # ---------------------------------------------------------------------------- memory
 
 def malloc(size: int, policy: int = ACL_MEM_MALLOC_HUGE_FIRST) -> int:
-    p = ffi.new("void **")
+    p = _new("void **")
     check(_get().acl.aclrtMalloc(p, size, policy), "aclrtMalloc")
-    return int(ffi.cast("uintptr_t", p[0]))
+    return int(_cast("uintptr_t", p[0]))
 
 
 def free(ptr: int) -> None:
-    check(_get().acl.aclrtFree(ffi.cast("void *", ptr)), "aclrtFree")
+    check(_get().acl.aclrtFree(_cast_void(ptr)), "aclrtFree")
 
 
 def malloc_host(size: int) -> int:
-    p = ffi.new("void **")
+    p = _new("void **")
     check(_get().acl.aclrtMallocHost(p, size), "aclrtMallocHost")
-    return int(ffi.cast("uintptr_t", p[0]))
+    return int(_cast("uintptr_t", p[0]))
 
 
 def free_host(ptr: int) -> None:
-    check(_get().acl.aclrtFreeHost(ffi.cast("void *", ptr)), "aclrtFreeHost")
+    check(_get().acl.aclrtFreeHost(_cast_void(ptr)), "aclrtFreeHost")
 
 
 def memcpy(dst: int, dst_max: int, src: int, count: int, kind: int) -> None:
     check(
-        _get().acl.aclrtMemcpy(ffi.cast("void *", dst), dst_max, ffi.cast("void *", src), count, kind),
+        _get().acl.aclrtMemcpy(_cast_void(dst), dst_max, _cast_void(src), count, kind),
         "aclrtMemcpy",
     )
 
@@ -377,19 +414,19 @@ def memcpy(dst: int, dst_max: int, src: int, count: int, kind: int) -> None:
 def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: int, stream: Any) -> None:
     check(
         _get().acl.aclrtMemcpyAsync(
-            ffi.cast("void *", dst), dst_max, ffi.cast("void *", src), count, kind, stream
+            _cast_void(dst), dst_max, _cast_void(src), count, kind, stream
         ),
         "aclrtMemcpyAsync",
     )
 
 
 def memset(ptr: int, max_count: int, value: int, count: int) -> None:
-    check(_get().acl.aclrtMemset(ffi.cast("void *", ptr), max_count, value, count), "aclrtMemset")
+    check(_get().acl.aclrtMemset(_cast_void(ptr), max_count, value, count), "aclrtMemset")
 
 
 def memset_async(ptr: int, max_count: int, value: int, count: int, stream: Any) -> None:
     check(
-        _get().acl.aclrtMemsetAsync(ffi.cast("void *", ptr), max_count, value, count, stream),
+        _get().acl.aclrtMemsetAsync(_cast_void(ptr), max_count, value, count, stream),
         "aclrtMemsetAsync",
     )
 
@@ -404,12 +441,12 @@ class _TensorDesc:
     def __init__(self, shape: tuple[int, ...], dtype: int, strides: tuple[int, ...], offset: int,
                  storage_shape: tuple[int, ...]) -> None:
         _get()
-        self.dims = ffi.new("int64_t[]", list(shape) or [0])
+        self.dims = _new("int64_t[]", list(shape) or [0])
         self.ndim = len(shape)
         self.dtype = dtype
-        self.strides = ffi.new("int64_t[]", list(strides) or [0])
+        self.strides = _new("int64_t[]", list(strides) or [0])
         self.offset = offset
-        self.sdims = ffi.new("int64_t[]", list(storage_shape) or [0])
+        self.sdims = _new("int64_t[]", list(storage_shape) or [0])
         self.sndim = len(storage_shape)
 
 
@@ -429,26 +466,6 @@ def create_tensor_from_desc(desc: _TensorDesc, addr: int, fmt: int = ACL_FORMAT_
     return t
 
 
-def create_tensor(
-    shape: tuple[int, ...],
-    dtype: int,
-    strides: tuple[int, ...],
-    offset: int,
-    storage_shape: tuple[int, ...],
-    addr: int,
-    fmt: int = ACL_FORMAT_ND,
-) -> Any:
-    """aclCreateTensor over device memory at ``addr`` (element strides and offset)."""
-    n = len(shape)
-    dims = ffi.new("int64_t[]", list(shape) or [0])
-    st = ffi.new("int64_t[]", list(strides) or [0])
-    sdims = ffi.new("int64_t[]", list(storage_shape) or [0])
-    t = _get().nn.aclCreateTensor(
-        dims, n, dtype, st, offset, fmt, sdims, len(storage_shape), ffi.cast("void *", addr)
-    )
-    if t == _NULL:
-        raise _null_result("aclCreateTensor")
-    return t
 
 
 def destroy_tensor(tensor: Any) -> None:
@@ -458,7 +475,7 @@ def destroy_tensor(tensor: Any) -> None:
 
 
 def _int64_list(getter: Any, api: str, tensor: Any) -> tuple[int, ...]:
-    arr, n = ffi.new("int64_t **"), ffi.new("uint64_t *")
+    arr, n = _new("int64_t **"), _new("uint64_t *")
     check(getter(tensor, arr, n), api)
     try:
         return tuple(int(arr[0][i]) for i in range(n[0]))
@@ -490,33 +507,33 @@ def tensor_storage_shape(tensor: Any) -> tuple[int, ...]:
 
 
 def tensor_view_offset(tensor: Any) -> int:
-    v = ffi.new("int64_t *")
+    v = _new("int64_t *")
     check(_get().nn.aclGetViewOffset(tensor, v), "aclGetViewOffset")
     return int(v[0])
 
 
 def tensor_data_type(tensor: Any) -> int:
     nn = _get().nn
-    v = ffi.new("aclDataType *")
+    v = _new("aclDataType *")
     check(nn.aclGetDataType(tensor, v), "aclGetDataType")
     return int(v[0])
 
 
 def tensor_format(tensor: Any) -> int:
     nn = _get().nn
-    v = ffi.new("aclFormat *")
+    v = _new("aclFormat *")
     check(nn.aclGetFormat(tensor, v), "aclGetFormat")
     return int(v[0])
 
 
 def tensor_raw_addr(tensor: Any) -> int:
-    v = ffi.new("void **")
+    v = _new("void **")
     check(_get().nn.aclGetRawTensorAddr(tensor, v), "aclGetRawTensorAddr")
-    return int(ffi.cast("uintptr_t", v[0]))
+    return int(_cast("uintptr_t", v[0]))
 
 
 def tensor_set_raw_addr(tensor: Any, addr: int) -> None:
-    check(_get().nn.aclSetRawTensorAddr(tensor, ffi.cast("void *", addr)), "aclSetRawTensorAddr")
+    check(_get().nn.aclSetRawTensorAddr(tensor, _cast_void(addr)), "aclSetRawTensorAddr")
 
 
 # ---------------------------------------------------------------------------- executors
@@ -531,14 +548,14 @@ def executor_destroy(executor: Any) -> None:
 
 def executor_set_input_addr(executor: Any, index: int, tensor: Any, addr: int) -> None:
     check(
-        _get().nn.aclSetInputTensorAddr(executor, index, tensor, ffi.cast("void *", addr)),
+        _get().nn.aclSetInputTensorAddr(executor, index, tensor, _cast_void(addr)),
         "aclSetInputTensorAddr",
     )
 
 
 def executor_set_output_addr(executor: Any, index: int, tensor: Any, addr: int) -> None:
     check(
-        _get().nn.aclSetOutputTensorAddr(executor, index, tensor, ffi.cast("void *", addr)),
+        _get().nn.aclSetOutputTensorAddr(executor, index, tensor, _cast_void(addr)),
         "aclSetOutputTensorAddr",
     )
 
@@ -551,7 +568,7 @@ def moe_get_workspace_size(
 ) -> tuple[int, Any]:
     """aclnnMoeInitRoutingV2GradGetWorkspaceSize: (workspace bytes, executor handle)."""
     op = _get().op
-    size, ex = ffi.new(_U64_P), ffi.new(_EXECUTOR_PP)
+    size, ex = _new("uint64_t *"), _new("aclOpExecutor **")
     check(
         op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
             grad_expanded_x or _NULL, expanded_row_idx or _NULL, top_k, drop_pad_mode,
@@ -573,14 +590,14 @@ def bound_launch(workspace: int, workspace_size: int, executor: Any, stream: Any
     """aclnnMoeInitRoutingV2Grad with every argument bound: calling it is one foreign call and
     returns the raw status (for a prepared plan's steady state; the caller checks it)."""
     fn = _get().op.aclnnMoeInitRoutingV2Grad
-    ws = ffi.cast("void *", workspace)
+    ws = _cast_void(workspace)
     return functools.partial(fn, ws, workspace_size, executor, stream)
 
 
 def ffi_call_probe() -> Any:
     """A bound foreign function and its argument for measuring one bare call (aclrtGetDevice):
     the unit the benchmarks express host costs in."""
-    return _get().acl.aclrtGetDevice, ffi.new("int32_t *")
+    return _get().acl.aclrtGetDevice, _new("int32_t *")
 
 
 # ---------------------------------------------------------------------------- emulator extras
@@ -590,10 +607,10 @@ class _EmulatorControls:
 
     def __init__(self, acl: Any) -> None:
         self._acl = acl
-        self._fields = [name for name, _ in ffi.typeof("aclemuStats").fields]
+        self._fields = [name for name, _ in _CT["aclemuStats *"].item.fields]
 
     def stats(self) -> dict[str, int]:
-        s = ffi.new("aclemuStats *")
+        s = _new("aclemuStats *")
         self._acl.aclemuGetStats(s)
         return {name: int(getattr(s, name)) for name in self._fields}
 
@@ -615,7 +632,7 @@ class _EmulatorControls:
         return int(self._acl.aclemuCheckGuards())
 
     def corrupt_guard(self, address: int) -> None:
-        if self._acl.aclemuCorruptGuard(ffi.cast("void *", address)) != 0:
+        if self._acl.aclemuCorruptGuard(_cast_void(address)) != 0:
             raise ValueError(f"{address:#x} is not inside a live device allocation")
 
     def version(self) -> str:

@@ -73,13 +73,14 @@ def _seconds(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _host_costs(calls: int, batches: int) -> tuple[float, float, float]:
-    """(bare call, plan relaunch, one-shot call) in ns. Their batches are interleaved, so the
-    three medians see the same machine: the ratios hold even when the machine is busy."""
+def _host_costs(calls: int, batches: int) -> tuple[float, float, float, float]:
+    """(bare call, plan relaunch, one-shot call, one-shot without the executor cache) in ns.
+    Their batches are interleaved, so the medians see the same machine: the ratios hold even
+    when the machine is busy."""
     dev = current_device()
     fn, arg = _ffi.ffi_call_probe()
     case = make_case(1, 1, 1, "float32", "dropless", seed=0)  # the kernel is not what is timed
-    ffi_ns, plan_ns, oneshot_ns = [], [], []
+    ffi_ns, plan_ns, oneshot_ns, uncached_ns = [], [], [], []
     with Stream(dev) as s:
         x, idx = to_device(case.grad_expanded_x, stream=s), to_device(case.expanded_row_idx, stream=s)
         out = empty((1, 1), np.float32, dev)
@@ -87,6 +88,9 @@ def _host_costs(calls: int, batches: int) -> tuple[float, float, float]:
             plan(s)  # the first launch binds stream and workspace
             moe_init_routing_v2_grad(x, idx, 1, out=out, stream=s)
             one = lambda: moe_init_routing_v2_grad(x, idx, 1, out=out, stream=s)  # noqa: E731
+            # validate=False: three aclCreateTensor, the first phase, the launch, three
+            # aclDestroyTensor on every call (no executor cache). A text-only figure.
+            uncached = lambda: moe_init_routing_v2_grad(x, idx, 1, out=out, stream=s, validate=False)  # noqa: E731
             bare = lambda: fn(arg)  # noqa: E731
             relaunch = lambda: plan(s)  # noqa: E731
             for _ in range(batches):
@@ -97,8 +101,10 @@ def _host_costs(calls: int, batches: int) -> tuple[float, float, float]:
                 ffi_ns.append((before + _per_call_ns(bare, calls, 1)) / 2)
                 s.synchronize()  # run the queued kernels outside any timed batch
                 oneshot_ns.append(_per_call_ns(one, max(calls // 10, 100), 1, s.synchronize))
+                uncached_ns.append(_per_call_ns(uncached, max(calls // 20, 50), 1, s.synchronize))
         s.synchronize()
-    return statistics.median(ffi_ns), statistics.median(plan_ns), statistics.median(oneshot_ns)
+    return (statistics.median(ffi_ns), statistics.median(plan_ns), statistics.median(oneshot_ns),
+            statistics.median(uncached_ns))
 
 
 def _numpy_path(batches: int) -> tuple[float, float]:
@@ -176,7 +182,7 @@ def run(quick: bool = False, log: Callable[[str], None] | None = None) -> tuple[
     calls = 2000 if quick else 5000
     res: dict[str, Any] = {"backend": _ffi.library_info().backend}
     say("bare foreign call, plan relaunch and one-shot call, interleaved")
-    res["ffi_call_ns"], res["plan_launch_ns"], res["oneshot_launch_ns"] = _host_costs(calls, batches)
+    res["ffi_call_ns"], res["plan_launch_ns"], res["oneshot_launch_ns"], uncached_ns = _host_costs(calls, batches)
     say("NumPy in, NumPy out")
     res["numpy_call_ns"], res["numpy_copy_ns"] = _numpy_path(5 if quick else 9)
     case = _big_case(quick)
@@ -185,6 +191,7 @@ def run(quick: bool = False, log: Callable[[str], None] | None = None) -> tuple[
     say("kernel")
     res["kernel_s"], res["kernel_copy_s"], moved = _kernel(case, 3 if quick else 5)
     extra = {
+        "oneshot_uncached_ns": uncached_ns,
         "input_mib": case.grad_expanded_x.nbytes / 2**20,
         "reference_peak_extra_mib": peak_mib,
         "kernel_gb_per_s": moved / res["kernel_s"] / 1e9,
@@ -200,6 +207,8 @@ def report(res: dict[str, Any], extra: dict[str, Any]) -> str:
         f"bare foreign call      {unit:10.0f} ns   (the unit)",
         f"plan relaunch          {res['plan_launch_ns']:10.0f} ns   {res['plan_launch_ns'] / unit:6.2f} units",
         f"one-shot call          {res['oneshot_launch_ns']:10.0f} ns   {res['oneshot_launch_ns'] / unit:6.2f} units",
+        f"  without the cache    {extra['oneshot_uncached_ns']:10.0f} ns   "
+        f"{extra['oneshot_uncached_ns'] / unit:6.2f} units (validate=False: the first phase on every call)",
         f"NumPy call             {res['numpy_call_ns'] / 1e3:10.1f} us   (its copies alone: "
         f"{res['numpy_copy_ns'] / 1e3:.1f} us)",
         f"reference              {res['reference_s'] * 1e3:10.1f} ms   copy of the same bytes "

@@ -69,8 +69,12 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _free_allocation(device: Device, generation: int, ptr: int) -> None:
+def _free_allocation(device: Device, generation: int, ptr: int, live: list[bool]) -> None:
     """Finalizer of an owned allocation: free it unless its device already did."""
+    # Said first: the collector may run this for an object caught in a cycle and then let
+    # another finalizer of that cycle resurrect it (a plan handing its workspace back to the
+    # pool, say); the resurrected object must then read as freed.
+    live[0] = False
     if device._alive(generation):
         try:
             device._activate()
@@ -92,17 +96,21 @@ class _Allocation(_Resource):
         self.owner = owner  # what keeps borrowed memory alive
         self.generation = device._generation
         self.last_stream: Stream | None = None  # the stream of the last queued write
-        # A plain flag, read on every use: set when the memory is released (by its device's
-        # close, or by the pool). Device.close releases every registered allocation first.
-        self.alive = True
+        # Cleared when the memory is released: by its device's close, by the pool, or by the
+        # finalizer (a cell shared with it, since the finalizer cannot hold the object).
+        self._live = [True]
         self._finalizer = (
-            weakref.finalize(self, _free_allocation, device, self.generation, ptr) if owned else None
+            weakref.finalize(self, _free_allocation, device, self.generation, ptr, self._live) if owned else None
         )
         device._register(self)
 
+    @property
+    def alive(self) -> bool:
+        return self._live[0]
+
     def _release(self) -> None:
         """Free now (Device.close calls this before aclrtResetDevice)."""
-        self.alive = False
+        self._live[0] = False
         self.device._unregister(self)
         fin = self._finalizer
         if fin is not None and fin.detach() is not None and self.device._alive(self.generation):
@@ -378,7 +386,7 @@ class DeviceArray:
             raise InvalidArgument(
                 "array", f"must have shape {self._shape} and dtype {self._dtype}, got {host.shape} {host.dtype}"
             )
-        _copy_in(a, self.address, host, stream, self)
+        _copy_in(a, self.address, host, stream)
 
     def close(self) -> None:
         """Drop this array's hold on the memory; it is freed once no array views it. Safe twice."""
@@ -435,7 +443,7 @@ def _pin(array: DeviceArray | None) -> _Allocation | None:
     return array._alloc if array is not None else None
 
 
-def _copy_in(alloc: _Allocation, dst: int, host: np.ndarray, stream: Stream | None, keep: Any = None) -> None:
+def _copy_in(alloc: _Allocation, dst: int, host: np.ndarray, stream: Stream | None) -> None:
     n = host.nbytes
     if n == 0:
         return
@@ -505,7 +513,7 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
 class _Block:
     """A workspace block of the pool, tagged with the stream that last used it."""
 
-    __slots__ = ("alloc", "nbytes", "stream")
+    __slots__ = ("alloc", "nbytes", "stream", "__weakref__")
 
     def __init__(self, alloc: _Allocation, nbytes: int) -> None:
         self.alloc = alloc
@@ -529,11 +537,17 @@ class _WorkspacePool:
 
     def __init__(self, device: Device) -> None:
         self.device = device
-        self.lock = threading.Lock()
+        # Re-entrant: a plan collected by the garbage collector gives its blocks back from
+        # its finalizer, which may run while this thread is inside the pool.
+        self.lock = threading.RLock()
         # The block each stream released last: the steady state takes and gives it back
         # without searching (dict operations are atomic under the GIL).
         self.hot: dict[Stream, _Block] = {}
         self.free: list[_Block] = []
+        # Every block the pool made, free or lent: reachable from here (the pool is reachable
+        # from the module), so the collector never frees a workspace a queued kernel uses, even
+        # when the plan holding it is caught in a reference cycle.
+        self.owned: set[_Block] = set()
         self.lent = 0
         self.bytes_held = 0
         self.hits = 0
@@ -581,6 +595,7 @@ class _WorkspacePool:
             alloc = _allocate(self.device, nbytes)
             block = _Block(alloc, nbytes)
             with self.lock:
+                self.owned.add(block)
                 self.misses += 1
                 self.lent += 1
                 self.bytes_held += nbytes
@@ -614,7 +629,9 @@ class _WorkspacePool:
         self.lent -= 1
         if not block.alloc.alive:
             with self.lock:
-                self.bytes_held -= block.nbytes
+                if block in self.owned:
+                    self.owned.discard(block)
+                    self.bytes_held -= block.nbytes
             return
         previous = self.hot.get(stream)
         self.hot[stream] = block
@@ -630,6 +647,7 @@ class _WorkspacePool:
         with self.lock:
             blocks, self.free = self.free + list(self.hot.values()), []
             self.hot = {}
+            self.owned.difference_update(blocks)
             self.bytes_held -= sum(b.nbytes for b in blocks)
         for b in blocks:
             if b.alloc.alive:

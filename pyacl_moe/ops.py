@@ -547,6 +547,10 @@ def _layout(a: DeviceArray) -> tuple[Any, ...]:
     return (a.shape, a.dtype, a.strides)
 
 
+# id(plan) -> the allocations its launches read (see MoeInitRoutingV2Grad._pin_arrays).
+_plan_arrays: dict[int, tuple[Any, ...]] = {}
+
+
 class MoeInitRoutingV2Grad:
     """A prepared launch of the op on fixed DeviceArrays: the first phase runs once, and each
     call relaunches the same (repeatable) executor.
@@ -570,7 +574,14 @@ class MoeInitRoutingV2Grad:
         validate: bool = True,
     ) -> None:
         self._h = None
-        self._closed = True
+        self._closed = True  # until the executor exists: close() and __del__ then do nothing
+        self._lock = threading.Lock()
+        # One pool block per stream the plan launched on, kept until close: launches on a
+        # stream are ordered, so its block is never in use twice at once.
+        self._blocks: dict[Stream, Any] = {}
+        # (stream argument, bound launch) of the last slow launch, read and replaced as one
+        # tuple so that a thread never pairs one stream with another stream's launch.
+        self._fast: Any = None
         arrays = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx}
         for name, a in arrays.items():
             if not isinstance(a, DeviceArray):
@@ -596,7 +607,6 @@ class MoeInitRoutingV2Grad:
         self._device = dev
         self._x, self._idx, self._out = x, idx, out
         self._size, self._executor = get_workspace_size(x, idx, top_k, drop_pad_mode, active_num, out, device=dev)
-        self._closed = False
         self._repeatable = repeatable
         if repeatable:
             try:
@@ -604,15 +614,17 @@ class MoeInitRoutingV2Grad:
             except BaseException:
                 self._executor.close()
                 raise
+        self._closed = False
+        self._pin_arrays()
         self._h = self._executor._h
         self._pool = _pool(dev)
-        # One pool block per stream the plan launched on, kept until close: launches on a
-        # stream are ordered, so its block is never in use twice at once.
-        self._blocks: dict[Stream, Any] = {}
-        # (stream argument, bound launch) of the last slow launch, read and replaced as one
-        # tuple so that a thread never pairs one stream with another stream's launch.
-        self._fast: Any = None
-        self._lock = __import__("threading").Lock()
+
+    def _pin_arrays(self) -> None:
+        # Launches of the fast path keep nothing on the stream: the plan's arrays stay
+        # reachable from this registry until close(), which hands them to the streams the
+        # plan used. A plan caught in a reference cycle thus never has its memory freed by the
+        # collector under a queued launch.
+        _plan_arrays[id(self)] = (self._x._alloc, self._idx._alloc, self._out._alloc)
 
     # -- properties
 
@@ -724,6 +736,11 @@ class MoeInitRoutingV2Grad:
                 self._executor.set_output_addr(index, tensor, base)
             tensor._rebind(new)
             setattr(self, {"grad_expanded_x": "_x", "expanded_row_idx": "_idx", "out": "_out"}[name], new)
+        if changes:
+            for s in list(self._blocks):  # launches queued before the rebind still read the old ones
+                if not s.closed:
+                    s._keep(*_plan_arrays.get(id(self), ()))
+            self._pin_arrays()
 
     def close(self) -> None:
         """Destroy the executor and give the workspace back to the pool. Safe twice."""
@@ -733,10 +750,11 @@ class MoeInitRoutingV2Grad:
             self._closed = True
             self._fast = None
             blocks, self._blocks = self._blocks, {}
+        pinned = _plan_arrays.pop(id(self), ())
         for s in blocks:
             if not s.closed:
                 # Launches may still be queued: their arrays must outlive them, not the plan.
-                s._keep(self._x._alloc, self._idx._alloc, self._out._alloc)
+                s._keep(*pinned)
         try:
             self._executor.close()
         finally:

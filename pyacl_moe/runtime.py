@@ -48,6 +48,9 @@ class _Process:
 
 _tls = threading.local()
 
+# id(stream) -> the list of what that stream's queued work still uses (see Stream._init).
+_pending: dict[int, list[Any]] = {}
+
 
 def _thread_current() -> Device | None:
     return getattr(_tls, "device", None)
@@ -218,6 +221,7 @@ class Device:
             except Exception as exc:
                 first_error = first_error or exc
             self._sets = 0
+            _pending.pop(id(self._default_stream), None)  # the device ran and freed it all
             if getattr(_tls, "device", None) is self:
                 _tls.device = None
             try:
@@ -311,7 +315,11 @@ class Stream(_Resource):
         self._generation = device._generation
         # Host buffers and device memory that queued tasks still use: kept alive until the
         # stream is synchronized, because CANN reads them when the task runs, not when queued.
+        # The list is also held by a module-level registry, so that what it keeps stays
+        # reachable even if the stream itself is caught in a reference cycle: the collector
+        # frees such memory only after the stream's finalizer has waited for its work.
         self._keepalive: list[Any] = []
+        _pending[id(self)] = self._keepalive
         self._lock = threading.Lock()
 
     @property
@@ -361,6 +369,8 @@ class Stream(_Resource):
     def _drop_keepalive(self) -> None:
         with self._lock:
             done, self._keepalive = self._keepalive, []
+            if not self._closed:
+                _pending[id(self)] = self._keepalive
         del done  # released outside the lock: finalizers may run here
 
     def wait_event(self, event: Event) -> None:
@@ -382,6 +392,7 @@ class Stream(_Resource):
         self._device._unregister(self)
         if self._is_default or not self._device._alive(self._generation):
             self._closed = True
+            _pending.pop(id(self), None)
             return
         self._device._activate()
         try:
@@ -390,6 +401,7 @@ class Stream(_Resource):
             # Marked closed only once its work has run: whoever sees `closed` may rely on it.
             self._closed = True
             self._keepalive = []
+            _pending.pop(id(self), None)
             _ffi.destroy_stream(self._h)
 
     def close(self) -> None:

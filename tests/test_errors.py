@@ -54,3 +54,21 @@ def test_runtime_status_is_an_acl_runtime_error(device):
         pm.empty((1 << 40,), np.uint8)  # 1 TiB: more than the device has
     assert info.value.status == 207001 and info.value.api == "aclrtMalloc"
     assert "free" in info.value.message
+
+
+def test_every_bindings_wrapper_checks_its_status(device):
+    # The thin per-call functions of the bindings layer, including those nothing above uses
+    # yet: each returns plain values and raises on a failure status.
+    from pyacl_moe import _ffi
+
+    assert _ffi.get_device() == 0
+    host = _ffi.malloc_host(64)
+    assert host != 0
+    _ffi.free_host(host)
+    with pytest.raises(pm.AclRuntimeError) as info:
+        _ffi.free_host(host)  # twice: the vendor's status, not a crash
+    assert info.value.status == 207002
+    arr = pm.to_device(np.zeros(8, np.float32))
+    with pm.AclTensor(arr) as t:
+        _ffi.tensor_set_raw_addr(t._h, arr.data_ptr + 16)
+        assert t.raw_address == arr.data_ptr + 16

@@ -270,3 +270,65 @@ print("ok")
 """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_finalizers_under_constant_garbage_collection(isolated):
+    # Objects caught in reference cycles are freed by the collector, at arbitrary points of
+    # other work, including inside the binding and inside cffi. Their finalizers call CANN:
+    # they must never wait for a lock the interrupted code holds (this once hung the suite).
+    r = isolated("""
+import gc, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+gc.set_threshold(1, 1, 1)
+dev = pm.Device(0)
+case_x, case_i = np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32)
+for i in range(300):
+    s = pm.Stream(dev)
+    x, idx = pm.to_device(case_x, stream=s), pm.to_device(case_i, stream=s)
+    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+    t = pm.AclTensor(x)
+    out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+    plan(s)
+    ev = s.record()
+    cycle = [x, idx, plan, t, out, ev, s]
+    cycle.append(cycle)          # only the collector can free these
+    del x, idx, plan, t, out, ev, s, cycle
+gc.collect()
+dev.synchronize(); pm.empty_cache(); gc.collect()
+st = pm.emulator.stats()
+assert st["tensors"] == 0 and st["executors"] == 0 and st["streams"] == 0, st
+print("ok")
+""", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_work_queued_by_objects_in_a_cycle_finishes_before_their_memory_goes(isolated):
+    # Plans, arrays and streams caught in one reference cycle are freed by the collector in an
+    # order of its choosing. Memory that queued launches read must outlive them: no device
+    # fault may surface, and everything is freed in the end.
+    r = isolated("""
+import gc, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+dev = pm.Device(0)
+faults = pm.emulator.stats()["device_faults"]
+for i in range(50):
+    s = pm.Stream(dev)
+    x = pm.to_device(np.ones((64, 32), np.float32), stream=s)
+    idx = pm.to_device(np.arange(64, dtype=np.int32), stream=s)
+    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+    for _ in range(3):
+        plan(s)                               # queued: the stream is lazy
+    out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+    cycle = [s, x, idx, plan, out]
+    cycle.append(cycle)
+    del s, x, idx, plan, out, cycle
+    gc.collect()                              # frees the cycle while its work is queued
+dev.synchronize(); pm.empty_cache(); gc.collect()
+st = pm.emulator.stats()
+assert st["device_faults"] == faults, "queued work read memory the collector had freed"
+assert st["device_allocations"] == 0 and st["streams"] == 0 and st["executors"] == 0, st
+print("ok")
+""", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
