@@ -607,6 +607,8 @@ class MoeInitRoutingV2Grad:
         self._device = dev
         self._x, self._idx, self._out = x, idx, out
         self._size, self._executor = get_workspace_size(x, idx, top_k, drop_pad_mode, active_num, out, device=dev)
+        # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
+        self._view_offsets = (x.offset, idx.offset, out.offset)
         self._repeatable = repeatable
         if repeatable:
             try:
@@ -704,10 +706,10 @@ class MoeInitRoutingV2Grad:
             raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
         x_t, idx_t, out_t = self._executor.tensors
         changes = []
-        for name, new, old, tensor, kind, index in (
-            ("grad_expanded_x", grad_expanded_x, self._x, x_t, "input", 0),
-            ("expanded_row_idx", expanded_row_idx, self._idx, idx_t, "input", 1),
-            ("out", out, self._out, out_t, "output", 0),
+        for name, new, old, tensor, kind, index, view_offset in (
+            ("grad_expanded_x", grad_expanded_x, self._x, x_t, "input", 0, self._view_offsets[0]),
+            ("expanded_row_idx", expanded_row_idx, self._idx, idx_t, "input", 1, self._view_offsets[1]),
+            ("out", out, self._out, out_t, "output", 0, self._view_offsets[2]),
         ):
             if new is None:
                 continue
@@ -723,13 +725,13 @@ class MoeInitRoutingV2Grad:
                 raise InvalidArgument(
                     name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}"
                 )
-            changes.append((name, new, tensor, kind, index))
+            changes.append((name, new, tensor, kind, index, view_offset))
         # The next launch takes the slow path once: it records the stream on the new out.
         self._fast = None
-        for name, new, tensor, kind, index in changes:
-            # The aclTensor keeps the view offset it was built with: give CANN the base that
-            # puts the first element where the new array has it.
-            base = new.address - tensor.array.offset * new.itemsize
+        for name, new, tensor, kind, index, view_offset in changes:
+            # Give CANN the base that puts the tensor's first element (at its fixed view
+            # offset) where the new array has it.
+            base = new.address - view_offset * new.itemsize
             if kind == "input":
                 self._executor.set_input_addr(index, tensor, base)
             else:

@@ -47,6 +47,10 @@ def test_rebind_accepts_another_offset_but_not_another_layout(device, no_leaks):
     plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
     plan.rebind(grad_expanded_x=shifted)
     assert compare(plan().to_host(), _ref(case)).passed
+    other = make_case(8, 2, 16, "float32", "dropless", seed=30)
+    plan.rebind(grad_expanded_x=pm.to_device(other.grad_expanded_x))  # back to offset 0
+    assert compare(plan().to_host(), pm.reference.moe_init_routing_v2_grad(other.grad_expanded_x,
+                                                                         case.expanded_row_idx, 2)).passed
     with pytest.raises(pm.InvalidArgument, match="build a new plan"):
         plan.rebind(grad_expanded_x=pm.empty((16, 8), np.float32))
     with pytest.raises(pm.InvalidArgument, match="build a new plan"):
