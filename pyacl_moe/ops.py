@@ -11,6 +11,7 @@ copy out) or DeviceArrays (queued on a stream, returns at once).
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any
 
@@ -167,9 +168,11 @@ def get_workspace_size(
                 dev = t.array.device
         dev = dev or current_device()
         dev._activate()
+        # operator.index: ints pass (NumPy's too), a float is a TypeError, never truncated.
         size, h = _ffi.moe_get_workspace_size(
             tx._use() if tx else None, ti._use() if ti else None,
-            int(top_k), int(drop_pad_mode), int(active_num), to._use() if to else None,
+            operator.index(top_k), operator.index(drop_pad_mode), operator.index(active_num),
+            to._use() if to else None,
         )
     except BaseException:
         for t in owned:
