@@ -39,7 +39,6 @@ ACL_MEMCPY_DEVICE_TO_HOST = 2
 ACL_MEMCPY_DEVICE_TO_DEVICE = 3
 ACL_FORMAT_ND = 2
 ACL_ERROR_REPEAT_INITIALIZE = 100002
-ACL_DATA_TYPES: dict[str, int] = {"float32": 0, "float16": 1, "int32": 3, "bfloat16": 27}
 
 ffi = cffi.FFI()
 _NULL = ffi.NULL

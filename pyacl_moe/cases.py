@@ -42,7 +42,6 @@ STANDARDS: dict[str, Standard] = {
     "float16": Standard(rtol=1e-3, atol=1e-3, max_share=1e-3),
     "bfloat16": Standard(rtol=4e-3, atol=4e-3, max_share=4e-3),
 }
-TOLERANCES: dict[str, tuple[float, float]] = {k: (v.rtol, v.atol) for k, v in STANDARDS.items()}
 
 
 def dtype_name(dtype: Any) -> str:

@@ -1,17 +1,16 @@
 """Status codes and exceptions.
 
-Every status a CANN call returns goes through :func:`raise_for_status`, which turns a failure
-into an :class:`AclError` carrying the status, its name from the table below, the API that
-returned it and the vendor's own message (``aclGetRecentErrMsg``). Op-API codes (161xxx,
-361xxx, 561xxx) raise :class:`AclnnError`; the runtime's raise :class:`AclRuntimeError`. What
-the binding refuses on the host, before calling CANN, raises :class:`InvalidArgument`.
+Every status a CANN call returns is checked by the bindings layer (``_ffi.check``), which turns
+a failure, through :func:`error_for`, into an :class:`AclError` carrying the status, its name
+from the table below, the API that returned it and the vendor's own message
+(``aclGetRecentErrMsg``). Op-API codes (161xxx, 361xxx, 561xxx) raise :class:`AclnnError`;
+the runtime's raise :class:`AclRuntimeError`. What the binding refuses on the host, before
+calling CANN, raises :class:`InvalidArgument`.
 
 This module touches no cffi object: the loader hands it plain ints and strings.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 # code -> (name, what it means). Names and values are CANN 8.x's; the explanations are ours.
 _TABLE: dict[int, tuple[str, str]] = {
@@ -333,9 +332,3 @@ def error_for(status: int, api: str, message: str = "") -> AclError:
     cls = AclnnError if is_aclnn_status(status) else AclRuntimeError
     return cls(status, api, message)
 
-
-def raise_for_status(status: int, api: str, get_message: Callable[[], str]) -> None:
-    """Raise the matching AclError if ``status`` is not success. ``get_message`` fetches the
-    vendor's message and is called only on failure."""
-    if status:
-        raise error_for(status, api, get_message())
