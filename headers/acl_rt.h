@@ -1,6 +1,6 @@
 /*
  * pyacl-moe declarations for the CANN 8.x header acl/acl_rt.h: the device,
- * stream, event and memory calls this project makes. Needs acl_base.h first.
+ * context, stream, event and memory calls this project makes. Needs acl_base.h first.
  */
 
 typedef enum aclrtMemcpyKind {
@@ -43,17 +43,31 @@ typedef enum aclrtMemAttr {
     ACL_HBM_MEM_P2P_HUGE1G = 11
 } aclrtMemAttr;
 
+typedef enum aclrtEventRecordedStatus {
+    ACL_EVENT_RECORDED_STATUS_NOT_READY = 0,
+    ACL_EVENT_RECORDED_STATUS_COMPLETE = 1
+} aclrtEventRecordedStatus;
+
+typedef enum aclrtStreamStatus {
+    ACL_STREAM_STATUS_COMPLETE = 0,
+    ACL_STREAM_STATUS_NOT_READY = 1,
+    ACL_STREAM_STATUS_RESERVED = 0xFFFF
+} aclrtStreamStatus;
+
 aclError aclrtGetDeviceCount(uint32_t *count);
 aclError aclrtSetDevice(int32_t deviceId);
 aclError aclrtGetDevice(int32_t *deviceId);
 aclError aclrtResetDevice(int32_t deviceId);
 aclError aclrtSynchronizeDevice(void);
+aclError aclrtSetCurrentContext(aclrtContext context);
+aclError aclrtGetCurrentContext(aclrtContext *context);
 
 aclError aclrtCreateStream(aclrtStream *stream);
 aclError aclrtDestroyStream(aclrtStream stream);
 aclError aclrtSynchronizeStream(aclrtStream stream);
 aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout);
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
+aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status);
 
 aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy);
 aclError aclrtFree(void *devPtr);
@@ -72,4 +86,5 @@ aclError aclrtCreateEvent(aclrtEvent *event);
 aclError aclrtDestroyEvent(aclrtEvent event);
 aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);
 aclError aclrtSynchronizeEvent(aclrtEvent event);
+aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
 aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);

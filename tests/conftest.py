@@ -17,12 +17,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import cffi
 import pytest
 
 import pyacl_moe
-from pyacl_moe import _paths
-from pyacl_moe import emulator as emulator_mod
+
+from .emu_raw import Emu
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND = os.environ.get("PYACL_MOE_TEST_BACKEND", "emulator")
@@ -43,71 +42,6 @@ def pytest_collection_modifyitems(config, items):
 def _needs_emulator():
     if BACKEND != "emulator":
         pytest.skip("emulator-only test")
-
-
-class Emu:
-    """Direct cffi access to the emulated libraries."""
-
-    SUCCESS = 0
-
-    def __init__(self) -> None:
-        self.home = emulator_mod.build()
-        self.ffi = cffi.FFI()
-        for name in _paths.HEADER_FILES:
-            self.ffi.cdef((_paths.headers_dir() / name).read_text())
-        self.ffi.cdef((ROOT / "pyacl_moe" / "emulator" / "src" / "aclemu.h").read_text())
-        self.ffi.cdef("void free(void *);")
-        lib64 = Path(self.home) / "lib64"
-        self.acl = self.ffi.dlopen(str(lib64 / "libascendcl.so"))
-        self.nn = self.ffi.dlopen(str(lib64 / "libnnopbase.so"))
-        self.op = self.ffi.dlopen(str(lib64 / "libopapi.so"))
-        self.libc = self.ffi.dlopen(None)
-        self.NULL = self.ffi.NULL
-
-    # -- conveniences
-
-    def msg(self) -> str:
-        p = self.acl.aclGetRecentErrMsg()
-        return self.ffi.string(p).decode() if p != self.NULL else ""
-
-    def ok(self, status: int) -> None:
-        assert status == 0, f"status {status}: {self.msg()}"
-
-    def stats(self) -> dict[str, int]:
-        s = self.ffi.new("aclemuStats *")
-        self.acl.aclemuGetStats(s)
-        return {n: int(getattr(s, n)) for n, _ in self.ffi.typeof("aclemuStats").fields}
-
-    def malloc(self, size: int) -> object:
-        p = self.ffi.new("void **")
-        self.ok(self.acl.aclrtMalloc(p, size, 0))
-        return p[0]
-
-    def h2d(self, dev: object, data: bytes | bytearray | memoryview) -> None:
-        buf = self.ffi.from_buffer(data)
-        self.ok(self.acl.aclrtMemcpy(dev, len(buf), buf, len(buf), 1))
-
-    def d2h(self, dev: object, nbytes: int) -> bytes:
-        buf = bytearray(nbytes)
-        cbuf = self.ffi.from_buffer(buf)
-        self.ok(self.acl.aclrtMemcpy(cbuf, nbytes, dev, nbytes, 2))
-        return bytes(buf)
-
-    def tensor(self, shape, dtype: int, dev: object, strides=None, offset: int = 0, storage=None, fmt: int = 2):
-        shape = list(shape)
-        if strides is None:
-            strides, acc = [], 1
-            for n in reversed(shape):
-                strides.insert(0, acc)
-                acc *= n
-        storage = list(storage) if storage is not None else shape
-        t = self.nn.aclCreateTensor(
-            self.ffi.new("int64_t[]", shape or [0]), len(shape), dtype,
-            self.ffi.new("int64_t[]", list(strides) or [0]), offset, fmt,
-            self.ffi.new("int64_t[]", storage or [0]), len(storage), dev,
-        )
-        assert t != self.NULL, self.msg()
-        return t
 
 
 @pytest.fixture(scope="session")

@@ -44,6 +44,14 @@ void aclemuClearFaults(void);
 int aclemuSetMutation(const char *name);
 const char *aclemuGetMutation(void);
 
+/* How streams execute. "async" (the default, or PYACL_MOE_EMU_STREAMS=async): a device engine
+ * thread runs queued work in the background, as hardware does, and a thread that synchronizes
+ * helps it. "lazy" (PYACL_MOE_EMU_STREAMS=lazy): queued work runs only when something waits for
+ * it (a synchronize, an event wait, destroying the stream, resetting the device), so a test can
+ * see work that is queued and not yet run. Returns 0, or -1 for an unknown name. */
+int aclemuSetStreamMode(const char *mode);
+const char *aclemuGetStreamMode(void);
+
 /* Checks the guard bytes of every live device allocation; returns how many are corrupt. */
 int64_t aclemuCheckGuards(void);
 /* Test hook: overwrite one guard byte of the allocation holding devPtr, as a stray device
