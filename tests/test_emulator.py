@@ -140,6 +140,17 @@ def res(emu):
     r.close()
 
 
+@pytest.fixture
+def lazy(emu):
+    """Lazy streams for the test (work runs only when something waits for it), so that it can
+    see queued-but-not-run work deterministically; async (the default) again afterwards."""
+    assert emu.acl.aclemuSetStreamMode(b"lazy") == 0
+    try:
+        yield emu
+    finally:
+        assert emu.acl.aclemuSetStreamMode(b"async") == 0
+
+
 def phase1(emu, x, idx, k, mode, active, out):
     """First phase: (status, workspace size, executor)."""
     ws = emu.ffi.new("uint64_t *")
@@ -901,9 +912,9 @@ def test_zero_size_3d_x_in_active_mode_does_not_crash(isolated):
     assert r == {"phase1": 0, "phase2": 0, "sync": RT_AICORE_EXCEPTION}
 
 
-# ============================================================================ 4. lazy streams
+# ============================================================================ 4. lazy streams (queued work runs only when waited for)
 
-def test_kernel_runs_only_when_stream_is_synchronized(emu, res):
+def test_kernel_runs_only_when_stream_is_synchronized(emu, res, lazy):
     rng = np.random.default_rng(21)
     x, idx, mode, act = make_case(rng, "dropless", n=8, k=2, h=5, dtype=ACL_FLOAT)
     xt, it, ot, out_p = op_on(emu, res, x, idx, 2, mode, act, ACL_FLOAT, sentinel=7.0)
@@ -922,7 +933,7 @@ def test_kernel_runs_only_when_stream_is_synchronized(emu, res):
     assert_matches(res.read(out_p, (8, 5), np.float32), ref, mag)
 
 
-def test_async_copies_and_memset_are_ordered(emu, res):
+def test_async_copies_and_memset_are_ordered(emu, res, lazy):
     ffi = emu.ffi
     s = res.stream()
     a, b = res.dev(bytes(range(256))), res.dev(256)
@@ -1074,30 +1085,19 @@ def test_launch_captures_addresses_bound_at_launch(emu, res):
     emu.ok(emu.nn.aclDestroyAclOpExecutor(ex))
 
 
-def test_second_phase_errors_leave_one_shot_executor_alive(emu, res):
+def test_argument_check_failures_leave_one_shot_executor_alive(emu, res):
+    # nnopbase's own argument checks (null executor, null workspace, workspaceSize below the
+    # first phase's figure) return before its recycling guard: the executor survives them.
     x, idx, xt, it, ot, out_p = _simple(emu, res, seed=44)
     before = emu.stats()["executors"]
     st, ws, ex = phase1(emu, xt, it, 2, 0, 0, ot)
     emu.ok(st)
     wsp = res.workspace()
-    small = res.dev(1 << 20)
-    gone = emu.malloc(WORKSPACE)
-    emu.ok(emu.acl.aclrtFree(gone))
-    dead_stream = emu.ffi.new("aclrtStream *")
-    emu.ok(emu.acl.aclrtCreateStream(dead_stream))
-    emu.ok(emu.acl.aclrtDestroyStream(dead_stream[0]))
     launches = emu.stats()["kernels_launched"]
     f = emu.op.aclnnMoeInitRoutingV2Grad
     assert f(wsp, ws - 1, ex, emu.NULL) == ACLNN_ERR_PARAM_INVALID
     assert "workspaceSize is 16777215" in emu.msg()
     assert f(emu.NULL, ws, ex, emu.NULL) == ACLNN_ERR_PARAM_NULLPTR
-    assert f(small, ws, ex, emu.NULL) == ACLNN_ERR_PARAM_INVALID   # block too small
-    assert "not inside a live device allocation" in emu.msg()
-    assert f(gone, ws, ex, emu.NULL) == ACLNN_ERR_PARAM_INVALID    # freed block
-    host = bytearray(WORKSPACE)
-    assert f(emu.ffi.from_buffer(host), ws, ex, emu.NULL) == ACLNN_ERR_PARAM_INVALID
-    assert f(wsp, ws, ex, dead_stream[0]) == ACLNN_ERR_RUNTIME_ERROR
-    assert f(wsp, ws, ex, emu.ffi.cast("void *", 0x1234)) == ACLNN_ERR_RUNTIME_ERROR
     assert f(wsp, ws, emu.NULL, emu.NULL) == ACLNN_ERR_PARAM_NULLPTR
     assert emu.stats()["kernels_launched"] == launches
     assert emu.stats()["executors"] == before + 1  # every rejection left it alive
@@ -1107,6 +1107,43 @@ def test_second_phase_errors_leave_one_shot_executor_alive(emu, res):
     assert emu.stats()["executors"] == before
     ref, mag = reference(x, idx, 2, 0, 0, np.float32)
     assert_matches(res.read(out_p, (4, 3), np.float32), ref, mag)
+
+
+LATE_FAILURES = ["small-block", "freed-block", "host-workspace", "dead-stream", "foreign-stream"]
+
+
+@pytest.mark.parametrize("bad", LATE_FAILURES)
+def test_launch_failing_past_argument_checks_consumes_one_shot_executor(emu, res, bad):
+    # Past its argument checks nnopbase recycles a one-shot executor whatever happens next
+    # (NnopbaseExecutorRunWithWorkspace's guard), so a launch that then fails consumed it.
+    _, _, xt, it, ot, _ = _simple(emu, res, seed=46)
+    before = emu.stats()["executors"]
+    st, ws, ex = phase1(emu, xt, it, 2, 0, 0, ot)
+    emu.ok(st)
+    wsp, stream = res.workspace(), emu.NULL
+    host = bytearray(WORKSPACE)
+    if bad == "small-block":
+        wsp, want = res.dev(1 << 20), ACLNN_ERR_PARAM_INVALID
+    elif bad == "freed-block":
+        wsp = emu.malloc(WORKSPACE)
+        emu.ok(emu.acl.aclrtFree(wsp))
+        want = ACLNN_ERR_PARAM_INVALID
+    elif bad == "host-workspace":
+        wsp, want = emu.ffi.from_buffer(host), ACLNN_ERR_PARAM_INVALID
+    elif bad == "dead-stream":
+        s = emu.ffi.new("aclrtStream *")
+        emu.ok(emu.acl.aclrtCreateStream(s))
+        emu.ok(emu.acl.aclrtDestroyStream(s[0]))
+        stream, want = s[0], ACLNN_ERR_RUNTIME_ERROR
+    else:
+        stream, want = emu.ffi.cast("void *", 0x1234), ACLNN_ERR_RUNTIME_ERROR
+    launches = emu.stats()["kernels_launched"]
+    assert emu.op.aclnnMoeInitRoutingV2Grad(wsp, ws, ex, stream) == want
+    assert emu.stats()["executors"] == before  # consumed, success or not
+    assert emu.stats()["kernels_launched"] == launches
+    assert emu.op.aclnnMoeInitRoutingV2Grad(res.workspace(), ws, ex, emu.NULL) == ACLNN_ERR_PARAM_INVALID
+    assert "already consumed" in emu.msg()
+    assert emu.nn.aclDestroyAclOpExecutor(ex) == ACLNN_ERR_PARAM_INVALID
 
 
 def test_rejected_launch_then_destroy(emu, res):
@@ -1275,7 +1312,7 @@ def test_two_threads_two_streams(emu):
 
 # ============================================================================ 11. events
 
-def test_synchronize_event_runs_stream_up_to_event(emu, res):
+def test_synchronize_event_runs_stream_up_to_event(emu, res, lazy):
     x, idx, xt, it, ot, out_p = _simple(emu, res, seed=51)
     out2 = res.dev(np.full((4, 3), 7.0, np.float32))
     ot2 = res.tensor((4, 3), ACL_FLOAT, out2)
@@ -1291,7 +1328,7 @@ def test_synchronize_event_runs_stream_up_to_event(emu, res):
     assert_matches(res.read(out2, (4, 3), np.float32), ref, mag)
 
 
-def test_event_elapsed_time(emu, res):
+def test_event_elapsed_time(emu, res, lazy):
     s = res.stream()
     a, b, never = res.event(), res.event(), res.event()
     ms = emu.ffi.new("float *", -1.0)
@@ -1309,7 +1346,7 @@ def test_event_elapsed_time(emu, res):
     assert emu.acl.aclrtEventElapsedTime(ms, never, b) == RT_EVENT_TIMESTAMP_INVALID
 
 
-def test_stream_wait_event_orders_streams(emu, res):
+def test_stream_wait_event_orders_streams(emu, res, lazy):
     x, idx, xt, it, ot, out_p = _simple(emu, res, seed=52)
     s1, s2, ev = res.stream(), res.stream(), res.event()
     copy = res.dev(np.zeros((4, 3), np.float32))
@@ -1337,7 +1374,8 @@ EXPECTED_SYMBOLS = {
         aclrtCreateStream aclrtDestroyStream aclrtSynchronizeStream aclrtSynchronizeStreamWithTimeout
         aclrtStreamWaitEvent aclrtMalloc aclrtFree aclrtMallocHost aclrtFreeHost aclrtMemcpy
         aclrtMemcpyAsync aclrtMemset aclrtMemsetAsync aclrtGetMemInfo aclrtCreateEvent
-        aclrtDestroyEvent aclrtRecordEvent aclrtSynchronizeEvent aclrtEventElapsedTime""",
+        aclrtDestroyEvent aclrtRecordEvent aclrtSynchronizeEvent aclrtEventElapsedTime
+        aclrtQueryEventStatus aclrtStreamQuery aclrtSetCurrentContext aclrtGetCurrentContext""",
     "libnnopbase.so": """aclCreateTensor aclDestroyTensor aclCreateScalar aclDestroyScalar
         aclCreateIntArray aclDestroyIntArray aclGetViewShape aclGetViewStrides aclGetViewOffset
         aclGetStorageShape aclGetDataType aclGetFormat aclSetAclOpExecutorRepeatable

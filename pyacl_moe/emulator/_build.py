@@ -27,7 +27,7 @@ SRC_DIR = Path(__file__).resolve().parent / "src"
 # Which sources make which library, in link order: each library links against the ones
 # before it, by soname, and finds them at run time through $ORIGIN, as CANN's libraries do.
 LIBRARIES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("ascendcl", ("ascendcl.c",), ()),
+    ("ascendcl", ("rt_state.c", "rt_device.c", "rt_stream.c", "rt_memory.c"), ()),
     ("nnopbase", ("nnopbase.c",), ("ascendcl",)),
     ("opapi", ("opapi.c", "kernel.c"), ("nnopbase", "ascendcl")),
 )

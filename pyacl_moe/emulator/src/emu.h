@@ -78,6 +78,21 @@ EMU_API void aclemuSetErrMsg(const char *api, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Fault injection check: the injected status for this call, or 0. */
 EMU_API int aclemuFaultPoint(const char *api, int default_status);
+
+/* The first statement of every CANN entry point: names the function `api` (for messages and
+ * fault matching; __func__ is the CANN name) and returns an injected fault at once. The _NULL
+ * form is for functions that return a pointer. */
+#define EMU_ENTRY(default_status)                                 \
+    const char *const api = __func__;                             \
+    do {                                                          \
+        int emu_fault_ = aclemuFaultPoint(api, (default_status)); \
+        if (emu_fault_) return emu_fault_;                        \
+    } while (0)
+#define EMU_ENTRY_NULL(default_status)                   \
+    const char *const api = __func__;                    \
+    do {                                                 \
+        if (aclemuFaultPoint(api, (default_status))) return NULL; \
+    } while (0)
 /* 0 when aclInit was called and the calling thread has a current device (stored in *device);
  * otherwise the CANN status and a message. */
 EMU_API int aclemuRequireDevice(const char *api, int32_t *device);
@@ -129,15 +144,18 @@ typedef struct emu_executor_info {
     const aclTensor *output_tensor[EMU_EXEC_MAX_IO];
     void *op_data; /* owned, freed with op_free */
     void (*op_free)(void *);
+    void *consumed; /* set by a consuming aclemuExecutorAcquire: pass to aclemuExecutorRelease */
 } emu_executor_info;
 
 EMU_API aclOpExecutor *aclemuExecutorCreate(const emu_executor_info *info);
 /* Copy a live executor's state into *info (op_data is borrowed). With `consume`, a one-shot
- * executor is taken for a launch and no longer live. Returns 0, or a status with the message. */
+ * executor is taken for a launch: its handle is stale at once, and info->consumed keeps the
+ * object (and op_data) alive until aclemuExecutorRelease. Returns 0, or a status with the
+ * message. */
 EMU_API int aclemuExecutorAcquire(const char *api, aclOpExecutor *ex, emu_executor_info *info,
                                   int consume);
 /* Finish a launch started with aclemuExecutorAcquire: frees a consumed one-shot executor. */
-EMU_API void aclemuExecutorRelease(aclOpExecutor *ex);
+EMU_API void aclemuExecutorRelease(emu_executor_info *info);
 
 /* ---- small helpers shared by the three libraries (static, one copy each) ---- */
 

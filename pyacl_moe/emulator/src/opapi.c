@@ -4,7 +4,8 @@
  * The first phase checks what the vendor checks, in the vendor's order and with its status
  * codes: null tensors (161001), data types (161002), then the tiling conditions (561002). It
  * reads no tensor memory. The second phase checks workspace, executor and stream, queues the
- * kernel on the stream and returns at once.
+ * kernel on the stream and returns at once; a one-shot executor is consumed by every launch
+ * that passes the argument checks, as the vendor's nnopbase recycles it.
  */
 #define _GNU_SOURCE
 #include <limits.h>
@@ -18,7 +19,6 @@
 #define MOE_WORKSPACE_BYTES ((uint64_t)16 * 1024 * 1024)
 
 static const char *const API1 = "aclnnMoeInitRoutingV2GradGetWorkspaceSize";
-static const char *const API2 = "aclnnMoeInitRoutingV2Grad";
 
 typedef struct moe_op {
     moe_kernel_args args; /* addresses are refreshed from the executor at each launch */
@@ -274,50 +274,48 @@ static void kernel_release(void *p) { free(p); }
 
 EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspaceSize,
                                               aclOpExecutor *executor, aclrtStream stream) {
-    int f = aclemuFaultPoint(API2, ACLNN_ERR_INNER);
-    if (f) return f;
+    EMU_ENTRY(ACLNN_ERR_INNER);
+    /* The vendor's argument checks (nnopbase's NnopbaseRunWithWorkspace) return without
+     * touching the executor: null executor, null workspace, workspaceSize below what the first
+     * phase asked for. Past them a guard recycles a one-shot executor whatever happens next,
+     * so every later failure (device, stream, workspace block) consumes it too. */
     if (!executor) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_NULLPTR, "executor is a null pointer");
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "executor is a null pointer");
         return ACLNN_ERR_PARAM_NULLPTR;
     }
-    /* Everything is checked before a one-shot executor is taken, so a rejected launch leaves
-     * it alive for a corrected retry or for aclDestroyAclOpExecutor. */
     emu_executor_info info;
-    int st = aclemuExecutorAcquire(API2, executor, &info, 0);
+    int st = aclemuExecutorAcquire(api, executor, &info, 0);
     if (st) return st;
     const moe_op *op = info.op_data;
     if (op->unchecked) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_INVALID,
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
                         "this executor was built with the first phase's checks skipped by fault "
                         "injection; it is not launched, since its shapes were never validated");
         return ACLNN_ERR_PARAM_INVALID;
     }
     if (workspaceSize < info.workspace_size) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_INVALID,
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
                         "workspaceSize is %llu but the first phase asked for %llu bytes",
                         (unsigned long long)workspaceSize,
                         (unsigned long long)info.workspace_size);
         return ACLNN_ERR_PARAM_INVALID;
     }
     if (info.workspace_size && !workspace) {
-        aclemuSetErrMsg(API2, ACLNN_ERR_PARAM_NULLPTR,
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR,
                         "workspace is a null pointer but %llu bytes are needed",
                         (unsigned long long)info.workspace_size);
         return ACLNN_ERR_PARAM_NULLPTR;
     }
     if (!info.repeatable) {
-        /* Check the runtime side too, then take the executor. */
-        st = aclemuLaunch(API2, info.device, stream, (uintptr_t)workspace, info.workspace_size,
-                          NULL, NULL, NULL, NULL);
-        if (st) return st;
-        st = aclemuExecutorAcquire(API2, executor, &info, 1);
+        /* Take it now (another thread may have launched it meanwhile: then it is stale). */
+        st = aclemuExecutorAcquire(api, executor, &info, 1);
         if (st) return st;
         op = info.op_data;
     }
     moe_kernel_args *k = malloc(sizeof *k);
     if (!k) {
-        if (!info.repeatable) aclemuExecutorRelease(executor);
-        aclemuSetErrMsg(API2, ACLNN_ERR_INNER, "out of host memory");
+        aclemuExecutorRelease(&info);
+        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
         return ACLNN_ERR_INNER;
     }
     /* A launch captures the addresses bound now; later rebinding affects later launches. */
@@ -327,8 +325,8 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
     k->out.addr = info.output_addr[0];
     k->workspace = (uintptr_t)workspace;
     k->workspace_size = info.workspace_size;
-    if (!info.repeatable) aclemuExecutorRelease(executor); /* frees the consumed executor */
-    st = aclemuLaunch(API2, info.device, stream, (uintptr_t)workspace, info.workspace_size,
+    aclemuExecutorRelease(&info); /* frees a consumed one-shot executor */
+    st = aclemuLaunch(api, info.device, stream, (uintptr_t)workspace, info.workspace_size,
                       &k->mutation, moe_kernel_run, kernel_release, k);
     if (st) return st;
     aclemuCountAdd(EMU_C_KERNELS_LAUNCHED, 1);

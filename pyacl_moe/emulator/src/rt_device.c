@@ -1,0 +1,218 @@
+/*
+ * Emulated libascendcl.so, devices and contexts.
+ *
+ * aclrtSetDevice/aclrtResetDevice are reference-counted per device across the process. The
+ * count going 0 -> 1 creates the device's default context and default stream; going back to 0
+ * runs the device's queued work and releases its streams, events, memory and context. A
+ * thread's current device is the device of its current context: aclrtSetDevice makes the
+ * device's default context current, aclrtSetCurrentContext switches to another one without
+ * touching any reference count.
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rt_internal.h"
+
+int device_active_locked(int32_t d) {
+    return g_initialized && d >= 0 && d < g_device_count && g_devices[d].refcount > 0;
+}
+
+int32_t current_device_locked(void) {
+    const emu_context *c = emu_ht_get(&g_contexts, (const void *)tls_ctx);
+    return c && device_active_locked(c->device) ? c->device : -1;
+}
+
+int require_device_locked(const char *api, int32_t *device) {
+    config_locked();
+    if (!g_initialized) {
+        aclemuSetErrMsg(api, ACL_ERROR_UNINITIALIZE, "aclInit has not been called");
+        return ACL_ERROR_UNINITIALIZE;
+    }
+    int32_t d = current_device_locked();
+    if (d < 0) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_CONTEXT_NULL,
+                        "no current device on this thread: call aclrtSetDevice first");
+        return ACL_ERROR_RT_CONTEXT_NULL;
+    }
+    if (device) *device = d;
+    return 0;
+}
+
+EMU_API int aclemuRequireDevice(const char *api, int32_t *device) {
+    pthread_mutex_lock(&g_lock);
+    int st = require_device_locked(api, device);
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+/* CANN releases the default context, its streams and the device memory of the process once
+ * the device's last reference goes. Queued work runs first, as the hardware would finish it. */
+void device_teardown_locked(int32_t d) {
+    emu_device *dev = &g_devices[d];
+    drain_device_locked(d);
+    event_release_all_of_device_locked(d);
+    stream_release_all_of_device_locked(d);
+    if (dev->default_stream) {
+        dev->default_stream->dead = 1;
+        stream_unref_locked(dev->default_stream);
+        dev->default_stream = NULL;
+    }
+    if (dev->context) {
+        emu_ht_remove(&g_contexts, (const void *)dev->context->handle);
+        free(dev->context);
+        dev->context = NULL;
+    }
+    release_device_blocks_locked(d);
+    dev->used = 0; /* va_bump is kept: old pointers must not alias new blocks */
+}
+
+EMU_API aclError aclrtGetDeviceCount(uint32_t *count) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!count) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "count is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    config_locked();
+    *count = (uint32_t)g_device_count;
+    pthread_mutex_unlock(&g_lock);
+    return ACL_SUCCESS;
+}
+
+/* The device's default context and stream, created when its count goes 0 -> 1. */
+static int device_open_locked(const char *api, int32_t d) {
+    emu_device *dev = &g_devices[d];
+    if (reserve_va_locked(dev)) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_MEMORY_ALLOCATION, "cannot reserve a device address range");
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    emu_context *c = calloc(1, sizeof *c);
+    emu_stream *s = c ? stream_new_locked(d, 1) : NULL;
+    if (!s || emu_ht_add(&g_contexts, c, &c->handle)) {
+        if (s) stream_unref_locked(s);
+        free(c);
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INTERNAL_ERROR, "out of host memory");
+        return ACL_ERROR_RT_INTERNAL_ERROR;
+    }
+    c->device = d;
+    dev->context = c;
+    dev->default_stream = s;
+    return 0;
+}
+
+EMU_API aclError aclrtSetDevice(int32_t deviceId) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
+        st = ACL_ERROR_RT_INVALID_DEVICEID;
+        aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId, g_device_count);
+    }
+    if (!st && g_devices[deviceId].refcount == 0) st = device_open_locked(api, deviceId);
+    if (!st) {
+        g_devices[deviceId].refcount++;
+        count_add(EMU_C_DEVICES_SET, 1);
+        tls_ctx = g_devices[deviceId].context->handle;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtGetDevice(int32_t *deviceId) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!deviceId) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "deviceId is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int st = require_device_locked(api, deviceId);
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtResetDevice(int32_t deviceId) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
+        st = ACL_ERROR_RT_INVALID_DEVICEID;
+        aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId, g_device_count);
+    } else if (!st && g_devices[deviceId].refcount == 0) {
+        st = ACL_ERROR_RT_PARAM_INVALID;
+        aclemuSetErrMsg(api, st, "device %d is not set (more resets than aclrtSetDevice calls)",
+                        (int)deviceId);
+    }
+    if (!st) {
+        count_add(EMU_C_DEVICES_SET, -1);
+        if (--g_devices[deviceId].refcount == 0) device_teardown_locked(deviceId);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtSynchronizeDevice(void) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    if (!st) {
+        char msg[EMU_MSG_LEN];
+        emu_stream *def = g_devices[d].default_stream;
+        def->refs++;
+        drain_device_locked(d);
+        st = take_pending_locked(def, msg, sizeof msg);
+        for (uint32_t i = 0; !st && i < g_streams.n; i++) {
+            emu_stream *s = emu_ht_at(&g_streams, i);
+            if (s && s->device == d) st = take_pending_locked(s, msg, sizeof msg);
+        }
+        stream_unref_locked(def);
+        if (st) aclemuSetErrMsg(api, st, "%s", msg);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+/* ------------------------------------------------------------------ contexts */
+
+EMU_API aclError aclrtSetCurrentContext(aclrtContext context) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!context) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "context is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    const emu_context *c = NULL;
+    if (!st && !(c = emu_ht_get(&g_contexts, context))) {
+        st = ACL_ERROR_RT_INVALID_HANDLE;
+        aclemuSetErrMsg(api, st,
+                        "context %p is not a live context (its device was reset, or it never "
+                        "existed)",
+                        context);
+    }
+    if (!st) tls_ctx = c->handle; /* no reference count changes: that is the point */
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtGetCurrentContext(aclrtContext *context) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!context) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "context is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    const emu_context *c = NULL;
+    if (!st && !(c = emu_ht_get(&g_contexts, (const void *)tls_ctx))) {
+        st = ACL_ERROR_RT_CONTEXT_NULL;
+        aclemuSetErrMsg(api, st,
+                        "this thread has no current context: call aclrtSetDevice or "
+                        "aclrtSetCurrentContext first");
+    }
+    if (!st) *context = (aclrtContext)c->handle;
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}

@@ -1,0 +1,568 @@
+/*
+ * Emulated libascendcl.so, memory: device blocks in a PROT_NONE address range reserved per
+ * device (a device pointer is never a valid host pointer), backed by host memory with guard
+ * bytes on both sides; host blocks; synchronous and asynchronous copies and memsets.
+ *
+ * A task that touches device memory pins the block, so a concurrent aclrtFree cannot release
+ * the backing store while the task still uses it.
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "rt_internal.h"
+
+/* ------------------------------------------------------------------ device memory */
+
+emu_block *find_block_locked(uintptr_t addr, size_t *index) {
+    size_t lo = 0, hi = g_nblocks;
+    while (lo < hi) { /* first block with addr > target */
+        size_t mid = (lo + hi) / 2;
+        if (g_blocks[mid]->addr <= addr) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo == 0) return NULL;
+    emu_block *b = g_blocks[lo - 1];
+    if (addr >= b->addr + b->padded) return NULL;
+    if (index) *index = lo - 1;
+    return b;
+}
+
+static int in_device_va_locked(uintptr_t p) {
+    for (int d = 0; d < EMU_MAX_DEVICES; d++) {
+        emu_device *dev = &g_devices[d];
+        if (dev->va_base && p >= (uintptr_t)dev->va_base && p < (uintptr_t)dev->va_base + dev->va_size)
+            return 1;
+    }
+    return 0;
+}
+
+static int guards_ok(const emu_block *b) {
+    for (size_t i = 0; i < EMU_GUARD; i++)
+        if (b->base[i] != EMU_GUARD_BYTE || b->base[EMU_GUARD + b->padded + i] != EMU_GUARD_BYTE)
+            return 0;
+    return 1;
+}
+
+void block_release_locked(emu_block *b) {
+    emu_device *dev = &g_devices[b->device];
+    dev->used -= b->padded;
+    count_add(EMU_C_DEVICE_ALLOCATIONS, -1);
+    count_add(EMU_C_DEVICE_BYTES, -((int64_t)b->size));
+    b->freed = 1;
+    if (b->pins == 0) {
+        free(b->base);
+        free(b);
+    }
+}
+
+int reserve_va_locked(emu_device *dev) {
+    if (dev->va_base) return 0;
+    for (size_t size = (size_t)1 << 40; size >= ((size_t)1 << 34); size >>= 1) {
+        void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p != MAP_FAILED) {
+            dev->va_base = p;
+            dev->va_size = size;
+            dev->va_bump = EMU_VA_GAP;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* Find device addresses for `span` bytes: bump allocation first (addresses are not reused
+ * while there is room, so a stale pointer never aliases a new block), then first fit. */
+static int place_locked(int32_t d, size_t span, uintptr_t *addr) {
+    emu_device *dev = &g_devices[d];
+    size_t start = (dev->va_bump + EMU_DEV_ALIGN - 1) & ~(size_t)(EMU_DEV_ALIGN - 1);
+    if (start + span + EMU_VA_GAP <= dev->va_size) {
+        *addr = (uintptr_t)dev->va_base + start;
+        dev->va_bump = start + span + EMU_VA_GAP;
+        return 0;
+    }
+    uintptr_t lo = (uintptr_t)dev->va_base + EMU_VA_GAP;
+    uintptr_t end = (uintptr_t)dev->va_base + dev->va_size;
+    for (size_t i = 0; i <= g_nblocks; i++) {
+        uintptr_t next = end;
+        if (i < g_nblocks) {
+            if (g_blocks[i]->device != d) continue;
+            next = g_blocks[i]->addr;
+        }
+        uintptr_t cand = (lo + EMU_DEV_ALIGN - 1) & ~(uintptr_t)(EMU_DEV_ALIGN - 1);
+        if (cand + span + EMU_VA_GAP <= next) {
+            *addr = cand;
+            return 0;
+        }
+        if (i < g_nblocks) lo = g_blocks[i]->addr + g_blocks[i]->padded + EMU_VA_GAP;
+    }
+    return -1;
+}
+
+static int pin_locked(uintptr_t addr, size_t len, emu_pin *pin) {
+    emu_block *b = find_block_locked(addr, NULL);
+    if (!b || addr + len > b->addr + b->padded || addr + len < addr) return -1;
+    b->pins++;
+    pin->block = b;
+    pin->host = b->base + EMU_GUARD + (addr - b->addr);
+    return 0;
+}
+
+EMU_API int aclemuPin(uintptr_t addr, size_t len, emu_pin *pin) {
+    pthread_mutex_lock(&g_lock);
+    int r = pin_locked(addr, len, pin);
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
+static void unpin_locked(emu_pin *pin) {
+    emu_block *b = pin->block;
+    if (!b) return;
+    pin->block = NULL;
+    if (--b->pins == 0 && b->freed) {
+        free(b->base);
+        free(b);
+    }
+}
+
+EMU_API void aclemuUnpin(emu_pin *pin) {
+    pthread_mutex_lock(&g_lock);
+    unpin_locked(pin);
+    pthread_mutex_unlock(&g_lock);
+}
+
+EMU_API int64_t aclemuCheckGuards(void) {
+    int64_t bad = 0;
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_nblocks; i++)
+        if (!guards_ok(g_blocks[i])) bad++;
+    pthread_mutex_unlock(&g_lock);
+    return bad;
+}
+
+EMU_API int aclemuCorruptGuard(void *devPtr) {
+    pthread_mutex_lock(&g_lock);
+    emu_block *b = find_block_locked((uintptr_t)devPtr, NULL);
+    if (b) b->base[EMU_GUARD + b->padded] ^= 0xFF;
+    pthread_mutex_unlock(&g_lock);
+    return b ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ memory */
+
+EMU_API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy) {
+    EMU_ENTRY(ACL_ERROR_RT_MEMORY_ALLOCATION);
+    (void)policy; /* every policy is served from the same emulated HBM */
+    if (!devPtr) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    if (size == 0) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "size is 0");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    /* CANN rounds every block up to 32 bytes and adds 32 more. */
+    size_t padded = ((size + 31) & ~(size_t)31) + 32;
+    emu_device *dev = &g_devices[d];
+    uintptr_t addr = 0;
+    emu_block *b = NULL;
+    if (!st && (size > g_capacity || padded > g_capacity - dev->used)) {
+        st = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        aclemuSetErrMsg(api, st, "cannot allocate %zu bytes: device %d has %zu of %zu bytes free",
+                        size, (int)d, g_capacity - dev->used, g_capacity);
+    }
+    if (!st && place_locked(d, padded, &addr)) {
+        st = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        aclemuSetErrMsg(api, st, "device %d address space is exhausted", (int)d);
+    }
+    if (!st) {
+        b = calloc(1, sizeof *b);
+        unsigned char *base = NULL;
+        if (!b || posix_memalign((void **)&base, 64, padded + 2 * EMU_GUARD) ||
+            grow((void **)&g_blocks, &g_cap_blocks, g_nblocks + 1, sizeof *g_blocks)) {
+            free(b);
+            free(base);
+            st = ACL_ERROR_RT_MEMORY_ALLOCATION;
+            aclemuSetErrMsg(api, st, "the host cannot back %zu bytes of emulated device memory",
+                            size);
+        } else {
+            memset(base, EMU_GUARD_BYTE, EMU_GUARD);
+            memset(base + EMU_GUARD + padded, EMU_GUARD_BYTE, EMU_GUARD);
+            b->addr = addr;
+            b->size = size;
+            b->padded = padded;
+            b->device = d;
+            b->base = base;
+            size_t i = g_nblocks;
+            while (i > 0 && g_blocks[i - 1]->addr > addr) i--;
+            memmove(&g_blocks[i + 1], &g_blocks[i], (g_nblocks - i) * sizeof *g_blocks);
+            g_blocks[i] = b;
+            g_nblocks++;
+            dev->used += padded;
+            count_add(EMU_C_DEVICE_ALLOCATIONS, 1);
+            count_add(EMU_C_DEVICE_BYTES, (int64_t)size);
+            count_add(EMU_C_MALLOCS_TOTAL, 1);
+            *devPtr = (void *)addr;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtFree(void *devPtr) {
+    EMU_ENTRY(ACL_ERROR_RT_MEMORY_FREE);
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    size_t idx = 0;
+    emu_block *b = NULL;
+    if (!st) {
+        b = find_block_locked((uintptr_t)devPtr, &idx);
+        if (!b || b->addr != (uintptr_t)devPtr) {
+            st = ACL_ERROR_RT_MEMORY_FREE;
+            aclemuSetErrMsg(api, st,
+                            "%p is not the start of a live device allocation (never allocated, "
+                            "already freed, or freed by aclrtResetDevice/aclFinalize)",
+                            devPtr);
+            b = NULL;
+        }
+    }
+    if (b) {
+        int corrupt = !guards_ok(b);
+        memmove(&g_blocks[idx], &g_blocks[idx + 1], (g_nblocks - idx - 1) * sizeof *g_blocks);
+        g_nblocks--;
+        size_t size = b->size;
+        block_release_locked(b);
+        if (corrupt) {
+            count_add(EMU_C_GUARD_CORRUPTIONS, 1);
+            st = ACL_ERROR_RT_DEVICE_MEM_ERROR;
+            aclemuSetErrMsg(api, st,
+                            "the guard bytes around the %zu-byte block at %p were overwritten: "
+                            "something wrote past its end (the block was freed)",
+                            size, devPtr);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtMallocHost(void **hostPtr, size_t size) {
+    EMU_ENTRY(ACL_ERROR_RT_MEMORY_ALLOCATION);
+    if (!hostPtr || size == 0) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, hostPtr ? "size is 0" : "hostPtr is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    void *p = NULL;
+    if (!st && (posix_memalign(&p, 64, size) ||
+                grow((void **)&g_host, &g_cap_host, g_nhost + 1, sizeof *g_host))) {
+        free(p);
+        st = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        aclemuSetErrMsg(api, st, "cannot allocate %zu bytes of host memory", size);
+    } else if (!st) {
+        g_host[g_nhost].ptr = p;
+        g_host[g_nhost].size = size;
+        g_nhost++;
+        count_add(EMU_C_HOST_ALLOCATIONS, 1);
+        count_add(EMU_C_HOST_BYTES, (int64_t)size);
+        *hostPtr = p;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtFreeHost(void *hostPtr) {
+    EMU_ENTRY(ACL_ERROR_RT_MEMORY_FREE);
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    if (!st) {
+        size_t i = 0;
+        while (i < g_nhost && g_host[i].ptr != hostPtr) i++;
+        if (i == g_nhost) {
+            st = ACL_ERROR_RT_MEMORY_FREE;
+            aclemuSetErrMsg(api, st, "%p was not returned by aclrtMallocHost or is already freed",
+                            hostPtr);
+        } else {
+            free(g_host[i].ptr);
+            count_add(EMU_C_HOST_ALLOCATIONS, -1);
+            count_add(EMU_C_HOST_BYTES, -((int64_t)g_host[i].size));
+            g_host[i] = g_host[--g_nhost];
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+/* Where a copy goes: each side is checked against the kind and against live allocations. */
+typedef struct copy_plan {
+    int dst_dev, src_dev;
+} copy_plan;
+
+static const char *const g_kind_names[] = {"HOST_TO_HOST", "HOST_TO_DEVICE", "DEVICE_TO_HOST",
+                                           "DEVICE_TO_DEVICE", "DEFAULT"};
+
+static int check_side_locked(const char *api, const char *what, uintptr_t p, size_t count,
+                             int want_dev) {
+    if (want_dev) {
+        emu_block *b = find_block_locked(p, NULL);
+        if (!b || p + count > b->addr + b->padded || p + count < p) {
+            aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID,
+                            "%s [%p, +%zu) is not inside a live device allocation%s", what,
+                            (void *)p, count,
+                            b ? " (it runs past the end of the block)" : "");
+            return ACL_ERROR_RT_PARAM_INVALID;
+        }
+    } else if (in_device_va_locked(p)) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID,
+                        "%s %p is device memory but the copy kind says host", what, (void *)p);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    return 0;
+}
+
+static int plan_copy_locked(const char *api, void *dst, size_t destMax, const void *src,
+                            size_t count, aclrtMemcpyKind kind, copy_plan *plan) {
+    if (!dst || !src) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "%s is NULL", dst ? "src" : "dst");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    if (count > destMax) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "count %zu exceeds destMax %zu", count,
+                        destMax);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    switch (kind) {
+    case ACL_MEMCPY_HOST_TO_HOST: plan->dst_dev = 0; plan->src_dev = 0; break;
+    case ACL_MEMCPY_HOST_TO_DEVICE: plan->dst_dev = 1; plan->src_dev = 0; break;
+    case ACL_MEMCPY_DEVICE_TO_HOST: plan->dst_dev = 0; plan->src_dev = 1; break;
+    case ACL_MEMCPY_DEVICE_TO_DEVICE: plan->dst_dev = 1; plan->src_dev = 1; break;
+    case ACL_MEMCPY_DEFAULT:
+        plan->dst_dev = in_device_va_locked((uintptr_t)dst);
+        plan->src_dev = in_device_va_locked((uintptr_t)src);
+        break;
+    default:
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "copy kind %d is not supported",
+                        (int)kind);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    (void)g_kind_names;
+    if (count == 0) return 0;
+    int st = check_side_locked(api, "dst", (uintptr_t)dst, count, plan->dst_dev);
+    if (!st) st = check_side_locked(api, "src", (uintptr_t)src, count, plan->src_dev);
+    return st;
+}
+
+/* Pin whichever sides are device memory and return host addresses for both. */
+static int pin_copy_locked(uintptr_t dst, uintptr_t src, size_t count, const copy_plan *plan,
+                           emu_pin *pd, emu_pin *ps, void **hd, const void **hs) {
+    pd->block = ps->block = NULL;
+    *hd = (void *)dst;
+    *hs = (const void *)src;
+    if (plan->dst_dev) {
+        if (pin_locked(dst, count, pd)) return -1;
+        *hd = pd->host;
+    }
+    if (plan->src_dev) {
+        if (pin_locked(src, count, ps)) {
+            unpin_locked(pd);
+            return -1;
+        }
+        *hs = ps->host;
+    }
+    return 0;
+}
+
+EMU_API aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
+                             aclrtMemcpyKind kind) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    copy_plan plan;
+    int st = require_init_locked(api);
+    if (!st) st = plan_copy_locked(api, dst, destMax, src, count, kind, &plan);
+    emu_pin pd, ps;
+    void *hd;
+    const void *hs;
+    if (!st && count && pin_copy_locked((uintptr_t)dst, (uintptr_t)src, count, &plan, &pd, &ps,
+                                        &hd, &hs)) {
+        st = ACL_ERROR_RT_PARAM_INVALID;
+        aclemuSetErrMsg(api, st, "device memory vanished during the copy");
+    }
+    pthread_mutex_unlock(&g_lock);
+    /* A synchronous copy waits for no stream, as on hardware: it sees memory as it is now. */
+    if (!st && count) {
+        memmove(hd, hs, count);
+        pthread_mutex_lock(&g_lock);
+        unpin_locked(&pd);
+        unpin_locked(&ps);
+        pthread_mutex_unlock(&g_lock);
+    }
+    return st;
+}
+
+typedef struct copy_payload {
+    uintptr_t dst, src;
+    size_t count;
+    int value; /* memset when is_set */
+    int is_set;
+    copy_plan plan;
+} copy_payload;
+
+static int copy_run(void *p, char *msg, size_t len) {
+    copy_payload *c = p;
+    if (c->count == 0) return 0;
+    emu_pin pd, ps;
+    void *hd;
+    const void *hs;
+    pthread_mutex_lock(&g_lock);
+    int bad = pin_copy_locked(c->dst, c->src, c->count, &c->plan, &pd, &ps, &hd, &hs);
+    pthread_mutex_unlock(&g_lock);
+    if (bad) {
+        snprintf(msg, len,
+                 "device fault: an asynchronous %s of %zu bytes touched device memory that was "
+                 "freed before the stream ran it",
+                 c->is_set ? "memset" : "memcpy", c->count);
+        return ACL_ERROR_RT_SYS_DMA;
+    }
+    if (c->is_set) memset(hd, c->value, c->count);
+    else memmove(hd, hs, c->count);
+    pthread_mutex_lock(&g_lock);
+    unpin_locked(&pd);
+    unpin_locked(&ps);
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+static void copy_release(void *p) { free(p); }
+
+EMU_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count,
+                                  aclrtMemcpyKind kind, aclrtStream stream) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    copy_plan plan;
+    emu_stream *s = NULL;
+    int st = require_device_locked(api, &d);
+    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    if (!st) st = plan_copy_locked(api, dst, destMax, src, count, kind, &plan);
+    if (!st) {
+        copy_payload *c = calloc(1, sizeof *c);
+        if (c) { /* host memory is read or written when the stream runs, not now */
+            c->dst = (uintptr_t)dst;
+            c->src = (uintptr_t)src;
+            c->count = count;
+            c->plan = plan;
+        }
+        st = enqueue_status(api, c ? enqueue_locked(s, copy_run, copy_release, c) : -1);
+        if (st) free(c);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+static int plan_set_locked(const char *api, void *devPtr, size_t maxCount, size_t count,
+                           copy_plan *plan) {
+    if (!devPtr) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    if (count > maxCount) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "count %zu exceeds maxCount %zu", count,
+                        maxCount);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    /* The runtime decides host or device from the address. */
+    plan->dst_dev = in_device_va_locked((uintptr_t)devPtr);
+    plan->src_dev = 0;
+    if (count == 0) return 0;
+    return check_side_locked(api, "devPtr", (uintptr_t)devPtr, count, plan->dst_dev);
+}
+
+EMU_API aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    copy_plan plan;
+    int st = require_init_locked(api);
+    if (!st) st = plan_set_locked(api, devPtr, maxCount, count, &plan);
+    pthread_mutex_unlock(&g_lock);
+    if (!st && count) {
+        copy_payload c = {(uintptr_t)devPtr, 0, count, value, 1, plan};
+        char msg[EMU_MSG_LEN];
+        st = copy_run(&c, msg, sizeof msg);
+        if (st) aclemuSetErrMsg(api, st, "%s", msg);
+    }
+    return st;
+}
+
+EMU_API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count,
+                                  aclrtStream stream) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    copy_plan plan;
+    emu_stream *s = NULL;
+    int st = require_device_locked(api, &d);
+    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    if (!st) st = plan_set_locked(api, devPtr, maxCount, count, &plan);
+    if (!st) {
+        copy_payload *c = calloc(1, sizeof *c);
+        if (c) {
+            c->dst = (uintptr_t)devPtr;
+            c->count = count;
+            c->value = value;
+            c->is_set = 1;
+            c->plan = plan;
+        }
+        st = enqueue_status(api, c ? enqueue_locked(s, copy_run, copy_release, c) : -1);
+        if (st) free(c);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *total) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!free_bytes || !total) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "an output pointer is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    if ((int)attr < ACL_DDR_MEM || (int)attr > ACL_HBM_MEM_P2P_HUGE1G) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "attr %d is not an aclrtMemAttr", (int)attr);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    if (!st) {
+        int is_ddr = attr == ACL_DDR_MEM || attr == ACL_DDR_MEM_HUGE || attr == ACL_DDR_MEM_NORMAL ||
+                     attr == ACL_DDR_MEM_P2P_HUGE || attr == ACL_DDR_MEM_P2P_NORMAL;
+        /* The emulated chip, like Atlas A2, has HBM only. */
+        *total = is_ddr ? 0 : g_capacity;
+        *free_bytes = is_ddr ? 0 : g_capacity - g_devices[d].used;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+/* ------------------------------------------------------------------ release in bulk */
+
+/* Every block of device d (its last reset, or aclFinalize). */
+void release_device_blocks_locked(int32_t d) {
+    size_t keep = 0;
+    for (size_t i = 0; i < g_nblocks; i++) {
+        emu_block *b = g_blocks[i];
+        if (b->device == d) block_release_locked(b);
+        else g_blocks[keep++] = b;
+    }
+    g_nblocks = keep;
+}
+
+void release_host_blocks_locked(void) {
+    for (size_t i = 0; i < g_nhost; i++) free(g_host[i].ptr);
+    count_set(EMU_C_HOST_ALLOCATIONS, 0);
+    count_set(EMU_C_HOST_BYTES, 0);
+    g_nhost = 0;
+}

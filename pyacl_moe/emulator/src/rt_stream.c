@@ -1,0 +1,788 @@
+/*
+ * Emulated libascendcl.so, streams and events, and the device engine that runs their tasks.
+ *
+ * A stream is a FIFO of tasks that finish in order. Two modes (aclemuSetStreamMode,
+ * PYACL_MOE_EMU_STREAMS):
+ *  - async (default): a background engine thread, started on first need, runs the queued tasks
+ *    of every stream, one task at a time, round robin over the streams that have work. A thread
+ *    that waits for a stream (synchronize, event, destroy, reset) helps: it runs the stream's
+ *    next task itself whenever no other thread is running that stream, so waiting is never
+ *    slower than in lazy mode. A stream holds at most g_queue_depth tasks; an enqueue on a full
+ *    stream waits for room (helping too), as a hardware task queue makes the host wait.
+ *  - lazy: no engine; tasks run only on threads that wait for them, so a test sees queued work
+ *    deterministically. No bound on the queue.
+ *
+ * A task that waits for an event (aclrtStreamWaitEvent) runs the recorded stream up to the
+ * record on the thread that reaches it, or waits for the thread running that stream. Waits
+ * only name records queued before them, so the tasks form a DAG in queue order and the helpers
+ * cannot deadlock.
+ *
+ * Launch cost: the engine is signalled only when it sleeps; a busy engine finds new work on
+ * the ready list at its next pick, with no system call on the launching thread.
+ */
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "rt_internal.h"
+
+/* ------------------------------------------------------------------ engine state */
+
+static pthread_t g_engine_thread;
+static int g_engine_started;   /* a thread of generation g_engine_gen exists */
+static unsigned g_engine_gen;  /* bumped to tell the current engine thread to exit */
+static int g_engine_sleeping;  /* waiting on g_engine_cond */
+static int g_engine_busy;      /* running a task */
+static emu_stream *g_ready_head, *g_ready_tail; /* streams with work for the engine */
+
+static void ready_push_locked(emu_stream *s) {
+    if (s->in_ready) return;
+    s->in_ready = 1;
+    s->refs++; /* the list keeps the stream alive */
+    s->ready_next = NULL;
+    if (g_ready_tail) g_ready_tail->ready_next = s;
+    else g_ready_head = s;
+    g_ready_tail = s;
+}
+
+static emu_stream *ready_pop_locked(void) {
+    emu_stream *s = g_ready_head;
+    if (!s) return NULL;
+    g_ready_head = s->ready_next;
+    if (!g_ready_head) g_ready_tail = NULL;
+    s->in_ready = 0;
+    s->ready_next = NULL;
+    return s; /* the caller owns the list's reference */
+}
+
+static void ready_clear_locked(void) {
+    emu_stream *s;
+    while ((s = ready_pop_locked())) stream_unref_locked(s);
+}
+
+static void *engine_main(void *arg);
+
+/* Make sure the engine will look at the ready list: start it, or wake it if it sleeps. */
+static void engine_kick_locked(void) {
+    if (g_engine_sleeping) {
+        pthread_cond_signal(&g_engine_cond);
+        return;
+    }
+    if (g_engine_started) return; /* busy: it picks the work up by itself */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* signals stay with the application's threads */
+    int r = pthread_create(&g_engine_thread, NULL, engine_main, (void *)(uintptr_t)g_engine_gen);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    /* Without a thread the work still runs, lazily, on the threads that wait for it. */
+    if (r == 0) g_engine_started = 1;
+}
+
+/* Hand a stream to the engine if it has work nobody is running. */
+static void settle_locked(emu_stream *s) {
+    if (!g_async || !s->head || s->running) return;
+    ready_push_locked(s);
+    engine_kick_locked();
+}
+
+/* Run s's head task on this thread. Lock held on entry and exit, released while the task
+ * runs; the caller holds a reference on s and has checked that s has a head and is not
+ * running. */
+static void run_head_locked(emu_stream *s) {
+    emu_task *t = s->head;
+    s->head = t->next;
+    if (!s->head) s->tail = NULL;
+    s->running = 1;
+    pthread_mutex_unlock(&g_lock);
+    char msg[EMU_MSG_LEN];
+    msg[0] = 0;
+    int st = t->run ? t->run(t->payload, msg, sizeof msg) : 0;
+    pthread_mutex_lock(&g_lock);
+    s->running = 0;
+    s->done_seq = t->seq;
+    count_add(EMU_C_PENDING_TASKS, -1);
+    if (st) {
+        count_add(EMU_C_DEVICE_FAULTS, 1);
+        if (!s->pending_status) { /* the first fault is the one reported */
+            s->pending_status = st;
+            snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
+        }
+    }
+    if (t->release) t->release(t->payload);
+    free(t);
+    if (g_waiters) pthread_cond_broadcast(&g_cond);
+}
+
+static void *engine_main(void *arg) {
+    const unsigned gen = (unsigned)(uintptr_t)arg;
+    pthread_mutex_lock(&g_lock);
+    while (g_engine_gen == gen) {
+        emu_stream *s = g_async ? ready_pop_locked() : NULL;
+        if (!s) {
+            g_engine_sleeping = 1;
+            pthread_cond_wait(&g_engine_cond, &g_lock);
+            g_engine_sleeping = 0;
+            continue;
+        }
+        /* A helper may have taken the stream since it was listed; it hands it back when done. */
+        if (s->head && !s->running) {
+            g_engine_busy = 1;
+            run_head_locked(s);
+            g_engine_busy = 0;
+            if (g_waiters) pthread_cond_broadcast(&g_cond); /* aclemuSetStreamMode waits idle */
+            settle_locked(s); /* round robin: back to the tail if it has more */
+        }
+        stream_unref_locked(s);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return NULL;
+}
+
+void engine_stop_locked(void) {
+    ready_clear_locked();
+    if (!g_engine_started) return;
+    pthread_t t = g_engine_thread;
+    g_engine_started = 0;
+    g_engine_gen++;
+    pthread_cond_broadcast(&g_engine_cond);
+    pthread_mutex_unlock(&g_lock);
+    pthread_join(t, NULL);
+    pthread_mutex_lock(&g_lock);
+}
+
+void engine_forget_after_fork(void) {
+    /* The engine thread does not exist in the child; the streams on the list are abandoned. */
+    g_engine_started = 0;
+    g_engine_gen++;
+    g_engine_sleeping = 0;
+    g_engine_busy = 0;
+    g_ready_head = g_ready_tail = NULL;
+}
+
+/* ------------------------------------------------------------------ stream execution */
+
+/* Wait on g_cond until woken or until deadline_ms (CLOCK_MONOTONIC ms, 0: none). Returns 1
+ * if the deadline has passed. */
+static int wait_locked(double deadline_ms) {
+    g_waiters++;
+    int passed = 0;
+    if (deadline_ms > 0) {
+        double left = deadline_ms - now_ms();
+        if (left <= 0) {
+            passed = 1;
+        } else {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts); /* g_cond uses the default clock */
+            long long ns = (long long)ts.tv_nsec + (long long)(left * 1e6);
+            ts.tv_sec += (time_t)(ns / 1000000000LL);
+            ts.tv_nsec = (long)(ns % 1000000000LL);
+            pthread_cond_timedwait(&g_cond, &g_lock, &ts);
+            passed = now_ms() >= deadline_ms;
+        }
+    } else {
+        pthread_cond_wait(&g_cond, &g_lock);
+    }
+    g_waiters--;
+    return passed;
+}
+
+int drain_locked(emu_stream *s, uint64_t upto, double deadline_ms) {
+    int timed_out = 0;
+    int ran = 0;
+    s->refs++;
+    while (s->done_seq < upto) {
+        if (s->running) { /* another thread runs it: wait for that task */
+            if (wait_locked(deadline_ms)) {
+                timed_out = s->done_seq < upto;
+                break;
+            }
+            continue;
+        }
+        if (!s->head) break;
+        /* A poll with a deadline runs at least one task first, so it always makes progress. */
+        if (deadline_ms > 0 && ran && now_ms() >= deadline_ms) {
+            timed_out = 1;
+            break;
+        }
+        run_head_locked(s);
+        ran = 1;
+    }
+    settle_locked(s); /* work left behind goes (back) to the engine */
+    stream_unref_locked(s);
+    return timed_out;
+}
+
+static void drain_all_locked(emu_stream *s) { drain_locked(s, s->next_seq, 0); }
+
+/* Run every queued task of device d. The lock is released while tasks run, so streams may
+ * come and go: rescan until a full pass finds nothing left. */
+void drain_device_locked(int32_t d) {
+    emu_stream *def = g_devices[d].default_stream;
+    if (def) {
+        def->refs++;
+        drain_all_locked(def);
+    }
+    for (int again = 1; again;) {
+        again = 0;
+        for (uint32_t i = 0; i < g_streams.n && !again; i++) {
+            emu_stream *s = emu_ht_at(&g_streams, i);
+            if (s && s->device == d && s->done_seq < s->next_seq) {
+                drain_all_locked(s);
+                again = 1;
+            }
+        }
+        if (!again && def && def->done_seq < def->next_seq) {
+            drain_all_locked(def);
+            again = 1;
+        }
+    }
+    if (def) stream_unref_locked(def);
+}
+
+/* The device-side failure a synchronize reports, once. */
+int take_pending_locked(emu_stream *s, char *msg, size_t len) {
+    int st = s->pending_status;
+    if (st) {
+        snprintf(msg, len, "%s", s->pending_msg);
+        s->pending_status = 0;
+        s->pending_msg[0] = 0;
+    }
+    return st;
+}
+
+int enqueue_locked(emu_stream *s, emu_task_run run, emu_task_release release, void *payload) {
+    if (g_async && s->next_seq - s->done_seq >= (uint64_t)g_queue_depth) {
+        /* Full: wait (helping) until the oldest task beyond the bound has finished. The lock
+         * is released meanwhile, so the stream may be destroyed: keep it alive to look. */
+        s->refs++;
+        drain_locked(s, s->next_seq - (uint64_t)g_queue_depth + 1, 0);
+        int dead = s->dead;
+        stream_unref_locked(s);
+        if (dead) return -2;
+    }
+    emu_task *t = malloc(sizeof *t);
+    if (!t) return -1;
+    t->next = NULL;
+    t->seq = ++s->next_seq;
+    t->run = run;
+    t->release = release;
+    t->payload = payload;
+    if (s->tail) s->tail->next = t;
+    else s->head = t;
+    s->tail = t;
+    count_add(EMU_C_PENDING_TASKS, 1);
+    settle_locked(s);
+    return 0;
+}
+
+int enqueue_status(const char *api, int r) {
+    if (r == -2) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_HANDLE,
+                        "the stream was destroyed while this call waited for room in its queue");
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    if (r) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INTERNAL_ERROR, "out of host memory");
+        return ACL_ERROR_RT_INTERNAL_ERROR;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ stream objects */
+
+emu_stream *stream_new_locked(int32_t device, int is_default) {
+    emu_stream *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    if (!is_default && emu_ht_add(&g_streams, s, &s->handle)) {
+        free(s);
+        return NULL;
+    }
+    s->device = device;
+    s->is_default = is_default;
+    s->refs = 1;
+    return s;
+}
+
+void stream_unref_locked(emu_stream *s) {
+    if (--s->refs == 0) free(s);
+}
+
+static void event_unref_locked(emu_event *e) {
+    if (--e->refs == 0) {
+        if (e->stream) stream_unref_locked(e->stream);
+        free(e);
+    }
+}
+
+/* Resolve a stream handle for use on `device`; NULL is the device's default stream. */
+int resolve_stream_locked(const char *api, aclrtStream h, int32_t device, emu_stream **out) {
+    if (!h) {
+        if (!device_active_locked(device)) {
+            aclemuSetErrMsg(api, ACL_ERROR_RT_CONTEXT_NULL, "device %d is not set", (int)device);
+            return ACL_ERROR_RT_CONTEXT_NULL;
+        }
+        *out = g_devices[device].default_stream;
+        return 0;
+    }
+    emu_stream *s = emu_ht_get(&g_streams, h);
+    if (!s) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_HANDLE,
+                        "stream %p is not a live stream (destroyed, or never created)", h);
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    if (s->device != device) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_STREAM_CONTEXT,
+                        "stream %p belongs to device %d but the current device is %d", h,
+                        (int)s->device, (int)device);
+        return ACL_ERROR_RT_STREAM_CONTEXT;
+    }
+    *out = s;
+    return 0;
+}
+
+/* The live event behind a handle, or the status (and message) for a stale one. */
+static int event_locked(const char *api, aclrtEvent h, emu_event **out) {
+    *out = emu_ht_get(&g_events, h);
+    if (*out) return 0;
+    aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_HANDLE, "event %p is not a live event", h);
+    return ACL_ERROR_RT_INVALID_HANDLE;
+}
+
+void event_release_all_of_device_locked(int32_t d) {
+    for (uint32_t i = 0; i < g_events.n; i++) {
+        emu_event *e = emu_ht_at(&g_events, i);
+        if (e && e->device == d) {
+            emu_ht_remove(&g_events, (const void *)e->handle);
+            e->dead = 1;
+            count_add(EMU_C_EVENTS, -1);
+            event_unref_locked(e);
+        }
+    }
+}
+
+void stream_release_all_of_device_locked(int32_t d) {
+    for (uint32_t i = 0; i < g_streams.n; i++) {
+        emu_stream *s = emu_ht_at(&g_streams, i);
+        if (s && s->device == d) {
+            emu_ht_remove(&g_streams, (const void *)s->handle);
+            s->dead = 1;
+            count_add(EMU_C_STREAMS, -1);
+            stream_unref_locked(s);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ stream mode */
+
+EMU_API int aclemuSetStreamMode(const char *mode) {
+    int async;
+    if (mode && strcmp(mode, "async") == 0) async = 1;
+    else if (mode && strcmp(mode, "lazy") == 0) async = 0;
+    else return -1;
+    pthread_mutex_lock(&g_lock);
+    config_locked();
+    if (async && !g_async) {
+        g_async = 1;
+        for (int d = 0; d < g_device_count; d++)
+            if (g_devices[d].default_stream) settle_locked(g_devices[d].default_stream);
+        for (uint32_t i = 0; i < g_streams.n; i++) {
+            emu_stream *s = emu_ht_at(&g_streams, i);
+            if (s) settle_locked(s);
+        }
+    } else if (!async && g_async) {
+        g_async = 0;
+        ready_clear_locked();
+        /* Once this returns nothing runs in the background: let a task in flight finish. */
+        while (g_engine_busy) wait_locked(0);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+EMU_API const char *aclemuGetStreamMode(void) {
+    pthread_mutex_lock(&g_lock);
+    config_locked();
+    int async = g_async;
+    pthread_mutex_unlock(&g_lock);
+    return async ? "async" : "lazy";
+}
+
+/* ------------------------------------------------------------------ the second phase */
+
+EMU_API int aclemuLaunch(const char *api, int32_t device, aclrtStream stream, uintptr_t workspace,
+                         uint64_t workspace_size, int *mutation_slot, emu_task_run run,
+                         emu_task_release release, void *payload) {
+    pthread_mutex_lock(&g_lock);
+    config_locked();
+    int st = 0;
+    emu_stream *s = NULL;
+    int32_t cur = g_initialized ? current_device_locked() : -1;
+    if (cur < 0) {
+        st = ACLNN_ERR_RUNTIME_ERROR;
+        aclemuSetErrMsg(api, st, "no device context: call aclInit and aclrtSetDevice on this thread first");
+    } else if (cur != device) {
+        st = ACLNN_ERR_RUNTIME_ERROR;
+        aclemuSetErrMsg(api, st, "the executor was built on device %d but the current device is %d",
+                        (int)device, (int)cur);
+    } else {
+        int rt = resolve_stream_locked(api, stream, device, &s);
+        if (rt) {
+            st = ACLNN_ERR_RUNTIME_ERROR;
+            aclemuSetErrMsg(api, st,
+                            "stream %p cannot run the kernel (runtime status %d): it is not a live "
+                            "stream of device %d",
+                            stream, rt, (int)device);
+        }
+    }
+    if (!st && workspace_size) {
+        emu_block *b = find_block_locked(workspace, NULL);
+        if (!b || b->device != device || workspace + workspace_size > b->addr + b->padded) {
+            st = ACLNN_ERR_PARAM_INVALID;
+            aclemuSetErrMsg(api, st,
+                            "workspace [%p, +%llu) is not inside a live device allocation of device %d",
+                            (void *)workspace, (unsigned long long)workspace_size, (int)device);
+        }
+    }
+    if (!st && run) {
+        if (mutation_slot) *mutation_slot = g_mutation;
+        int r = enqueue_locked(s, run, release, payload);
+        if (r == -2) {
+            st = ACLNN_ERR_RUNTIME_ERROR;
+            aclemuSetErrMsg(api, st, "stream %p was destroyed while the launch waited for room", stream);
+        } else if (r) {
+            st = ACLNN_ERR_INNER;
+            aclemuSetErrMsg(api, st, "out of host memory while queueing the kernel");
+        }
+    }
+    if (st && release) release(payload);
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+/* ------------------------------------------------------------------ streams */
+
+EMU_API aclError aclrtCreateStream(aclrtStream *stream) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!stream) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "stream is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    if (!st) {
+        emu_stream *s = stream_new_locked(d, 0);
+        if (!s) {
+            st = ACL_ERROR_RT_INTERNAL_ERROR;
+            aclemuSetErrMsg(api, st, "out of host memory");
+        } else {
+            count_add(EMU_C_STREAMS, 1);
+            *stream = (aclrtStream)s->handle;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtDestroyStream(aclrtStream stream) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    emu_stream *s = NULL;
+    if (!st && !(s = emu_ht_remove(&g_streams, stream))) {
+        st = ACL_ERROR_RT_INVALID_HANDLE;
+        aclemuSetErrMsg(api, st, "stream %p is not a live stream created by aclrtCreateStream",
+                        stream);
+    }
+    if (!st) {
+        /* The handle is gone, so nothing new can be queued; a caller waiting for room gives
+         * up. Tasks still queued run to completion first, as the hardware would finish them. */
+        s->dead = 1;
+        count_add(EMU_C_STREAMS, -1);
+        drain_all_locked(s);
+        stream_unref_locked(s);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+static int sync_stream(const char *api, aclrtStream stream, int32_t timeout) {
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    emu_stream *s = NULL;
+    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    if (!st) {
+        s->refs++;
+        double deadline = timeout >= 0 ? now_ms() + (double)timeout : 0;
+        if (timeout == 0) deadline = now_ms() + 1e-9;
+        int timed_out = drain_locked(s, s->next_seq, deadline);
+        char msg[EMU_MSG_LEN];
+        st = take_pending_locked(s, msg, sizeof msg);
+        if (st) {
+            aclemuSetErrMsg(api, st, "%s", msg);
+        } else if (timed_out) {
+            st = ACL_ERROR_RT_STREAM_SYNC_TIMEOUT;
+            aclemuSetErrMsg(api, st, "%lld task(s) still queued after %d ms",
+                            (long long)(s->next_seq - s->done_seq), (int)timeout);
+        }
+        stream_unref_locked(s);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtSynchronizeStream(aclrtStream stream) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    return sync_stream(api, stream, -1);
+}
+
+EMU_API aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (timeout < -1) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "timeout %d is below -1", (int)timeout);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    return sync_stream(api, stream, timeout);
+}
+
+EMU_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!status) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "status is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    emu_stream *s = NULL;
+    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    /* Runs nothing and leaves a latched fault for the next synchronize. */
+    if (!st) *status = s->done_seq == s->next_seq ? ACL_STREAM_STATUS_COMPLETE
+                                                  : ACL_STREAM_STATUS_NOT_READY;
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+typedef struct wait_payload {
+    emu_stream *target;
+    uint64_t seq;
+} wait_payload;
+
+static int wait_run(void *p, char *msg, size_t len) {
+    (void)msg;
+    (void)len;
+    wait_payload *w = p;
+    pthread_mutex_lock(&g_lock);
+    drain_locked(w->target, w->seq, 0);
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+static void wait_release(void *p) { /* lock held */
+    wait_payload *w = p;
+    stream_unref_locked(w->target);
+    free(w);
+}
+
+EMU_API aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    emu_stream *s = NULL;
+    emu_event *e = NULL;
+    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    if (!st) st = event_locked(api, event, &e);
+    if (!st && e->stream && e->stream != s && e->stream->done_seq < e->seq) {
+        /* Waiting on an unrecorded event, or on a record that already ran, is a no-op. */
+        wait_payload *w = malloc(sizeof *w);
+        if (w) {
+            w->target = e->stream;
+            w->seq = e->seq;
+            e->stream->refs++;
+        }
+        st = enqueue_status(api, w ? enqueue_locked(s, wait_run, wait_release, w) : -1);
+        if (st && w) wait_release(w);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+/* ------------------------------------------------------------------ events */
+
+EMU_API aclError aclrtCreateEvent(aclrtEvent *event) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!event) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "event is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    if (!st) {
+        emu_event *e = calloc(1, sizeof *e);
+        if (!e || emu_ht_add(&g_events, e, &e->handle)) {
+            free(e);
+            st = ACL_ERROR_RT_INTERNAL_ERROR;
+            aclemuSetErrMsg(api, st, "out of host memory");
+        } else {
+            e->device = d;
+            e->refs = 1;
+            count_add(EMU_C_EVENTS, 1);
+            *event = (aclrtEvent)e->handle;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtDestroyEvent(aclrtEvent event) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    emu_event *e = NULL;
+    if (!st) st = event_locked(api, event, &e);
+    if (!st) {
+        emu_ht_remove(&g_events, event);
+        e->dead = 1;
+        count_add(EMU_C_EVENTS, -1);
+        event_unref_locked(e);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+typedef struct record_payload {
+    emu_event *event;
+    uint64_t id;
+} record_payload;
+
+static int record_run(void *p, char *msg, size_t len) {
+    (void)msg;
+    (void)len;
+    record_payload *r = p;
+    double t = now_ms(); /* the time the engine (or a helper) reaches the record */
+    pthread_mutex_lock(&g_lock);
+    if (r->id > r->event->completed) {
+        r->event->completed = r->id;
+        r->event->ts_ms = t;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+static void record_release(void *p) { /* lock held */
+    record_payload *r = p;
+    event_unref_locked(r->event);
+    free(r);
+}
+
+EMU_API aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int32_t d;
+    int st = require_device_locked(api, &d);
+    emu_stream *s = NULL;
+    emu_event *e = NULL;
+    if (!st) st = event_locked(api, event, &e);
+    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    if (!st) {
+        record_payload *r = malloc(sizeof *r);
+        if (r) {
+            r->event = e;
+            e->refs++;
+        }
+        /* The record's id and position are fixed only once it is queued: an enqueue on a full
+         * stream releases the lock while it waits, and another record may come first. */
+        int q = r ? enqueue_locked(s, record_run, record_release, r) : -1;
+        st = enqueue_status(api, q);
+        if (st) {
+            if (r) record_release(r);
+        } else {
+            r->id = ++e->records;
+            if (e->stream) stream_unref_locked(e->stream);
+            e->stream = s;
+            s->refs++;
+            e->seq = s->next_seq;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtSynchronizeEvent(aclrtEvent event) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    emu_event *e = NULL;
+    if (!st) st = event_locked(api, event, &e);
+    if (!st && e->stream) {
+        emu_stream *s = e->stream;
+        s->refs++;
+        drain_locked(s, e->seq, 0);
+        char msg[EMU_MSG_LEN];
+        st = take_pending_locked(s, msg, sizeof msg);
+        if (st) aclemuSetErrMsg(api, st, "%s", msg);
+        stream_unref_locked(s);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!status) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "status is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    emu_event *e = NULL;
+    if (!st) st = event_locked(api, event, &e);
+    /* Runs nothing. An event never recorded is complete, as in CUDA (CANN's answer could not
+     * be verified). */
+    if (!st) *status = e->completed == e->records ? ACL_EVENT_RECORDED_STATUS_COMPLETE
+                                                  : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+EMU_API aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent) {
+    EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!ms) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "ms is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&g_lock);
+    int st = require_init_locked(api);
+    emu_event *a = NULL, *b = NULL;
+    if (!st && (!(a = emu_ht_get(&g_events, startEvent)) || !(b = emu_ht_get(&g_events, endEvent)))) {
+        st = ACL_ERROR_RT_INVALID_HANDLE;
+        aclemuSetErrMsg(api, st, "%s event is not a live event", a ? "the end" : "the start");
+    }
+    if (!st && (a->records == 0 || b->records == 0)) {
+        st = ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID;
+        aclemuSetErrMsg(api, st, "the %s event was never recorded", a->records ? "end" : "start");
+    }
+    if (!st && (a->completed != a->records || b->completed != b->records)) {
+        st = ACL_ERROR_RT_EVENT_NOT_COMPLETE;
+        aclemuSetErrMsg(api, st,
+                        "the %s event has not completed: synchronize its stream or the event first",
+                        a->completed != a->records ? "start" : "end");
+    }
+    if (!st) {
+        double d = b->ts_ms - a->ts_ms;
+        if (d < 0) {
+            st = ACL_ERROR_RT_EVENT_TIMESTAMP_REVERSAL;
+            aclemuSetErrMsg(api, st, "the end event completed %.3f ms before the start event", -d);
+        } else {
+            *ms = (float)d;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
