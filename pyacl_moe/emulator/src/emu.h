@@ -109,6 +109,11 @@ EMU_API int aclemuLaunch(const char *api, int32_t device, aclrtStream stream, ui
 /* Translate and pin [addr, addr + len); 0 on success, -1 if not inside a live allocation. */
 EMU_API int aclemuPin(uintptr_t addr, size_t len, emu_pin *pin);
 EMU_API void aclemuUnpin(emu_pin *pin);
+/* Pin n ranges under one lock (zero-length ranges are not allowed). Returns -1 when all are
+ * pinned, else the index of the first range that is not inside a live allocation (then
+ * nothing stays pinned). */
+EMU_API int aclemuPinMany(const uintptr_t *addr, const size_t *len, emu_pin *pins, int n);
+EMU_API void aclemuUnpinMany(emu_pin *pins, int n);
 /* Active mutation id (0 none, 1 skip-last-k, 2 fp16-accumulate, 3 off-by-one-row). */
 EMU_API int aclemuMutationId(void);
 

@@ -178,34 +178,19 @@ typedef struct mapped_view {
     size_t esize;
     int64_t lo;           /* element offset mapped at `host` */
     unsigned char *host;  /* NULL when the view has no elements */
-    emu_pin pin;
+    uintptr_t start;      /* device range the view touches (bytes 0: none) */
+    size_t bytes;
 } mapped_view;
 
-/* Pin the device memory a view touches. 0 on success; -1 with msg filled if it is not live. */
-static int map_view(mapped_view *m, const emu_tensor_desc *t, const char *name, char *msg,
-                    size_t len) {
+static void plan_view(mapped_view *m, const emu_tensor_desc *t) {
     memset(m, 0, sizeof *m);
     m->t = t;
     m->esize = moe_dtype_size(t->dtype);
     int64_t lo, hi;
-    if (!view_extent(t, &lo, &hi)) return 0;
-    uintptr_t start = t->addr + (uintptr_t)(lo * (int64_t)m->esize);
-    size_t bytes = (size_t)(hi - lo + 1) * m->esize;
-    if (aclemuPin(start, bytes, &m->pin)) {
-        snprintf(msg, len,
-                 "device fault (AI Core exception): %s spans [%p, +%zu) but that is not inside a "
-                 "live device allocation",
-                 name, (void *)start, bytes);
-        return -1;
-    }
+    if (!view_extent(t, &lo, &hi)) return;
     m->lo = lo;
-    m->host = m->pin.host;
-    return 0;
-}
-
-static void unmap_view(mapped_view *m) {
-    if (m->host) aclemuUnpin(&m->pin);
-    m->host = NULL;
+    m->start = t->addr + (uintptr_t)(lo * (int64_t)m->esize);
+    m->bytes = (size_t)(hi - lo + 1) * m->esize;
 }
 
 /* Partial buffers the vendor's kernel uses for K terms: 2^e with e = floor(log2 K) - 1 (at
@@ -373,8 +358,9 @@ static int kernel_threads(void) {
 static int run_tokens(const token_job *j) {
     const int64_t n = j->a->n;
     const int64_t work = n * j->a->top_k * j->a->h;
-    int threads = kernel_threads();
-    if (work < ((int64_t)1 << 20)) threads = 1; /* thread start-up would dominate */
+    /* Small kernels run on this thread: thread start-up would dominate, and asking for the
+     * CPU count (a read of sysfs) would cost more than the kernel itself. */
+    int threads = work < ((int64_t)1 << 20) ? 1 : kernel_threads();
     if (threads > n) threads = (int)(n > 0 ? n : 1);
     token_worker workers[16];
     int started = 0, failed = 0;
@@ -409,28 +395,40 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
 
     const int64_t k = a->top_k, bsk = a->bsk;
     mapped_view mx, mi, mo;
-    emu_pin wpin = {0};
     int status = ACL_ERROR_RT_AICORE_EXCEPTION;
     int32_t *ids_buf = NULL;
-    int wpinned = 0;
 
-    memset(&mx, 0, sizeof mx);
-    memset(&mi, 0, sizeof mi);
-    memset(&mo, 0, sizeof mo);
-    if (map_view(&mx, &a->x, "gradExpandedX", msg, len) ||
-        map_view(&mi, &a->idx, "expandedRowIdx", msg, len) ||
-        map_view(&mo, &a->out, "out", msg, len))
-        goto done;
-    if (a->workspace_size) {
-        if (aclemuPin(a->workspace, a->workspace_size, &wpin)) {
-            snprintf(msg, len,
-                     "device fault (AI Core exception): the workspace [%p, +%llu) was freed "
-                     "before the kernel ran",
-                     (void *)a->workspace, (unsigned long long)a->workspace_size);
-            goto done;
-        }
-        wpinned = 1;
+    /* Pin the device memory of the three views and the workspace under one lock. */
+    plan_view(&mx, &a->x);
+    plan_view(&mi, &a->idx);
+    plan_view(&mo, &a->out);
+    mapped_view *views[3] = {&mx, &mi, &mo};
+    static const char *const names[4] = {"gradExpandedX", "expandedRowIdx", "out", "the workspace"};
+    uintptr_t starts[4];
+    size_t lens[4];
+    int which[4], n = 0;
+    for (int v = 0; v < 3; v++) {
+        if (!views[v]->bytes) continue;
+        starts[n] = views[v]->start;
+        lens[n] = views[v]->bytes;
+        which[n++] = v;
     }
+    if (a->workspace_size) {
+        starts[n] = a->workspace;
+        lens[n] = a->workspace_size;
+        which[n++] = 3;
+    }
+    emu_pin pins[4];
+    int bad = aclemuPinMany(starts, lens, pins, n);
+    if (bad >= 0) {
+        snprintf(msg, len,
+                 "device fault (AI Core exception): %s spans [%p, +%zu) but that is not inside a "
+                 "live device allocation (freed before the kernel ran?)",
+                 names[which[bad]], (void *)starts[bad], lens[bad]);
+        return status;
+    }
+    for (int i = 0; i < n; i++)
+        if (which[i] < 3) views[which[i]]->host = pins[i].host;
 
     /* The first bsk indices in row-major order of the index view. */
     const int32_t *ids;
@@ -485,9 +483,6 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
 
 done:
     free(ids_buf);
-    if (wpinned) aclemuUnpin(&wpin);
-    unmap_view(&mo);
-    unmap_view(&mi);
-    unmap_view(&mx);
+    aclemuUnpinMany(pins, n);
     return status;
 }

@@ -126,6 +126,26 @@ static void unpin_locked(emu_pin *pin) {
     }
 }
 
+EMU_API int aclemuPinMany(const uintptr_t *addr, const size_t *len, emu_pin *pins, int n) {
+    int bad = -1;
+    pthread_mutex_lock(&g_lock);
+    for (int i = 0; i < n && bad < 0; i++) {
+        if (pin_locked(addr[i], len[i], &pins[i])) {
+            bad = i;
+            while (i-- > 0) unpin_locked(&pins[i]);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return bad;
+}
+
+EMU_API void aclemuUnpinMany(emu_pin *pins, int n) {
+    if (n <= 0) return;
+    pthread_mutex_lock(&g_lock);
+    for (int i = 0; i < n; i++) unpin_locked(&pins[i]);
+    pthread_mutex_unlock(&g_lock);
+}
+
 EMU_API void aclemuUnpin(emu_pin *pin) {
     pthread_mutex_lock(&g_lock);
     unpin_locked(pin);

@@ -13,7 +13,13 @@
 
 /* ------------------------------------------------------------------ process state */
 
+/* Adaptive: critical sections are short and the engine and a launching thread meet here all
+ * the time; spinning briefly avoids a futex sleep on most contended acquisitions. */
+#ifdef PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP
+pthread_mutex_t g_lock = PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
+#else
 pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+#endif
 pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;
 pthread_cond_t g_engine_cond = PTHREAD_COND_INITIALIZER;
 int g_waiters;
@@ -320,7 +326,13 @@ static void atfork_prepare(void) { pthread_mutex_lock(&g_lock); }
 static void atfork_parent(void) { pthread_mutex_unlock(&g_lock); }
 
 static void atfork_child(void) {
-    pthread_mutex_init(&g_lock, NULL);
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+#ifdef PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
+#endif
+    pthread_mutex_init(&g_lock, &attr);
+    pthread_mutexattr_destroy(&attr);
     pthread_cond_init(&g_cond, NULL);
     pthread_cond_init(&g_engine_cond, NULL);
     g_waiters = 0;

@@ -37,6 +37,20 @@ static unsigned g_engine_gen;  /* bumped to tell the current engine thread to ex
 static int g_engine_sleeping;  /* waiting on g_engine_cond */
 static int g_engine_busy;      /* running a task */
 static emu_stream *g_ready_head, *g_ready_tail; /* streams with work for the engine */
+static unsigned g_ready_pushes; /* bumped (atomically) by every push: what a spinning engine polls */
+
+/* How long the engine polls for new work before it sleeps. A launch loop on the host is a
+ * little slower than a small kernel, so without this the engine would fall asleep between two
+ * launches and every launch would pay a wake-up system call. */
+#define EMU_ENGINE_SPIN_MS 0.05
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield" ::: "memory");
+#endif
+}
 
 static void ready_push_locked(emu_stream *s) {
     if (s->in_ready) return;
@@ -46,6 +60,7 @@ static void ready_push_locked(emu_stream *s) {
     if (g_ready_tail) g_ready_tail->ready_next = s;
     else g_ready_head = s;
     g_ready_tail = s;
+    __atomic_add_fetch(&g_ready_pushes, 1, __ATOMIC_RELEASE);
 }
 
 static emu_stream *ready_pop_locked(void) {
@@ -118,9 +133,24 @@ static void run_head_locked(emu_stream *s) {
 
 static void *engine_main(void *arg) {
     const unsigned gen = (unsigned)(uintptr_t)arg;
+    int spun = 0;
     pthread_mutex_lock(&g_lock);
     while (g_engine_gen == gen) {
         emu_stream *s = g_async ? ready_pop_locked() : NULL;
+        if (!s && g_async && !spun) {
+            /* Poll briefly, without the lock, before sleeping. */
+            unsigned seen = __atomic_load_n(&g_ready_pushes, __ATOMIC_ACQUIRE);
+            pthread_mutex_unlock(&g_lock);
+            double until = now_ms() + EMU_ENGINE_SPIN_MS;
+            for (unsigned i = 1; __atomic_load_n(&g_ready_pushes, __ATOMIC_ACQUIRE) == seen; i++) {
+                cpu_relax();
+                if (i % 64 == 0 && now_ms() >= until) break;
+            }
+            pthread_mutex_lock(&g_lock);
+            spun = 1;
+            continue;
+        }
+        spun = 0;
         if (!s) {
             g_engine_sleeping = 1;
             pthread_cond_wait(&g_engine_cond, &g_lock);
