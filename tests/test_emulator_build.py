@@ -68,3 +68,23 @@ def test_no_compiler_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "no-such-cc")
     with pytest.raises(_build.EmulatorBuildError, match="CC"):
         _build.build()
+
+
+def test_cache_key_covers_every_source(monkeypatch):
+    # Every C source any library is built from is hashed, and so is each internal header.
+    names = {f.name for f in _build._inputs()}
+    for _, sources, _ in _build.LIBRARIES:
+        assert set(sources) <= names
+    assert {"emu.h", "emu_handles.h", "rt_internal.h", "aclemu.h"} <= names
+
+
+def test_sanitizer_build_has_its_own_key_and_checks_its_names(monkeypatch):
+    monkeypatch.delenv(_build.SANITIZE_ENV, raising=False)
+    plain = _build.build_hash()
+    monkeypatch.setenv(_build.SANITIZE_ENV, "address,undefined")
+    assert _build.sanitize_flags()[0] == "-fsanitize=address,undefined"
+    assert "-fno-omit-frame-pointer" in _build.sanitize_flags()
+    assert _build.build_hash() != plain
+    monkeypatch.setenv(_build.SANITIZE_ENV, "address,bogus")
+    with pytest.raises(_build.EmulatorBuildError, match="bogus"):
+        _build.sanitize_flags()

@@ -3,7 +3,11 @@
 The C sources ship inside the package and are compiled on first use with the system C
 compiler into ``<cache>/emulator-<hash>/lib64/{libascendcl,libnnopbase,libopapi}.so``. The hash
 covers the sources, the declarations in headers/, the compiler and its flags, so an edit or a
-new compiler gives a new directory and a stale build is never loaded. Builds happen in a
+new compiler gives a new directory and a stale build is never loaded.
+
+``PYACL_MOE_EMU_SANITIZE`` (e.g. ``address,undefined``) selects an instrumented build instead,
+with its own cache directory (``emulator-san-<hash>``); docs/emulator.md says how to run
+Python against it. Builds happen in a
 private temporary directory that is renamed into place, so two processes building at once
 both succeed and neither sees a half-written library.
 
@@ -45,6 +49,10 @@ CFLAGS: tuple[str, ...] = (
     "-Wno-format-truncation",
 )
 
+# Sanitizers an instrumented build may ask for (PYACL_MOE_EMU_SANITIZE, comma-separated).
+SANITIZE_ENV = "PYACL_MOE_EMU_SANITIZE"
+SANITIZERS = ("address", "undefined", "leak", "thread")
+
 # Bump when the layout of the build directory changes.
 _LAYOUT_VERSION = "1"
 
@@ -82,6 +90,26 @@ def find_compiler() -> list[str]:
     )
 
 
+def sanitize_flags() -> tuple[str, ...]:
+    """Compile and link flags for ``$PYACL_MOE_EMU_SANITIZE`` (empty when it is unset)."""
+    value = os.environ.get(SANITIZE_ENV, "").strip()
+    if not value:
+        return ()
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SANITIZERS]
+    if unknown or not names:
+        raise EmulatorBuildError(
+            f"{SANITIZE_ENV}={value!r}: unknown sanitizer {unknown or value!r}; use a comma-separated "
+            f"list of {', '.join(SANITIZERS)}"
+        )
+    # Line numbers in reports, and frames a stack walk can follow.
+    return (f"-fsanitize={','.join(names)}", "-fno-omit-frame-pointer", "-g")
+
+
+def _cflags() -> tuple[str, ...]:
+    return CFLAGS + sanitize_flags()
+
+
 def _compiler_identity(cc: list[str]) -> str:
     try:
         out = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
@@ -103,7 +131,8 @@ def build_hash(cc: list[str] | None = None) -> str:
     h = hashlib.sha256()
     h.update(_LAYOUT_VERSION.encode())
     h.update(_compiler_identity(cc).encode())
-    h.update("\0".join(CFLAGS).encode())
+    h.update("\0".join(_cflags()).encode())
+    h.update(repr(LIBRARIES).encode())  # which sources make which library, and the link order
     for f in _inputs():
         h.update(f.name.encode())
         h.update(f.read_bytes())
@@ -131,11 +160,12 @@ def _compile_into(tmp: Path, cc: list[str]) -> None:
     lib64.mkdir(parents=True)
     obj.mkdir()
     includes = ["-I", str(_paths.headers_dir()), "-I", str(SRC_DIR)]
+    cflags = _cflags()
     # Objects compile in parallel; links follow in dependency order.
     jobs = []
     for _, sources, _ in LIBRARIES:
         for src in sources:
-            cmd = [*cc, *CFLAGS, *includes, "-c", str(SRC_DIR / src), "-o", str(obj / (src + ".o"))]
+            cmd = [*cc, *cflags, *includes, "-c", str(SRC_DIR / src), "-o", str(obj / (src + ".o"))]
             jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     failures = []
     for cmd, proc in jobs:
@@ -145,7 +175,7 @@ def _compile_into(tmp: Path, cc: list[str]) -> None:
     if failures:
         raise EmulatorBuildError("compiling the CANN emulator failed:\n" + "\n".join(failures))
     for name, sources, deps in LIBRARIES:
-        cmd = [*cc, "-shared", "-pthread", f"-Wl,-soname,lib{name}.so"]
+        cmd = [*cc, "-shared", "-pthread", *sanitize_flags()[:1], f"-Wl,-soname,lib{name}.so"]
         cmd += [str(obj / (s + ".o")) for s in sources]
         cmd += ["-L", str(lib64), *[f"-l{d}" for d in deps], "-Wl,-rpath,$ORIGIN"]
         cmd += ["-o", str(lib64 / f"lib{name}.so")]
@@ -160,7 +190,7 @@ def build(force: bool = False) -> str:
     """
     cc = find_compiler()
     root = cache_root()
-    home = root / f"emulator-{build_hash(cc)}"
+    home = root / f"emulator-{'san-' if sanitize_flags() else ''}{build_hash(cc)}"
     if _complete(home) and not force:
         return str(home)
     root.mkdir(parents=True, exist_ok=True)

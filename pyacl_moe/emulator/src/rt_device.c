@@ -155,7 +155,7 @@ EMU_API aclError aclrtResetDevice(int32_t deviceId) {
 EMU_API aclError aclrtSynchronizeDevice(void) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     if (!st) {
         char msg[EMU_MSG_LEN];

@@ -183,7 +183,7 @@ EMU_API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy po
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     /* CANN rounds every block up to 32 bytes and adds 32 more. */
     size_t padded = ((size + 31) & ~(size_t)31) + 32;
@@ -462,7 +462,7 @@ EMU_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, si
                                   aclrtMemcpyKind kind, aclrtStream stream) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     copy_plan plan;
     emu_stream *s = NULL;
     int st = require_device_locked(api, &d);
@@ -521,7 +521,7 @@ EMU_API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, 
                                   aclrtStream stream) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     copy_plan plan;
     emu_stream *s = NULL;
     int st = require_device_locked(api, &d);
@@ -554,7 +554,7 @@ EMU_API aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     if (!st) {
         int is_ddr = attr == ACL_DDR_MEM || attr == ACL_DDR_MEM_HUGE || attr == ACL_DDR_MEM_NORMAL ||

@@ -501,7 +501,7 @@ EMU_API aclError aclrtCreateStream(aclrtStream *stream) {
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     if (!st) {
         emu_stream *s = stream_new_locked(d, 0);
@@ -541,7 +541,7 @@ EMU_API aclError aclrtDestroyStream(aclrtStream stream) {
 
 static int sync_stream(const char *api, aclrtStream stream, int32_t timeout) {
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     emu_stream *s = NULL;
     if (!st) st = resolve_stream_locked(api, stream, d, &s);
@@ -586,7 +586,7 @@ EMU_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     emu_stream *s = NULL;
     if (!st) st = resolve_stream_locked(api, stream, d, &s);
@@ -621,7 +621,7 @@ static void wait_release(void *p) { /* lock held */
 EMU_API aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     emu_stream *s = NULL;
     emu_event *e = NULL;
@@ -651,7 +651,7 @@ EMU_API aclError aclrtCreateEvent(aclrtEvent *event) {
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     if (!st) {
         emu_event *e = calloc(1, sizeof *e);
@@ -714,7 +714,7 @@ static void record_release(void *p) { /* lock held */
 EMU_API aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int32_t d;
+    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     emu_stream *s = NULL;
     emu_event *e = NULL;
