@@ -284,9 +284,10 @@ int take_pending_locked(emu_stream *s, char *msg, size_t len) {
 }
 
 int enqueue_locked(emu_stream *s, emu_task_run run, emu_task_release release, void *payload) {
-    if (g_async && s->next_seq - s->done_seq >= (uint64_t)g_queue_depth) {
+    while (g_async && s->next_seq - s->done_seq >= (uint64_t)g_queue_depth) {
         /* Full: wait (helping) until the oldest task beyond the bound has finished. The lock
-         * is released meanwhile, so the stream may be destroyed: keep it alive to look. */
+         * is released meanwhile, so the stream may be destroyed (keep it alive to look), and
+         * other threads may fill the room first (look again). */
         s->refs++;
         drain_locked(s, s->next_seq - (uint64_t)g_queue_depth + 1, 0);
         int dead = s->dead;
