@@ -1,9 +1,9 @@
 """A multi-threaded stress of the emulated runtime, through raw cffi.
 
 ``stress()`` is used twice: in-process for about two seconds under the default build (the
-``emu`` fixture), and by the slow test at the bottom in a fresh interpreter against the
-sanitized build (PYACL_MOE_EMU_SANITIZE=address,undefined), which fails on any sanitizer
-report. Several threads create and destroy streams and events, copy asynchronously, launch
+``emu`` fixture), and by the slow tests at the bottom in a fresh interpreter against the
+sanitized builds (PYACL_MOE_EMU_SANITIZE=address,undefined, and thread), which fail on any
+sanitizer report. Several threads create and destroy streams and events, copy asynchronously, launch
 the kernel, record, query and wait for events across threads, synchronize and switch
 contexts, in both stream modes and while a thread toggles between them.
 """
@@ -103,7 +103,9 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
         done: dict[str, int] = {}
         try:
             check("aclrtSetCurrentContext", acl.aclrtSetCurrentContext(home_ctx))
-            own, shared = _Kernel(emu, x, idx), _Kernel(emu, x, idx)
+            # One kernel per stream it runs on: two streams run concurrently, so one out
+            # buffer written from both would be a race of the test's own making.
+            own, shared = _Kernel(emu, x, idx), [_Kernel(emu, x, idx) for _ in range(2)]
             host = bytearray(N * H * 4)
             hb = ffi.from_buffer(host)
             status = ffi.new("aclrtEventRecordedStatus *")
@@ -140,7 +142,7 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
                             raise StressFailure("a destroyed stream is still accepted")
                     elif op == "shared":
                         j = rng.randrange(2)
-                        check("launch shared", shared.launch(shared_streams[j]))
+                        check("launch shared", shared[j].launch(shared_streams[j]))
                         check("aclrtRecordEvent", acl.aclrtRecordEvent(shared_events[j], shared_streams[j]))
                         check("aclrtStreamWaitEvent", acl.aclrtStreamWaitEvent(emu.NULL, shared_events[1 - j]))
                         check("aclrtQueryEventStatus", acl.aclrtQueryEventStatus(shared_events[j], status))
@@ -177,8 +179,8 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
                         check("aclrtStreamQuery", acl.aclrtStreamQuery(shared_streams[j], sstatus))
             finally:
                 check("aclrtSynchronizeDevice", acl.aclrtSynchronizeDevice())
-                own.close()
-                shared.close()
+                for kern in (own, *shared):
+                    kern.close()
         except BaseException as exc:  # reported by the main thread
             with lock:
                 errors.append(f"thread {tid}: {exc!r}")
@@ -251,22 +253,31 @@ assert acl.aclFinalize() == 0
 print(json.dumps(out))
 """
 
-SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer", "SUMMARY: ")
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer",
+                     "WARNING: ThreadSanitizer", "SUMMARY: ")
+# (PYACL_MOE_EMU_SANITIZE, runtime to preload, its options)
+SANITIZER_RUNS = {
+    "asan-ubsan": ("address,undefined", "libasan.so",
+                   {"ASAN_OPTIONS": "detect_leaks=0", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}),
+    "tsan": ("thread", "libtsan.so", {"TSAN_OPTIONS": "halt_on_error=1:report_signal_unsafe=0"}),
+}
 
 
-def _sanitizer_runtime(cc: str) -> str | None:
-    out = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True)
+def _sanitizer_runtime(cc: str, name: str) -> str | None:
+    out = subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True)
     path = out.stdout.strip()
     return path if out.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
 
 
 @pytest.mark.slow
-def test_sanitized_emulator_under_threaded_stress(tmp_path):
+@pytest.mark.parametrize("run", list(SANITIZER_RUNS))
+def test_sanitized_emulator_under_threaded_stress(tmp_path, run):
+    sanitize, runtime_name, options = SANITIZER_RUNS[run]
     cc = os.environ.get("CC", "cc")
-    asan = _sanitizer_runtime(cc)
-    if asan is None:
-        pytest.skip(f"{cc} has no AddressSanitizer runtime")
-    env = dict(os.environ, PYACL_MOE_EMU_SANITIZE="address,undefined", PYACL_MOE_CACHE=str(tmp_path / "cache"),
+    runtime = _sanitizer_runtime(cc, runtime_name)
+    if runtime is None:
+        pytest.skip(f"{cc} has no {runtime_name}")
+    env = dict(os.environ, PYACL_MOE_EMU_SANITIZE=sanitize, PYACL_MOE_CACHE=str(tmp_path / "cache"),
                PYACL_MOE_EMU_DEVICES="2")
     env.pop("LD_PRELOAD", None)
     # Build in a fresh interpreter of its own (the compiler must not run with the runtime preloaded).
@@ -275,10 +286,9 @@ def test_sanitized_emulator_under_threaded_stress(tmp_path):
     assert build.returncode == 0, build.stderr
     assert "emulator-san-" in build.stdout
     # CPython itself leaks at exit: leak detection off; any other report fails the run.
-    env.update(LD_PRELOAD=asan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
-               UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
+    env.update(LD_PRELOAD=runtime, **options)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SANITIZED_STRESS.format(root=str(ROOT)))],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=str(ROOT))
+                          capture_output=True, text=True, env=env, timeout=900, cwd=str(ROOT))
     reports = [m for m in SANITIZER_MARKERS if m in proc.stderr]
     assert not reports and proc.returncode == 0, proc.stderr[-20000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
