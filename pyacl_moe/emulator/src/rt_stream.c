@@ -4,7 +4,7 @@
  * A stream is a FIFO of tasks that finish in order. Two modes (aclemuSetStreamMode,
  * PYACL_MOE_EMU_STREAMS):
  *  - async (default): a background engine thread, started on first need, runs the queued tasks
- *    of every stream, one task at a time, round robin over the streams that have work. A thread
+ *    of every stream, a batch at a time, round robin over the streams that have work. A thread
  *    that waits for a stream (synchronize, event, destroy, reset) helps: it runs the stream's
  *    next task itself whenever no other thread is running that stream, so waiting is never
  *    slower than in lazy mode. A stream holds at most g_queue_depth tasks; an enqueue on a full
@@ -17,8 +17,9 @@
  * only name records queued before them, so the tasks form a DAG in queue order and the helpers
  * cannot deadlock.
  *
- * Launch cost: the engine is signalled only when it sleeps; a busy engine finds new work on
- * the ready list at its next pick, with no system call on the launching thread.
+ * Launch cost: the engine is signalled only when it sleeps for good; a busy or napping engine
+ * finds new work on the ready list at its next pick, with no system call on the launching
+ * thread, and takes up to EMU_ENGINE_BATCH tasks of a stream under one lock.
  */
 #define _GNU_SOURCE
 #include <signal.h>
@@ -34,23 +35,17 @@
 static pthread_t g_engine_thread;
 static int g_engine_started;   /* a thread of generation g_engine_gen exists */
 static unsigned g_engine_gen;  /* bumped to tell the current engine thread to exit */
-static int g_engine_sleeping;  /* waiting on g_engine_cond */
+static int g_engine_sleeping;  /* 1: napping (timed, not signalled), 2: asleep until signalled */
 static int g_engine_busy;      /* running a task */
 static emu_stream *g_ready_head, *g_ready_tail; /* streams with work for the engine */
-static unsigned g_ready_pushes; /* bumped (atomically) by every push: what a spinning engine polls */
 
-/* How long the engine polls for new work before it sleeps. A launch loop on the host is a
- * little slower than a small kernel, so without this the engine would fall asleep between two
- * launches and every launch would pay a wake-up system call. */
-#define EMU_ENGINE_SPIN_MS 0.05
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ volatile("yield" ::: "memory");
-#endif
-}
+/* When the engine runs out of work it naps: a short timed wait nobody signals, so a burst of
+ * launches costs the launching thread no system call and the engine finds the tasks queued
+ * meanwhile in one batch. After EMU_ENGINE_NAPS naps without work it sleeps until signalled
+ * (g_engine_sleeping 2), and only then does an enqueue signal it. Spinning instead would keep
+ * a CPU busy that the launching thread or the kernel may need. */
+#define EMU_ENGINE_NAP_US 200
+#define EMU_ENGINE_NAPS 10
 
 static void ready_push_locked(emu_stream *s) {
     if (s->in_ready) return;
@@ -60,7 +55,6 @@ static void ready_push_locked(emu_stream *s) {
     if (g_ready_tail) g_ready_tail->ready_next = s;
     else g_ready_head = s;
     g_ready_tail = s;
-    __atomic_add_fetch(&g_ready_pushes, 1, __ATOMIC_RELEASE);
 }
 
 static emu_stream *ready_pop_locked(void) {
@@ -82,7 +76,7 @@ static void *engine_main(void *arg);
 
 /* Make sure the engine will look at the ready list: start it, or wake it if it sleeps. */
 static void engine_kick_locked(void) {
-    if (g_engine_sleeping) {
+    if (g_engine_sleeping == 2) {
         pthread_cond_signal(&g_engine_cond);
         return;
     }
@@ -131,38 +125,92 @@ static void run_head_locked(emu_stream *s) {
     if (g_waiters) pthread_cond_broadcast(&g_cond);
 }
 
+static int wait_run(void *p, char *msg, size_t len);
+
+/* The engine runs up to this many tasks of a stream per pick, taking the lock once for all of
+ * them: with a launch loop feeding it, one lock hand-off per task would cost more than a
+ * small kernel. */
+#define EMU_ENGINE_BATCH 64
+
+/* Run a batch of s's tasks from its head on the engine thread: the tasks are taken off the
+ * queue under the lock, run without it, and finished under it again. A task that waits for
+ * another stream is always a batch of its own (and ends the one before it): the tasks of a
+ * batch finish together, and a wait inside a batch would delay the completion of the tasks
+ * before it, which another stream's wait may need (a deadlock). */
+static void run_batch_locked(emu_stream *s) {
+    emu_task *first = s->head, *last = first;
+    int n = 1;
+    if (first->run != wait_run)
+        while (n < EMU_ENGINE_BATCH && last->next && last->next->run != wait_run) {
+            last = last->next;
+            n++;
+        }
+    s->head = last->next;
+    if (!s->head) s->tail = NULL;
+    last->next = NULL;
+    s->running = 1;
+    pthread_mutex_unlock(&g_lock);
+    int status[EMU_ENGINE_BATCH];
+    char msg[EMU_MSG_LEN], scratch[EMU_MSG_LEN];
+    msg[0] = 0;
+    int i = 0, faulted = 0;
+    for (emu_task *t = first; t; t = t->next, i++) {
+        /* Only the first fault's message is kept: it is the one a synchronize reports. */
+        status[i] = t->run ? t->run(t->payload, faulted ? scratch : msg, EMU_MSG_LEN) : 0;
+        if (status[i]) faulted = 1;
+    }
+    pthread_mutex_lock(&g_lock);
+    s->running = 0;
+    s->done_seq = last->seq;
+    count_add(EMU_C_PENDING_TASKS, -n);
+    i = 0;
+    for (emu_task *t = first, *next; t; t = next, i++) {
+        next = t->next;
+        if (status[i]) {
+            count_add(EMU_C_DEVICE_FAULTS, 1);
+            if (!s->pending_status) {
+                s->pending_status = status[i];
+                snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
+            }
+        }
+        if (t->release) t->release(t->payload);
+        free(t);
+    }
+    if (g_waiters) pthread_cond_broadcast(&g_cond);
+}
+
 static void *engine_main(void *arg) {
     const unsigned gen = (unsigned)(uintptr_t)arg;
-    int spun = 0;
+    int naps = 0;
     pthread_mutex_lock(&g_lock);
     while (g_engine_gen == gen) {
         emu_stream *s = g_async ? ready_pop_locked() : NULL;
-        if (!s && g_async && !spun) {
-            /* Poll briefly, without the lock, before sleeping. */
-            unsigned seen = __atomic_load_n(&g_ready_pushes, __ATOMIC_ACQUIRE);
-            pthread_mutex_unlock(&g_lock);
-            double until = now_ms() + EMU_ENGINE_SPIN_MS;
-            for (unsigned i = 1; __atomic_load_n(&g_ready_pushes, __ATOMIC_ACQUIRE) == seen; i++) {
-                cpu_relax();
-                if (i % 64 == 0 && now_ms() >= until) break;
-            }
-            pthread_mutex_lock(&g_lock);
-            spun = 1;
-            continue;
-        }
-        spun = 0;
         if (!s) {
-            g_engine_sleeping = 1;
-            pthread_cond_wait(&g_engine_cond, &g_lock);
+            if (g_async && naps < EMU_ENGINE_NAPS) {
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                ts.tv_nsec += EMU_ENGINE_NAP_US * 1000L;
+                if (ts.tv_nsec >= 1000000000L) {
+                    ts.tv_sec++;
+                    ts.tv_nsec -= 1000000000L;
+                }
+                g_engine_sleeping = 1;
+                pthread_cond_timedwait(&g_engine_cond, &g_lock, &ts);
+                naps++;
+            } else {
+                g_engine_sleeping = 2;
+                pthread_cond_wait(&g_engine_cond, &g_lock);
+                naps = 0;
+            }
             g_engine_sleeping = 0;
             continue;
         }
+        naps = 0;
         /* A helper may have taken the stream since it was listed; it hands it back when done. */
         if (s->head && !s->running) {
             g_engine_busy = 1;
-            run_head_locked(s);
+            run_batch_locked(s);
             g_engine_busy = 0;
-            if (g_waiters) pthread_cond_broadcast(&g_cond); /* aclemuSetStreamMode waits idle */
             settle_locked(s); /* round robin: back to the tail if it has more */
         }
         stream_unref_locked(s);
@@ -219,10 +267,10 @@ static int wait_locked(double deadline_ms) {
     return passed;
 }
 
-int drain_locked(emu_stream *s, uint64_t upto, double deadline_ms) {
+/* drain_locked for a caller that holds a reference on s. */
+static int drain_held_locked(emu_stream *s, uint64_t upto, double deadline_ms) {
     int timed_out = 0;
     int ran = 0;
-    s->refs++;
     while (s->done_seq < upto) {
         if (s->running) { /* another thread runs it: wait for that task */
             if (wait_locked(deadline_ms)) {
@@ -241,6 +289,12 @@ int drain_locked(emu_stream *s, uint64_t upto, double deadline_ms) {
         ran = 1;
     }
     settle_locked(s); /* work left behind goes (back) to the engine */
+    return timed_out;
+}
+
+int drain_locked(emu_stream *s, uint64_t upto, double deadline_ms) {
+    s->refs++;
+    int timed_out = drain_held_locked(s, upto, deadline_ms);
     stream_unref_locked(s);
     return timed_out;
 }
@@ -284,15 +338,18 @@ int take_pending_locked(emu_stream *s, char *msg, size_t len) {
 }
 
 int enqueue_locked(emu_stream *s, emu_task_run run, emu_task_release release, void *payload) {
-    while (g_async && s->next_seq - s->done_seq >= (uint64_t)g_queue_depth) {
+    if (g_async && s->next_seq - s->done_seq >= (uint64_t)g_queue_depth) {
         /* Full: wait (helping) until the oldest task beyond the bound has finished. The lock
          * is released meanwhile, so the stream may be destroyed (keep it alive to look), and
          * other threads may fill the room first (look again). */
         s->refs++;
-        drain_locked(s, s->next_seq - (uint64_t)g_queue_depth + 1, 0);
-        int dead = s->dead;
-        stream_unref_locked(s);
-        if (dead) return -2;
+        while (g_async && !s->dead && s->next_seq - s->done_seq >= (uint64_t)g_queue_depth)
+            drain_held_locked(s, s->next_seq - (uint64_t)g_queue_depth + 1, 0);
+        if (s->dead) {
+            stream_unref_locked(s);
+            return -2;
+        }
+        s->refs--; /* not the last reference: a live stream is held by its handle or device */
     }
     emu_task *t = malloc(sizeof *t);
     if (!t) return -1;
