@@ -501,7 +501,18 @@ def child_report(parent):
     r["finalize"] = acl.aclFinalize()
     return r
 
+def resolve_all():
+    """cffi resolves a library function on first use under a Python lock; a thread of the parent
+    may hold that lock at fork time, so the child must only use functions resolved before."""
+    for lib in (acl, nn, op):
+        for name in dir(lib):
+            try:
+                getattr(lib, name)
+            except AttributeError:  # declared, but exported by another of the three libraries
+                pass
+
 def fork_and_check(parent, timeout=20.0):
+    resolve_all()
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -598,9 +609,11 @@ def test_fork_while_threads_hammer_the_locks(isolated):
             while not stop.is_set():
                 acl.aclrtGetDevice(d)
                 nn.aclGetDataType(t, dt)
+        resolve_all()
         threads = [threading.Thread(target=hammer) for _ in range(2)]
         for th in threads:
             th.start()
+        time.sleep(0.05)  # both hammering
         results = []
         for _ in range(20):
             rfd, wfd = os.pipe()
