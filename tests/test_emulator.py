@@ -912,7 +912,7 @@ def test_zero_size_3d_x_in_active_mode_does_not_crash(isolated):
     assert r == {"phase1": 0, "phase2": 0, "sync": RT_AICORE_EXCEPTION}
 
 
-# ============================================================================ 4. lazy streams (queued work runs only when waited for)
+# ============================================================================ 4. lazy streams (run when waited for)
 
 def test_kernel_runs_only_when_stream_is_synchronized(emu, res, lazy):
     rng = np.random.default_rng(21)

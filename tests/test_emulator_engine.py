@@ -23,12 +23,12 @@ from .test_emulator import (  # noqa: F401  (res and lazy are fixtures)
     RT_CONTEXT_NULL,
     RT_INVALID_HANDLE,
     _simple,
-    lazy,
+    assert_matches,
     launch,
+    lazy,
     op_on,
     phase1,
     reference,
-    assert_matches,
     res,
     run_fresh,
 )
@@ -641,3 +641,32 @@ def test_fork_while_threads_hammer_the_locks(isolated):
     """)
     want = [ACL_ERROR_UNINITIALIZE, ACLNN_ERR_PARAM_INVALID, 0, 0, 0, 0]
     assert r["children"] == [want] * 20, r
+
+
+# ============================================================================ fault injection
+
+def test_fault_injection_on_the_new_calls(emu, res):
+    acl, ffi = emu.acl, emu.ffi
+    s, ev = res.stream(), res.event()
+    ctx = ffi.new("aclrtContext *")
+    est, sst = ffi.new("aclrtEventRecordedStatus *"), ffi.new("aclrtStreamStatus *")
+    calls = {
+        b"aclrtQueryEventStatus": lambda: acl.aclrtQueryEventStatus(ev, est),
+        b"aclrtStreamQuery": lambda: acl.aclrtStreamQuery(s, sst),
+        b"aclrtGetCurrentContext": lambda: acl.aclrtGetCurrentContext(ctx),
+    }
+    for name, call in calls.items():
+        assert acl.aclemuInjectFault(name, 1, 0) == 0
+        assert call() == 507000, name  # the runtime's usual failure
+        assert "fault injected" in emu.msg()
+        emu.ok(call())  # fired once
+    emu.ok(acl.aclrtGetCurrentContext(ctx))
+    assert acl.aclemuInjectFault(b"aclrtSetCurrentContext", 1, 107017) == 0
+    assert acl.aclrtSetCurrentContext(ctx[0]) == 107017
+    emu.ok(acl.aclrtSetCurrentContext(ctx[0]))
+    # "*" skips the queries: the first call it counts is the aclrtSetCurrentContext.
+    assert acl.aclemuInjectFault(b"*", 1, 123) == 0
+    for call in calls.values():
+        emu.ok(call())
+    assert acl.aclrtSetCurrentContext(ctx[0]) == 123
+    acl.aclemuClearFaults()

@@ -166,8 +166,9 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
                         check("aclrtFree", acl.aclrtFree(p[0]))
                         check("aclrtSetCurrentContext", acl.aclrtSetCurrentContext(home_ctx))
                     elif op == "ctx":
-                        check("aclrtGetCurrentContext", acl.aclrtGetCurrentContext(ctx_out := ffi.new("aclrtContext *")))
-                        check("aclrtSetCurrentContext", acl.aclrtSetCurrentContext(ctx_out[0]))
+                        cur = ffi.new("aclrtContext *")
+                        check("aclrtGetCurrentContext", acl.aclrtGetCurrentContext(cur))
+                        check("aclrtSetCurrentContext", acl.aclrtSetCurrentContext(cur[0]))
                     elif op == "sync":
                         j = rng.randrange(3)
                         if j == 2:
