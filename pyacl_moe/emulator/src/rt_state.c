@@ -20,8 +20,8 @@ pthread_mutex_t g_lock = PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP;
 #else
 pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 #endif
-pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;
-pthread_cond_t g_engine_cond = PTHREAD_COND_INITIALIZER;
+pthread_cond_t g_cond;        /* both use CLOCK_MONOTONIC (see rt_state_init): timed waits */
+pthread_cond_t g_engine_cond; /* must not stretch when the wall clock is set back */
 int g_waiters;
 int64_t g_counters[EMU_C_COUNT];
 int g_initialized;
@@ -325,6 +325,15 @@ static void atfork_prepare(void) { pthread_mutex_lock(&g_lock); }
 
 static void atfork_parent(void) { pthread_mutex_unlock(&g_lock); }
 
+static void init_conds(void) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&g_cond, &attr);
+    pthread_cond_init(&g_engine_cond, &attr);
+    pthread_condattr_destroy(&attr);
+}
+
 static void atfork_child(void) {
     pthread_mutexattr_t attr;
     pthread_mutexattr_init(&attr);
@@ -333,8 +342,7 @@ static void atfork_child(void) {
 #endif
     pthread_mutex_init(&g_lock, &attr);
     pthread_mutexattr_destroy(&attr);
-    pthread_cond_init(&g_cond, NULL);
-    pthread_cond_init(&g_engine_cond, NULL);
+    init_conds();
     g_waiters = 0;
     engine_forget_after_fork();
     g_initialized = 0;
@@ -362,5 +370,6 @@ static void atfork_child(void) {
 }
 
 __attribute__((constructor)) static void rt_state_init(void) {
+    init_conds();
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }

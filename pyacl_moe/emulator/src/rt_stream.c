@@ -188,7 +188,7 @@ static void *engine_main(void *arg) {
         if (!s) {
             if (g_async && naps < EMU_ENGINE_NAPS) {
                 struct timespec ts;
-                clock_gettime(CLOCK_REALTIME, &ts);
+                clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of g_engine_cond */
                 ts.tv_nsec += EMU_ENGINE_NAP_US * 1000L;
                 if (ts.tv_nsec >= 1000000000L) {
                     ts.tv_sec++;
@@ -253,7 +253,7 @@ static int wait_locked(double deadline_ms) {
             passed = 1;
         } else {
             struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts); /* g_cond uses the default clock */
+            clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of g_cond */
             long long ns = (long long)ts.tv_nsec + (long long)(left * 1e6);
             ts.tv_sec += (time_t)(ns / 1000000000LL);
             ts.tv_nsec = (long)(ns % 1000000000LL);
