@@ -22,6 +22,7 @@
  * thread, and takes up to EMU_ENGINE_BATCH tasks of a stream under one lock.
  */
 #define _GNU_SOURCE
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -239,6 +240,12 @@ void engine_forget_after_fork(void) {
     g_engine_busy = 0;
     g_ready_head = g_ready_tail = NULL;
 }
+
+/* A query that answers "not ready" gives the lock a moment before the caller polls again:
+ * glibc's mutex is not fair, and a thread polling in a tight loop re-takes it before the
+ * engine, woken from its wait for it, can, which delayed the work being polled for by
+ * milliseconds. */
+static void poll_backoff(void) { sched_yield(); }
 
 /* ------------------------------------------------------------------ stream execution */
 
@@ -649,9 +656,13 @@ EMU_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
     emu_stream *s = NULL;
     if (!st) st = resolve_stream_locked(api, stream, d, &s);
     /* Runs nothing and leaves a latched fault for the next synchronize. */
-    if (!st) *status = s->done_seq == s->next_seq ? ACL_STREAM_STATUS_COMPLETE
-                                                  : ACL_STREAM_STATUS_NOT_READY;
+    int busy = 0;
+    if (!st) {
+        busy = s->done_seq != s->next_seq;
+        *status = busy ? ACL_STREAM_STATUS_NOT_READY : ACL_STREAM_STATUS_COMPLETE;
+    }
     pthread_mutex_unlock(&g_lock);
+    if (busy) poll_backoff();
     return st;
 }
 
@@ -833,9 +844,13 @@ EMU_API aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatu
     if (!st) st = event_locked(api, event, &e);
     /* Runs nothing. An event never recorded is complete, as in CUDA (CANN's answer could not
      * be verified). */
-    if (!st) *status = e->completed == e->records ? ACL_EVENT_RECORDED_STATUS_COMPLETE
-                                                  : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    int busy = 0;
+    if (!st) {
+        busy = e->completed != e->records;
+        *status = busy ? ACL_EVENT_RECORDED_STATUS_NOT_READY : ACL_EVENT_RECORDED_STATUS_COMPLETE;
+    }
     pthread_mutex_unlock(&g_lock);
+    if (busy) poll_backoff();
     return st;
 }
 
