@@ -143,12 +143,14 @@ def res(emu):
 @pytest.fixture
 def lazy(emu):
     """Lazy streams for the test (work runs only when something waits for it), so that it can
-    see queued-but-not-run work deterministically; async (the default) again afterwards."""
+    see queued-but-not-run work deterministically; the previous mode (async by default) again
+    afterwards."""
+    previous = emu.ffi.string(emu.acl.aclemuGetStreamMode())
     assert emu.acl.aclemuSetStreamMode(b"lazy") == 0
     try:
         yield emu
     finally:
-        assert emu.acl.aclemuSetStreamMode(b"async") == 0
+        assert emu.acl.aclemuSetStreamMode(previous) == 0
 
 
 def phase1(emu, x, idx, k, mode, active, out):
