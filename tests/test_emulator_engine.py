@@ -236,7 +236,7 @@ def ev_status(e):
 def test_full_stream_makes_the_enqueue_wait_for_room(isolated):
     r = fresh(isolated, """
         acl.aclInit(ffi.NULL); acl.aclrtSetDevice(0)
-        slow = kernel(4096, 256, 2048)
+        slow = kernel(4096, 128, 2048)
         s, ev = new("aclrtStream"), new("aclrtEvent")
         buf = malloc(64)[1]
         out = {"tries": 0}
@@ -545,7 +545,7 @@ def test_fork_child_never_hangs_and_starts_uninitialized(isolated, mode):
     r = fresh(isolated, prelude=FORK_CHILD, body=f"""
         acl.aclInit(ffi.NULL); acl.aclrtSetDevice(0)
         assert acl.aclemuSetStreamMode(b"{mode}") == 0
-        slow = kernel(4096, 256, 2048)
+        slow = kernel(4096, 128, 2048)
         s, ev = new("aclrtStream"), new("aclrtEvent")
         block = malloc(4096)[1]
         parent = {{"stream": s, "event": ev, "block": block,
