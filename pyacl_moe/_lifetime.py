@@ -41,7 +41,7 @@ from ._cann.errcheck import check
 from ._cann.handles import process_forked
 
 __all__ = ["Holder", "Ledger", "close_core", "collect", "forked", "quiesce", "release", "release_where", "retiring",
-           "track"]
+           "track", "while_releases_wait"]
 
 
 class Holder(Protocol):
@@ -154,6 +154,13 @@ def collect() -> None:
             else:
                 _release_token_locked(token)
         _poll_locked()
+
+
+def while_releases_wait(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` with no release running meanwhile (a device reset frees what a release
+    would free)."""
+    with _collect_lock:
+        return fn()
 
 
 def _sweep() -> None:

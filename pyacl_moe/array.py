@@ -380,14 +380,17 @@ class DeviceArray:
             state: StreamState | None = resolve_stream(stream, alloc.device)
         else:
             state = alloc.last_write
-            if state is not None and (state.closing or state.device.closed):
-                state = None
         if state is not None:
-            alloc.used_on(state, write=False)
-            state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
-                          "ACL_MEMCPY_DEVICE_TO_HOST")
-            state.synchronize(None)
-        else:
+            try:
+                alloc.used_on(state, write=False)
+                state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
+                              "ACL_MEMCPY_DEVICE_TO_HOST")
+                state.synchronize(None)
+            except ClosedError:
+                if stream is not None:
+                    raise
+                state = None  # the writer's stream closed, and so ran everything: copy directly
+        if state is None:
             alloc.device.activate()
             acl.memcpy(host.ctypes.data, nbytes, lo, nbytes, "ACL_MEMCPY_DEVICE_TO_HOST")
         if host is not out:
@@ -481,21 +484,24 @@ def host_array(array: np.ndarray, name: str) -> np.ndarray:
 
 def _wait_for_users(alloc: Allocation, state: StreamState | None) -> None:
     """Order a host write after queued work of other streams that uses ``alloc``: on
-    ``state`` through events; without a stream, by waiting."""
+    ``state`` through events; without a stream, by waiting. A stream that closes meanwhile has
+    run everything (closing waits for it) and needs nothing."""
     for user in list(alloc.users):
         if user is state:
             continue  # stream order
-        if user.closing or user.device.closed:
-            del alloc.users[user]
-            continue
-        if state is None:
-            if not user.query():
-                user.synchronize(None)
-        else:
-            ev = Event(user.device)
-            core = ev.core()
-            user.enqueue(core, acl.record_event, core.handle)
-            state.enqueue(core, acl.stream_wait_event, core.handle)
+        try:
+            if state is None:
+                if not user.query():
+                    user.synchronize(None)
+            else:
+                ev = Event(user.device)
+                core = ev.core()
+                user.enqueue(core, acl.record_event, core.handle)
+                state.enqueue(core, acl.stream_wait_event, core.handle)
+        except ClosedError:
+            if state is not None and (state.closing or state.device.closed):
+                raise  # the writer's own stream
+            alloc.users.pop(user, None)
 
 
 def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None) -> None:

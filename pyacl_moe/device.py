@@ -36,6 +36,8 @@ class Queue(Protocol):
 
     def sync_done(self, mark: int) -> None: ...
 
+    def shut(self) -> None: ...
+
     def close_for_device(self) -> list[BaseException]: ...
 
     def poll(self) -> None: ...
@@ -206,44 +208,45 @@ class Device:
 
     def close(self) -> None:
         """Wait for the device, then release everything it owns in CANN's order (streams,
-        events, memory), then reset it. Safe twice. Errors from releasing individual objects
+        events, memory), then reset it. Safe twice. Another thread's call on an object of the
+        device completes first or raises ClosedError. Errors from releasing individual objects
         are collected and the first is raised once everything has been released."""
         with _Process.lock:
             if self._closed:
                 return
-            errors: list[BaseException] = []
-            self._closing = True
+            self._closed = True  # from here on, new work on the device is refused
             if _lifetime.forked():
-                self._closed = True
                 return
+            errors: list[BaseException] = []
             for hook in Device.close_hooks:
                 try:
                     hook(self)
                 except Exception as exc:
                     errors.append(exc)
-            try:
-                acl.use_context(self._ctx)
-                acl.synchronize_device()  # queued work still reads what is about to go
-            except Exception as exc:
-                errors.append(exc)
             with self._lock:
                 queues = list(self._queues)
                 self._queues.clear()
             for q in queues:
-                errors += q.close_for_device()
+                q.shut()  # waits for launches in flight; no new ones start
             ctx = self._ctx
+            try:
+                acl.use_context(ctx)
+                acl.synchronize_device()  # queued work still reads what is about to go
+            except Exception as exc:
+                errors.append(exc)
+            for q in queues:
+                errors += q.close_for_device()
             for kind in (acl.EventHandle, acl.DeviceMemory):
                 errors += _lifetime.release_where(
                     lambda h, kind=kind: isinstance(h, kind) and h.context is ctx  # type: ignore[misc]
                 )
-            self._closed = True
             self._attached.clear()
             if _Process.open_devices.get(self._id) is self:
                 del _Process.open_devices[self._id]
             if getattr(_tls, "device", None) is self:
                 _tls.device = None
             try:
-                acl.reset_device(ctx)
+                _lifetime.while_releases_wait(lambda: acl.reset_device(ctx))
             except Exception as exc:
                 errors.append(exc)
             if errors:

@@ -48,7 +48,7 @@ class StreamState:
     """
 
     __slots__ = ("device", "context", "handle", "lock", "ledger", "closing", "closed", "caches", "launchers",
-                 "__weakref__")
+                 "shut_caches", "__weakref__")
 
     def __init__(self, device: Device, handle: acl.StreamHandle | None) -> None:
         self.device = device
@@ -59,6 +59,7 @@ class StreamState:
         self.closing = False  # no new work (set under lock)
         self.closed = False  # the handle is gone
         self.caches: dict[Any, Any] = {}
+        self.shut_caches: dict[Any, Any] = {}  # the caches once shut, until the stream is destroyed
         self.launchers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- use
@@ -157,15 +158,21 @@ class StreamState:
 
     # -- release
 
-    def _shut(self) -> dict[Any, Any]:
-        """Stop new work and the launchers (lock not held); returns the caches, to be released
-        once the stream has run everything."""
+    def shut(self) -> None:
+        """Stop new work and the launchers (waiting for launches in flight). Safe twice."""
         with self.lock:
             self.closing = True
             launchers = list(self.launchers)
-            caches, self.caches = self.caches, {}
+            self.shut_caches.update(self.caches)
+            self.caches = {}
         for launcher in launchers:
             launcher.detach()
+
+    def _shut(self) -> dict[Any, Any]:
+        """shut(), then the caches, to be released once the stream has run everything."""
+        self.shut()
+        with self.lock:
+            caches, self.shut_caches = self.shut_caches, {}
         return caches
 
     def _destroy(self, caches: dict[Any, Any]) -> int:
