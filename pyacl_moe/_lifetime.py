@@ -4,11 +4,11 @@ them, never from inside a finalizer, and safe under KeyboardInterrupt.
 **Owners and holders.** An object that owns a CANN resource (a stream, an event, an allocation,
 an aclTensor, an executor) keeps a small *holder* with exactly what the release needs (a handle
 of the bindings layer). :func:`track` ties the holder to its owner with a weak reference whose
-callback is ``SimpleQueue.put`` itself: when the owner dies, the garbage collector queues the
-reference from C, running no Python code, so nothing can interrupt it or take a lock there. The
-*releaser*, a thread of this module, releases it at once; :func:`collect`, called at safe points
-(allocations, synchronizations, closes), releases what is still queued on the calling thread.
-``close()`` releases at once through :func:`release`.
+callback is ``deque.append`` itself: when the owner dies, the garbage collector queues the
+reference from C, running no Python code, so nothing can interrupt it or take a lock there.
+:func:`collect`, the *safe point*, called on the calling thread by every entry of the binding
+that allocates, synchronizes or closes, releases what is queued (as CuPy and numba defer their
+frees). ``close()`` releases at once through :func:`release`.
 
 **Stream order.** What queued work reads or writes is *held* on the stream's :class:`Ledger`
 until that work is known complete: by a synchronize that began after it was queued, or by a
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import os
-import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -48,20 +47,18 @@ class Holder(Protocol):
     def release(self) -> int: ...
 
 
-# Tokens (weak references) of owners that died, put there from C by the garbage collector
-# (SimpleQueue.put runs no Python code and is safe in a weakref callback).
-_dead: queue.SimpleQueue[Any] = queue.SimpleQueue()
-# token -> holder, for every owner not yet released. The source of truth: a token lost from
-# _dead (an interrupt between taking it and releasing it) is found again by _sweep().
+# Tokens (weak references) of owners that died, appended from C by the garbage collector:
+# deque.append runs no Python code and allocates no Python object, so it is safe in a weakref
+# callback, and a collection can never fall inside another deque operation.
+_dead: collections.deque[weakref.ref[Any]] = collections.deque()
+# token -> holder, for every owner not yet released: the source of truth.
 _registry: dict[weakref.ref[Any], Holder] = {}
 # holders whose release failed for a reason that may pass (a context switch): tried again
 _retry: list[Holder] = []
 # things that finish releasing later without blocking (streams dropped with queued work):
 # poll() returns True once done
 _pollers: list[Any] = []
-_collect_lock = threading.Lock()  # one releaser at a time; guards _retry and _pollers
-_releaser: list[Any] = []  # [the releaser thread, the pid it runs in]
-_RETIRING_POLL_S = 0.005
+_collect_lock = threading.Lock()  # one collector at a time; guards _retry and _pollers
 
 
 def forked() -> bool:
@@ -70,11 +67,9 @@ def forked() -> bool:
 
 
 def track(owner: Any, holder: Holder) -> weakref.ref[Any]:
-    """Release ``holder`` when ``owner`` dies. Returns the token for :func:`release`. Call
-    it before the C call that fills the holder."""
-    if not _releaser or _releaser[1] != os.getpid():
-        _start_releaser()
-    token = weakref.ref(owner, _dead.put)
+    """Release ``holder`` when ``owner`` dies (at the next safe point). Returns the token for
+    :func:`release`. Call it before the C call that fills the holder."""
+    token = weakref.ref(owner, _dead.append)
     _registry[token] = holder
     return token
 
@@ -102,58 +97,54 @@ def close_core(token: weakref.ref[Any], api: str) -> None:
 
 def retiring(poller: Any) -> None:
     """Register something that finishes releasing later, without blocking anyone: its poll()
-    is called (by the releaser and at safe points) until it returns True."""
+    is called at safe points until it returns True."""
     _pollers.append(poller)
 
 
-def _release_token_locked(token: Any) -> None:
-    holder = _registry.get(token)
-    if holder is None:
-        return
-    try:
-        holder.release()
-    except Exception:  # e.g. the device context could not be made current: later
-        _retry.append(holder)
-    if token in _registry:
-        del _registry[token]
-
-
-def _poll_locked() -> None:
-    for _ in range(len(_retry)):
-        holder = _retry[0]
-        del _retry[0]
-        try:
-            holder.release()
-        except Exception:
-            _retry.append(holder)
-    i = 0
-    while i < len(_pollers):
-        try:
-            done = _pollers[i].poll()
-        except Exception:
-            done = False
-        if done:
-            del _pollers[i]
-        else:
-            i += 1
-
-
 def collect() -> None:
-    """Release what died, on the calling thread, now; poll what is retiring. Called at safe
-    points (never with a stream's lock held); never waits for queued work."""
-    if _dead.empty() and not _retry and not _pollers:
+    """The safe point: release what died, on the calling thread; poll what is retiring. Called
+    by every entry of the binding that allocates, synchronizes or closes (never with a stream's
+    lock held); never waits for queued work.
+
+    Each dead token is read, released, then removed, so an interrupt at any point leaves it
+    queued and the next call finishes the job (a holder's release is exactly-once)."""
+    if not (_dead or _retry or _pollers):
         return
     with _collect_lock:
-        while True:
+        while _dead:
+            token = _dead[0]
+            holder = _registry.get(token)
+            if holder is not None:
+                try:
+                    holder.release()
+                except Exception:  # e.g. the device context could not be made current: later
+                    _retry.append(holder)
+                if token in _registry:
+                    del _registry[token]
+            del _dead[0]
+        for _ in range(len(_retry)):
+            holder = _retry[0]
+            del _retry[0]
             try:
-                token = _dead.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(token, threading.Event):
-                token.set()
+                holder.release()
+            except Exception:
+                _retry.append(holder)
+        i = 0
+        while i < len(_pollers):
+            try:
+                done = _pollers[i].poll()
+            except Exception:
+                done = False
+            if done:
+                del _pollers[i]
             else:
-                _release_token_locked(token)
-        _poll_locked()
+                i += 1
+
+
+def quiesce() -> None:
+    """Release everything dropped so far, here and now (for exact accounting: counters, memory
+    figures, empty_cache)."""
+    collect()
 
 
 def while_releases_wait(fn: Callable[[], Any]) -> Any:
@@ -161,57 +152,6 @@ def while_releases_wait(fn: Callable[[], Any]) -> Any:
     would free)."""
     with _collect_lock:
         return fn()
-
-
-def _sweep() -> None:
-    """Release every holder whose owner is gone, whether or not its token is still queued."""
-    with _collect_lock:
-        for token in [t for t in list(_registry) if t() is None]:
-            _release_token_locked(token)
-
-
-def quiesce(timeout: float = 10.0) -> None:
-    """Wait until everything dropped so far is released (the releaser caught up), then
-    release the rest here. For exact accounting (counters, tests, empty_cache)."""
-    thread = _releaser[0] if _releaser and _releaser[1] == os.getpid() else None
-    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-        marker = threading.Event()
-        _dead.put(marker)
-        marker.wait(timeout)
-    collect()
-    _sweep()
-
-
-def _releaser_main() -> None:
-    """Releases run here, on a thread of their own, as soon as an owner dies: this thread is
-    never the main thread, so no KeyboardInterrupt can stop one half-way."""
-    while True:
-        try:
-            token = _dead.get(timeout=_RETIRING_POLL_S if (_pollers or _retry) else None)
-        except queue.Empty:
-            token = None
-        try:
-            with _collect_lock:
-                if isinstance(token, threading.Event):
-                    token.set()
-                elif token is not None:
-                    _release_token_locked(token)
-                if token is None or _dead.empty():
-                    _poll_locked()
-        except Exception:  # never let the releaser die
-            pass
-
-
-def _start_releaser() -> None:
-    with _start_lock:
-        if _releaser and _releaser[1] == os.getpid():
-            return
-        thread = threading.Thread(target=_releaser_main, name="pyacl_moe-releaser", daemon=True)
-        thread.start()
-        _releaser[:] = [thread, os.getpid()]
-
-
-_start_lock = threading.Lock()
 
 
 def release_where(predicate: Callable[[Holder], bool]) -> list[BaseException]:
@@ -391,10 +331,9 @@ class Ledger:
 # ---------------------------------------------------------------------------- fork
 
 def _after_fork_in_child() -> None:
-    # Parent threads (the releaser among them) do not exist here and may have held these.
-    global _collect_lock, _start_lock
+    # Parent threads do not exist here and may have held the lock.
+    global _collect_lock
     _collect_lock = threading.Lock()
-    _start_lock = threading.Lock()
     _pollers.clear()
     _retry.clear()
 

@@ -17,14 +17,11 @@ import atexit
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from . import _args, _lifetime
 from ._cann import acl
 from .errors import ClosedError, InvalidArgument
-
-if TYPE_CHECKING:
-    from .stream import Stream
 
 __all__ = ["Device", "acl_version", "current_device", "device_count", "open_devices", "resolve_device", "soc_name"]
 
@@ -156,9 +153,9 @@ class Device:
         return obj
 
     @property
-    def default_stream(self) -> Stream:
-        """The device's default stream (CANN's NULL stream)."""
-        return self.attached("default_stream")  # type: ignore[no-any-return]
+    def default_stream(self) -> Any:
+        """The device's default Stream (CANN's NULL stream), attached by the stream module."""
+        return self.attached("default_stream")
 
     def queues(self) -> list[Queue]:
         """The device's streams (their states), open or finishing."""

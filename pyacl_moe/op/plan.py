@@ -242,6 +242,16 @@ class Plan:
         self._launch(stream, workspace)
         return self._result()
 
+    def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
+        """The second phase's function and the arguments a launch on ``stream`` passes it, for
+        timing one bare foreign call (the floor under the plan's launch). Launches once to bind
+        the stream first."""
+        self(stream)
+        slot = self._slots[resolve_stream(stream, self._device)]
+        block = slot.keep[0]
+        return aclnn.launch_probe(self._spec.api, block.ptr if block is not None else 0, self._core.workspace_size,
+                                  self._core.handle, slot.state.handle)
+
     # -- rebinding and release
 
     def _detach_all(self) -> None:
