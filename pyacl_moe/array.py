@@ -537,6 +537,8 @@ def _dtype(dtype: Any) -> np.dtype:
 
 def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
     """A new contiguous DeviceArray of zeros (memset on ``stream`` if given, else now)."""
+    if stream is not None:
+        _args.instance("stream", stream, Stream, "a Stream or None")
     arr = empty(shape, dtype, device if device is not None or stream is None else stream.device)
     alloc = arr.allocation()
     n = alloc.nbytes

@@ -52,6 +52,7 @@ class _Process:
 
 
 _tls = threading.local()  # .device: the Device this thread last used through pyacl_moe
+_closing: set[Device] = set()  # devices whose close() was interrupted before the end
 
 
 class Device:
@@ -85,7 +86,7 @@ class Device:
     def _open(self, device_id: int) -> None:
         self._id = device_id
         self._closed = False
-        self._closing = False
+        self._torn_down = False
         self._depth = 0
         self._lock = threading.RLock()  # guards _queues, _attached, _depth
         self._queues: set[Queue] = set()
@@ -209,10 +210,14 @@ class Device:
         device completes first or raises ClosedError. Errors from releasing individual objects
         are collected and the first is raised once everything has been released."""
         with _Process.lock:
-            if self._closed:
+            if self._torn_down:
                 return
-            self._closed = True  # from here on, new work on the device is refused
+            # From here on, new work on the device is refused. Each step below may be repeated,
+            # so a close interrupted half-way (KeyboardInterrupt) is finished by the next one
+            # (at the latest the exit hook's).
+            self._closed = True
             if _lifetime.forked():
+                self._torn_down = True
                 return
             errors: list[BaseException] = []
             for hook in Device.close_hooks:
@@ -240,12 +245,16 @@ class Device:
             self._attached.clear()
             if _Process.open_devices.get(self._id) is self:
                 del _Process.open_devices[self._id]
+            _closing.add(self)  # until torn down: the exit hook finishes an interrupted close
             if getattr(_tls, "device", None) is self:
                 _tls.device = None
-            try:
-                _lifetime.while_releases_wait(lambda: acl.reset_device(ctx))
-            except Exception as exc:
-                errors.append(exc)
+            if ctx.alive:
+                try:
+                    _lifetime.while_releases_wait(lambda: acl.reset_device(ctx))
+                except Exception as exc:
+                    errors.append(exc)
+            self._torn_down = True
+            _closing.discard(self)
             if errors:
                 raise errors[0]
 
@@ -328,7 +337,7 @@ def _close_all_at_exit() -> None:
     if _lifetime.forked():
         return
     with _Process.lock:
-        for dev in sorted(_Process.open_devices.values(), key=lambda d: d.device_id):
+        for dev in sorted([*_Process.open_devices.values(), *_closing], key=lambda d: d.device_id):
             try:
                 dev.close()
             except Exception:

@@ -124,20 +124,19 @@ def workspace_for(state: StreamState, nbytes: int) -> Allocation:
         return ws.block  # type: ignore[no-any-return]
     pool: WorkspacePool = state.device.attached("workspace_pool")
     block = pool.take(nbytes, state)
+    old = mine = None
     with state.lock:
         state.check_open()
         ws = state.caches.get(WORKSPACE)
         if ws is not None and ws.block.nbytes >= nbytes:
             mine, block = block, ws.block  # another thread got there first
         else:
-            mine = None
             old = ws.block if ws is not None else None
             state.caches[WORKSPACE] = _StreamWorkspace(pool, block)
-            if old is not None:
-                done = state.ledger.retire(old)  # launches queued before may still use it
-                del done
     if mine is not None:
         pool.give(mine)
+    if old is not None:
+        state.retire(old)  # launches queued before may still use it
     return block
 
 

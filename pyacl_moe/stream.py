@@ -342,7 +342,7 @@ class Stream:
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) on this stream and return it."""
-        ev = event if event is not None else Event(self._state.device)
+        ev = _args.instance("event", event, Event, "an Event or None") if event is not None else Event(self._state.device)
         ev.record(self)
         return ev
 

@@ -161,6 +161,11 @@ def load(ascend_home: str | None = None, *, emulator: bool | None = None) -> Lib
     no-op if the choice is the same and an error otherwise.
     """
     global _libs, _selected
+    if ascend_home is not None and not isinstance(ascend_home, (str, os.PathLike)):
+        raise errors.InvalidArgument("ascend_home", f"must be a path (str or os.PathLike) or None, got "
+                                                    f"{type(ascend_home).__name__}")
+    if emulator is not None and not isinstance(emulator, bool):
+        raise errors.InvalidArgument("emulator", f"must be a bool or None, got {type(emulator).__name__}")
     with _lock:
         provider = _selected
         if emulator or (emulator is None and provider is None and _env_wants_emulator()):

@@ -156,6 +156,7 @@ class MoeInitRoutingV2Grad(Plan):
         validate: bool = True,
     ) -> None:
         self._closed = True  # until prepared
+        _args.instance("validate", validate, bool, "a bool")
         arrays = {
             "grad_expanded_x": _args.instance("grad_expanded_x", grad_expanded_x, DeviceArray, "a DeviceArray"),
             "expanded_row_idx": _args.instance("expanded_row_idx", expanded_row_idx, DeviceArray, "a DeviceArray"),
