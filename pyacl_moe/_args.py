@@ -64,7 +64,9 @@ def shape(name: str, value: Any) -> tuple[int, ...]:
     try:
         items = list(value)
     except TypeError:
-        raise InvalidArgument(name, f"must be an int or a sequence of ints, got {type(value).__name__} {value!r}") from None
+        raise InvalidArgument(
+            name, f"must be an int or a sequence of ints, got {type(value).__name__} {value!r}"
+        ) from None
     return tuple(integer(f"{name}[{i}]", n, 0, INT64[1]) for i, n in enumerate(items))
 
 
@@ -75,5 +77,7 @@ def nbytes(name: str, dims: tuple[int, ...], itemsize: int) -> int:
     for n in dims:
         total *= n
     if total > MAX_BYTES:
-        raise InvalidArgument(name, f"{dims} of {itemsize}-byte items is {total} bytes: more than {MAX_BYTES} cannot be addressed")
+        raise InvalidArgument(
+            name, f"{dims} of {itemsize}-byte items is {total} bytes: more than {MAX_BYTES} cannot be addressed"
+        )
     return total

@@ -342,7 +342,10 @@ class Stream:
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) on this stream and return it."""
-        ev = _args.instance("event", event, Event, "an Event or None") if event is not None else Event(self._state.device)
+        if event is None:
+            ev = Event(self._state.device)
+        else:
+            ev = _args.instance("event", event, Event, "an Event or None")
         ev.record(self)
         return ev
 

@@ -277,7 +277,8 @@ def memcpy(dst: int, dst_max: int, src: int, count: int, kind: str) -> None:
 
 def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: str, stream: StreamHandle | None) -> None:
     check(
-        loader.libs().acl.aclrtMemcpyAsync(_void(dst), dst_max, _void(src), count, declare.const(kind), _stream(stream)),
+        loader.libs().acl.aclrtMemcpyAsync(_void(dst), dst_max, _void(src), count, declare.const(kind),
+                                           _stream(stream)),
         "aclrtMemcpyAsync",
     )
 

@@ -18,7 +18,8 @@ from .errcheck import check, null_result
 
 __all__ = [
     "ExecutorHandle", "TensorDesc", "TensorHandle", "bound_launch", "create_tensor", "destroy_status",
-    "get_workspace_size", "launch", "launch_probe", "set_input_addr", "set_output_addr", "set_repeatable", "tensor_data_type",
+    "get_workspace_size", "launch", "launch_probe", "set_input_addr", "set_output_addr", "set_repeatable",
+    "tensor_data_type",
     "tensor_format", "tensor_raw_addr", "tensor_storage_shape", "tensor_view_offset", "tensor_view_shape",
     "tensor_view_strides",
 ]

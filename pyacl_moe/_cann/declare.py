@@ -31,7 +31,8 @@ NULL = ffi.NULL
 _TYPE_NAMES = (
     "void *", "void **", "uintptr_t", "int32_t *", "int32_t[]", "uint32_t *", "size_t *", "float *",
     "int64_t *", "int64_t[]", "int64_t **", "uint64_t *", "aclrtStream *", "aclrtEvent *", "aclrtContext *",
-    "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclTensor **", "aclrtEventRecordedStatus *", "aclrtStreamStatus *",
+    "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclTensor **", "aclrtEventRecordedStatus *",
+    "aclrtStreamStatus *",
 )
 
 _lock = threading.Lock()  # guards _texts and _types; cdef itself is not thread-safe

@@ -74,7 +74,8 @@ class ExecutorCore:
                 aclnn.set_output_addr(self.handle, index, tensor.handle, address)
 
 
-def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None], attrs: Mapping[str, Any]) -> ExecutorCore:
+def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None],
+          attrs: Mapping[str, Any]) -> ExecutorCore:
     """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (None: a null pointer) and
     ``attrs``, which the caller has checked for their C types."""
     device.activate()
@@ -228,7 +229,8 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
     core = ex.core()
     size = _args.uint64("workspace_size", workspace_size)
     if size < core.workspace_size:
-        raise InvalidArgument("workspace_size", f"must be at least the executor's {core.workspace_size} bytes, got {size}")
+        raise InvalidArgument("workspace_size",
+                              f"must be at least the executor's {core.workspace_size} bytes, got {size}")
     ws_alloc: Allocation | None = None
     if isinstance(workspace, DeviceArray):
         ws_alloc = workspace.allocation("workspace")

@@ -215,7 +215,9 @@ class MoeInitRoutingV2Grad(Plan):
                     f"{old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout",
                 )
             if new.allocation(name).device is not self._device:
-                raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}")
+                raise InvalidArgument(
+                    name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}"
+                )
             changes[name] = new
         if self._validate and changes:
             check_no_overlap(SPEC, {**self._arrays, **changes})
@@ -324,6 +326,7 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
                 check_no_overlap(SPEC, {"grad_expanded_x": x, "expanded_row_idx": idx, "out": out})
         if workspace is not None and may_overlap(workspace, out):
             raise InvalidArgument("workspace", "shares device memory with out")
+        assert oa is not None
         # A layout seen before on this stream relaunches its cached executor, rebound.
         launch_cached(SPEC, key, (x, idx, out), (xa, ia, oa), (top_k, mode, active), state, workspace)
         return out

@@ -253,6 +253,7 @@ def _negative(name: str, status: int, spec: Neg, why: str) -> Case:
     def body(ctx: Context) -> CaseResult:
         t0 = time.perf_counter()
         dev = ctx.stream.device
+        x: DeviceArray | None
         if spec.x is not None and spec.x_over_small_buffer:
             small = empty((1 << 20,), np.uint8, dev)
             x = DeviceArray.from_pointer(small.data_ptr, spec.x, spec.x_dtype, owner=small, device=dev)
