@@ -314,21 +314,23 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
         geo = _validated.get(key)
         if geo is None:
             geo = _check_layout(key, x, idx, top_k, mode, active, out)
+        xlo, xhi = x.span()
+        ilo, ihi = idx.span()
         if out is None:
             out = empty((geo.tokens, geo.hidden), x.dtype, dev)
             oa = out.allocation("out")
             key = (*key[:-1], out.layout_id)
+            olo = out.span()[0]
         else:
             olo, ohi = out.span()
-            xlo, xhi = x.span()
-            ilo, ihi = idx.span()
             if (olo <= xhi and xlo <= ohi) or (olo <= ihi and ilo <= ohi):
                 check_no_overlap(SPEC, {"grad_expanded_x": x, "expanded_row_idx": idx, "out": out})
         if workspace is not None and may_overlap(workspace, out):
             raise InvalidArgument("workspace", "shares device memory with out")
         assert oa is not None
         # A layout seen before on this stream relaunches its cached executor, rebound.
-        launch_cached(SPEC, key, (x, idx, out), (xa, ia, oa), (top_k, mode, active), state, workspace)
+        launch_cached(SPEC, key, (x, idx, out), (xa, ia, oa), (xlo, ilo, olo), (top_k, mode, active), state,
+                      workspace)
         return out
     attrs = _attrs(top_k, mode, active)
     k = attrs["top_k"]

@@ -363,10 +363,12 @@ class _ExecutorCache:
 
 
 def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs: tuple[Allocation, ...],
-                  attrs: Sequence[Any], state: StreamState, workspace: DeviceArray | None) -> None:
-    """Launch ``spec`` on ``arrays`` (in ``spec.tensors`` order, with their allocations, checked
-    by the caller) through the stream's cached executor for ``key`` (layout and attribute
-    values, in ``spec.attrs`` order), made on a miss."""
+                  firsts: tuple[int, ...], attrs: Sequence[Any], state: StreamState,
+                  workspace: DeviceArray | None) -> None:
+    """Launch ``spec`` on ``arrays`` (in ``spec.tensors`` order, with their allocations and the
+    addresses of their first elements, checked by the caller) through the stream's cached
+    executor for ``key`` (layout and attribute values, in ``spec.attrs`` order), made on a
+    miss."""
     if workspace is None:
         ws_slot = state.caches.get(WORKSPACE)
         block = ws_slot.block if ws_slot is not None else None
@@ -386,10 +388,8 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs:
         if entry is not None and (block is not None and block.nbytes >= entry.size or not entry.size):
             if _thread.context is not state.context:
                 state.device.activate()
-            # Rebind, inlined: each view caches its first element's address.
             bound = entry.bound
-            for i, a in enumerate(arrays):
-                addr = a.span()[0]
+            for i, addr in enumerate(firsts):
                 if addr != bound[i]:
                     entry.rebind_one(spec, i, addr)
             ledger = state.ledger
@@ -428,8 +428,7 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs:
             entry = current  # another thread made one meanwhile; ours goes
         if _thread.context is not state.context:
             state.device.activate()
-        for i, a in enumerate(arrays):
-            addr = a.span()[0]
+        for i, addr in enumerate(firsts):
             if addr != entry.bound[i]:
                 entry.rebind_one(spec, i, addr)
         state.ledger.hold((block, allocs))
