@@ -4,27 +4,34 @@ routing), through the real C ABI, with NumPy in and out.
 Importing the package loads nothing. The first call that needs CANN loads libascendcl.so,
 libnnopbase.so and libopapi.so from the installed toolkit (see :func:`load`), or the bundled
 emulator after :func:`use_emulator` / ``PYACL_MOE_EMULATOR=1``.
+
+The public API, re-exported here; see docs/ARCHITECTURE.md for the layers behind it.
 """
 
 from __future__ import annotations
 
 from . import emulator, reference
-from ._ffi import LibraryInfo, library_info, load, loaded_info, use_emulator
+from ._cann.loader import LibraryInfo, library_info, load, loaded_info
+from .array import DeviceArray, bfloat16, empty, from_pointer, to_device, zeros
+from .device import Device, acl_version, current_device, device_count, soc_name
+from .emulator import use_emulator
 from .errors import (
     AclError,
     AclnnError,
     AclRuntimeError,
     CannNotFoundError,
+    ClosedError,
     InvalidArgument,
     PyaclMoeError,
     status_name,
 )
-from .memory import DeviceArray, bfloat16, empty, memory_stats, to_device, zeros
-from .ops import Executor, MoeInitRoutingV2Grad, empty_cache, execute, get_workspace_size, moe_init_routing_v2_grad
-from .runtime import Device, Event, Stream, acl_version, current_device, device_count, soc_name
+from .op.executor import Executor, execute
+from .op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, get_workspace_size, moe_init_routing_v2_grad
+from .pool import empty_cache, memory_stats
+from .stream import Event, Stream
 from .tensor import AclTensor
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AclError",
@@ -32,6 +39,7 @@ __all__ = [
     "AclTensor",
     "AclnnError",
     "CannNotFoundError",
+    "ClosedError",
     "Device",
     "DeviceArray",
     "Event",
@@ -50,6 +58,7 @@ __all__ = [
     "empty",
     "empty_cache",
     "execute",
+    "from_pointer",
     "get_workspace_size",
     "library_info",
     "load",

@@ -52,7 +52,7 @@ def _info(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import pyacl_moe as pm
 
-    from .cases import compare, make_case
+    from .tools.cases import compare, make_case
 
     case = make_case(
         args.tokens, args.top_k, args.hidden, args.dtype, args.mode,
@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _conformance(args: argparse.Namespace) -> int:
-    from . import conformance
+    from .tools import conformance
 
     report = conformance.run("full" if args.full else "quick", args.filter, args.seed)
     print(report.table())
@@ -109,7 +109,7 @@ def _conformance(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from .tools import bench
 
     log = None if args.json else (lambda msg: print(f"  measuring: {msg}", file=sys.stderr, flush=True))
     res, extra = bench.run(quick=args.quick, log=log)

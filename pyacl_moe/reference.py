@@ -15,7 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import _validate
+from . import _contract
 from .errors import InvalidArgument
 
 __all__ = ["moe_init_routing_v2_grad"]
@@ -43,18 +43,18 @@ def moe_init_routing_v2_grad(
     Same arguments as :func:`pyacl_moe.moe_init_routing_v2_grad` (NumPy arrays only).
     ``validate`` checks the contract, index values included, and raises InvalidArgument.
     """
-    x = _validate.native(np.asarray(grad_expanded_x))
-    idx = _validate.native(np.asarray(expanded_row_idx))
+    x = _contract.native(np.asarray(grad_expanded_x))
+    idx = _contract.native(np.asarray(expanded_row_idx))
     if validate:
-        geo = _validate.check_shapes(
+        geo = _contract.check_shapes(
             x.shape, x.dtype, idx.shape, idx.dtype, top_k, drop_pad_mode, active_num,
             None if out is None else out.shape, None if out is None else out.dtype,
         )
-        _validate.check_indices(idx, geo, int(top_k), int(active_num))
+        _contract.check_indices(idx, geo, int(top_k), int(active_num))
     else:
-        geo = _validate.Geometry(
+        geo = _contract.Geometry(
             idx.shape[0] // int(top_k), x.shape[-1],
-            int(np.prod(x.shape[:-1])), _validate.scenario(int(drop_pad_mode), int(active_num)),
+            int(np.prod(x.shape[:-1])), _contract.scenario(int(drop_pad_mode), int(active_num)),
         )
     k = int(top_k)
     n, h = geo.tokens, geo.hidden

@@ -3,106 +3,130 @@
 An :class:`AclTensor` describes a DeviceArray to CANN exactly as it is: view shape, element
 strides, element offset from the storage base, and the storage base address. A non-contiguous
 view becomes a strided aclTensor, never a hidden copy. The handle is destroyed by ``close()``
-(or the context manager) deterministically, and by a finalizer as a last resort.
+(or when the AclTensor is dropped), once no executor and no queued work still uses it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import _ffi
-from .memory import DeviceArray
+from . import _args, _lifetime
+from ._cann import aclnn, declare
+from .array import Allocation, DeviceArray
+from .errors import ClosedError
 
-__all__ = ["AclTensor"]
+__all__ = ["AclTensor", "TensorCore"]
 
 
-def _destroy(handle: Any) -> None:
-    try:
-        _ffi.destroy_tensor(handle)
-    except Exception:
-        pass
+class TensorCore:
+    """What an AclTensor owns: the handle, and the allocation it points into (kept alive as
+    long as the handle is). Executors built from the tensor hold the core too."""
+
+    __slots__ = ("handle", "token", "alloc", "__weakref__")
+
+    def __init__(self, array: DeviceArray, fmt: int) -> None:
+        alloc = array.allocation()
+        self.alloc: Allocation | None = alloc  # None when the owner keeps the memory alive itself
+        self.handle = aclnn.TensorHandle()
+        self.token = _lifetime.track(self, self.handle)
+        aclnn.create_tensor(self.handle, array.tensor_desc(), alloc.ptr, fmt)
 
 
 class AclTensor:
-    """An aclTensor describing ``array`` (which it keeps alive while the handle lives)."""
+    """An aclTensor describing ``array`` (which it keeps alive while the handle lives).
 
-    __slots__ = ("_h", "_array", "__weakref__")
+    ``fmt`` is an aclFormat code (default ND)."""
 
-    def __init__(self, array: DeviceArray, fmt: int = _ffi.ACL_FORMAT_ND) -> None:
-        if not isinstance(array, DeviceArray):
-            raise TypeError(f"AclTensor needs a DeviceArray, got {type(array).__name__}")
+    __slots__ = ("_core", "_array", "__weakref__")
+
+    def __init__(self, array: DeviceArray, fmt: int | None = None) -> None:
+        _args.instance("array", array, DeviceArray, "a DeviceArray")
+        code = declare.const("ACL_FORMAT_ND") if fmt is None else _args.int32("fmt", fmt)
+        _lifetime.collect()
         self._array = array
-        self._h = None
-        self._h = _ffi.create_tensor_from_desc(array._tensor_desc(), array._live_alloc().ptr, fmt)
+        self._core: TensorCore | None = None
+        self._core = TensorCore(array, code)
+
+    def core(self, what: str = "tensor") -> TensorCore:
+        """The handle's owner, checked open (for pyacl_moe's own layers)."""
+        c = self._core
+        if c is None:
+            raise ClosedError(what, "the AclTensor was closed")
+        return c
 
     @property
     def handle(self) -> int:
         """The aclTensor* as an integer (0 once closed)."""
-        return _ffi.address(self._h) if self._h is not None else 0
+        c = self._core
+        return c.handle.address if c is not None else 0
 
     @property
     def array(self) -> DeviceArray:
+        """The DeviceArray the tensor describes."""
         return self._array
 
     @property
     def closed(self) -> bool:
-        return self._h is None
-
-    def _use(self) -> Any:
-        if self._h is None:
-            raise ValueError("the AclTensor is closed")
-        return self._h
+        """True once closed."""
+        return self._core is None
 
     # What CANN reports back: used by tests to check the descriptor is the array's.
     @property
     def view_shape(self) -> tuple[int, ...]:
-        return _ffi.tensor_view_shape(self._use())
+        """aclGetViewShape."""
+        return aclnn.tensor_view_shape(self.core().handle)
 
     @property
     def view_strides(self) -> tuple[int, ...]:
-        return _ffi.tensor_view_strides(self._use())
+        """aclGetViewStrides (elements)."""
+        return aclnn.tensor_view_strides(self.core().handle)
 
     @property
     def view_offset(self) -> int:
-        return _ffi.tensor_view_offset(self._use())
+        """aclGetViewOffset (elements)."""
+        return aclnn.tensor_view_offset(self.core().handle)
 
     @property
     def storage_shape(self) -> tuple[int, ...]:
-        return _ffi.tensor_storage_shape(self._use())
+        """aclGetStorageShape."""
+        return aclnn.tensor_storage_shape(self.core().handle)
 
     @property
     def data_type(self) -> int:
-        return _ffi.tensor_data_type(self._use())
+        """aclGetDataType: the aclDataType code."""
+        return aclnn.tensor_data_type(self.core().handle)
 
     @property
     def format(self) -> int:
-        return _ffi.tensor_format(self._use())
+        """aclGetFormat: the aclFormat code."""
+        return aclnn.tensor_format(self.core().handle)
 
     @property
     def raw_address(self) -> int:
-        return _ffi.tensor_raw_addr(self._use())
+        """aclGetRawTensorAddr: the storage base address CANN holds."""
+        return aclnn.tensor_raw_addr(self.core().handle)
 
-    def _rebind(self, array: DeviceArray) -> None:
-        """Point the wrapper at ``array`` after CANN was told its new address."""
+    def rebound(self, array: DeviceArray) -> None:
+        """Point the wrapper at ``array`` after CANN was told its new address (a plan's
+        rebind)."""
         self._array = array
 
     def close(self) -> None:
-        """aclDestroyTensor. Safe twice."""
-        h, self._h = self._h, None
-        if h is not None:
-            _ffi.destroy_tensor(h)
+        """aclDestroyTensor, at once unless an executor or queued work still uses it. Safe
+        twice."""
+        core = self._core
+        if core is None:
+            return
+        token = core.token
+        self._core = None
+        del core
+        _lifetime.close_core(token, "aclDestroyTensor")
 
     def __enter__(self) -> AclTensor:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        h = getattr(self, "_h", None)
-        if h is not None:
-            self._h = None
-            _destroy(h)
 
     def __repr__(self) -> str:
         a = self._array

@@ -67,9 +67,7 @@ def emu(_emu_session: Emu):
     e.msg()
     after = e.stats()
     e.ok(e.acl.aclrtResetDevice(0))
-    live = ("device_allocations", "device_bytes", "host_allocations", "host_bytes", "streams", "events",
-            "tensors", "scalars", "int_arrays", "executors", "pending_tasks")
-    leaked = {k: (before[k], after[k]) for k in live if before[k] != after[k]}
+    leaked = {k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}
     assert not leaked, f"objects left behind (before, after): {leaked}"
 
 
@@ -95,24 +93,44 @@ def device():
     return pyacl_moe.Device(0)
 
 
+# The emulator's counters of live objects: what a test that creates and drops objects must leave
+# as it found it (the one definition, used by every leak check).
+LIVE = ("device_allocations", "device_bytes", "host_allocations", "host_bytes", "streams", "events", "tensors",
+        "scalars", "int_arrays", "executors", "pending_tasks")
+
+
+def settle() -> dict[str, int]:
+    """Let everything finish and go (collect, synchronize, empty the caches), then the live
+    counters."""
+    import gc
+
+    gc.collect()
+    for dev in pyacl_moe.device.open_devices():
+        dev.synchronize()
+    pyacl_moe.empty_cache()
+    st = pyacl_moe.emulator.stats()
+    return {k: st[k] for k in LIVE}
+
+
 @pytest.fixture
 def no_leaks():
     """Fails the test if binding-created emulator objects outlive it (after GC)."""
     _needs_emulator()
-    import gc
-
-    gc.collect()
-    pyacl_moe.Device(0).synchronize()  # work queued by earlier tests is not this test's
-    pyacl_moe.empty_cache()  # pooled workspaces are cached on purpose, not leaked
-    before = pyacl_moe.emulator.stats()
+    before = settle()  # work queued by earlier tests is not this test's
     yield
-    gc.collect()
-    pyacl_moe.Device(0).synchronize()
-    pyacl_moe.empty_cache()
-    after = pyacl_moe.emulator.stats()
-    live = ("device_allocations", "device_bytes", "streams", "events", "tensors", "executors", "pending_tasks")
-    leaked = {k: (before[k], after[k]) for k in live if before[k] != after[k]}
+    after = settle()
+    leaked = {k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}
     assert not leaked, f"objects left behind (before, after): {leaked}"
+
+
+@pytest.fixture
+def lazy_streams():
+    """The emulator in lazy mode for the test: queued work runs only when waited for."""
+    _needs_emulator()
+    pyacl_moe.emulator.set_stream_mode("lazy")
+    yield
+    pyacl_moe.Device(0).synchronize()
+    pyacl_moe.emulator.set_stream_mode("async")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from pyacl_moe import bench
+from pyacl_moe.tools import bench
 
 
 def test_bench_quick_json_has_exactly_the_keys():

@@ -115,7 +115,7 @@ def test_quickstart_runs_on_cann():
 
 @pytest.mark.cann
 def test_conformance_quick_on_cann():
-    from pyacl_moe import conformance
+    from pyacl_moe.tools import conformance
 
     report = conformance.run("quick", progress=None)
     assert report.ok, report.table()

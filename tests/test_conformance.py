@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import pyacl_moe as pm
-from pyacl_moe import conformance
+from pyacl_moe.tools import conformance
 
 
 @pytest.fixture

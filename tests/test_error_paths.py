@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pyacl_moe as pm
-from pyacl_moe.cases import compare, make_case
+from pyacl_moe.tools.cases import compare, make_case
 
 LIVE = ("device_allocations", "device_bytes", "host_allocations", "streams", "events", "tensors",
         "scalars", "int_arrays", "executors")

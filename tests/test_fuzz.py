@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyacl_moe as pm
-from pyacl_moe.cases import compare
+from pyacl_moe.tools.cases import compare
 
 from . import fuzz_worker
 

@@ -12,7 +12,7 @@ import pytest
 
 SOAK = """
 import gc, json, os, numpy as np, pyacl_moe as pm
-from pyacl_moe.cases import make_case, compare
+from pyacl_moe.tools.cases import make_case, compare
 pm.use_emulator()
 PLAN, ONESHOT, NUMPY = {plan}, {oneshot}, {numpy}
 dev = pm.Device(0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pyacl_moe as pm
-from pyacl_moe.cases import compare, make_case
+from pyacl_moe.tools.cases import compare, make_case
 
 DTYPES = ["float32", "float16", "bfloat16"]
 MODES = ["dropless", "active", "drop-pad"]

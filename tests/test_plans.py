@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pyacl_moe as pm
-from pyacl_moe.cases import compare, make_case
+from pyacl_moe.tools.cases import compare, make_case
 
 
 def _on_device(case, stream=None):

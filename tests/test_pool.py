@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import pyacl_moe as pm
-from pyacl_moe.cases import compare, make_case
+from pyacl_moe.tools.cases import compare, make_case
 
 
 def test_steady_state_launches_allocate_nothing(device, no_leaks):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pyacl_moe as pm
-from pyacl_moe.cases import make_case
+from pyacl_moe.tools.cases import make_case
 
 
 def per_token_loop(case) -> np.ndarray:

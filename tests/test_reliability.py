@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pyacl_moe as pm
-from pyacl_moe.cases import compare, make_case
+from pyacl_moe.tools.cases import compare, make_case
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32

@@ -1,17 +1,23 @@
 """The bundled host emulator of the part of CANN this project binds.
 
 ``build()`` compiles it (once, cached) into a directory laid out like a CANN install and
-returns that directory. The other functions talk to the emulator the process has loaded
-(``pyacl_moe.use_emulator()``, ``PYACL_MOE_EMULATOR=1`` or the CLI's ``--emulator``): its
-live-object counters, fault injection and deliberately wrong kernels. They raise RuntimeError
-when the process is bound to a real CANN instead.
+returns that directory. Importing this package registers the emulator with the bindings layer
+as the provider "emulator" (the bindings never import it): :func:`use_emulator`,
+``PYACL_MOE_EMULATOR=1`` or the CLI's ``--emulator`` select it.
+
+The other functions talk to the emulator the process has loaded: its live-object counters,
+fault injection, deliberately wrong kernels and stream mode. They raise RuntimeError when the
+process is bound to a real CANN instead.
 """
 
 from __future__ import annotations
 
-from ._build import EmulatorBuildError, build, cache_root
+from .. import _lifetime
+from .._cann import aclemu, loader
+from ._build import SRC_DIR, EmulatorBuildError, build, cache_root
 
 MUTATIONS: tuple[str, ...] = ("skip-last-k", "fp16-accumulate", "off-by-one-row")
+STREAM_MODES: tuple[str, ...] = ("async", "lazy")
 FIRST_PHASE_API = "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
 # Status that, injected into the first phase, weakens it instead of failing it.
 SKIP_CHECKS = -1
@@ -20,6 +26,7 @@ __all__ = [
     "FIRST_PHASE_API",
     "MUTATIONS",
     "SKIP_CHECKS",
+    "STREAM_MODES",
     "EmulatorBuildError",
     "build",
     "cache_root",
@@ -30,10 +37,28 @@ __all__ = [
     "mutation",
     "path",
     "set_mutation",
-    "weaken_validation",
+    "set_stream_mode",
     "stats",
+    "stream_mode",
+    "use_emulator",
     "version",
+    "weaken_validation",
 ]
+
+loader.register_provider(loader.Provider(
+    name=loader.EMULATOR,
+    home=build,
+    declarations=(SRC_DIR / "aclemu.h").read_text(),
+    types=(aclemu.STATS_TYPE,),
+))
+
+
+def use_emulator() -> None:
+    """Bind this process to the bundled emulator (built on first use) instead of a CANN install.
+
+    Call before anything loads CANN; once the real libraries are loaded the choice is final.
+    """
+    loader.select_provider(loader.EMULATOR)
 
 
 def path() -> str:
@@ -42,16 +67,12 @@ def path() -> str:
     return build()
 
 
-def _emu():
-    from .. import _ffi
-
-    return _ffi.emulator_controls()
-
-
 def stats() -> dict[str, int]:
     """Live-object counters of the loaded emulator: allocations and bytes, streams, events,
-    tensors, scalars, int arrays, executors, pending tasks, and cumulative figures."""
-    return _emu().stats()
+    tensors, scalars, int arrays, executors, pending tasks, and cumulative figures. What the
+    process dropped is released first, so the counters show what is really alive."""
+    _lifetime.quiesce()
+    return aclemu.stats()
 
 
 def inject_fault(api: str, nth: int = 1, status: int | None = None) -> None:
@@ -60,44 +81,58 @@ def inject_fault(api: str, nth: int = 1, status: int | None = None) -> None:
     :func:`clear_faults`. ``api="*"`` counts every call except releases and queries."""
     if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
         raise ValueError(f"nth must be an int >= 0 (0: every call), got {nth!r}")
-    _emu().inject_fault(api, nth, status or 0)
+    aclemu.inject_fault(api, nth, status or 0)
 
 
 def weaken_validation() -> None:
     """Make the op's first phase skip the vendor's data type, format and tiling checks until
     :func:`clear_faults` (null checks stay): what a broken CANN release would do. Executors it
     builds that way are never launched."""
-    _emu().inject_fault(FIRST_PHASE_API, 0, SKIP_CHECKS)
+    aclemu.inject_fault(FIRST_PHASE_API, 0, SKIP_CHECKS)
 
 
 def clear_faults() -> None:
     """Forget every fault injected and not yet fired."""
-    _emu().clear_faults()
+    aclemu.clear_faults()
 
 
 def set_mutation(name: str | None) -> None:
     """Switch the kernel to a deliberately wrong variant (one of MUTATIONS), or back (None)."""
     if name not in (None, "", "none", *MUTATIONS):
         raise ValueError(f"mutation must be one of {MUTATIONS} or None, not {name!r}")
-    _emu().set_mutation(name or "")
+    aclemu.set_mutation(name or "")
 
 
 def mutation() -> str | None:
     """The active kernel mutation, or None."""
-    return _emu().mutation() or None
+    return aclemu.mutation() or None
+
+
+def set_stream_mode(mode: str) -> None:
+    """"async" (the default): a device engine runs queued work in the background, as hardware
+    does. "lazy": queued work runs only when something waits for it, so a test can see work
+    that is queued and not yet run."""
+    if mode not in STREAM_MODES:
+        raise ValueError(f"stream mode must be one of {STREAM_MODES}, not {mode!r}")
+    aclemu.set_stream_mode(mode)
+
+
+def stream_mode() -> str:
+    """The emulator's stream mode: "async" or "lazy"."""
+    return aclemu.stream_mode()
 
 
 def check_guards() -> int:
     """How many live device allocations have corrupt guard bytes (0 when all is well)."""
-    return _emu().check_guards()
+    return aclemu.check_guards()
 
 
 def corrupt_guard(address: int) -> None:
     """Test hook: overwrite a guard byte of the allocation holding ``address``, as a stray
     device write past its end would."""
-    _emu().corrupt_guard(address)
+    aclemu.corrupt_guard(address)
 
 
 def version() -> str:
     """The loaded emulator's version string."""
-    return _emu().version()
+    return aclemu.version()

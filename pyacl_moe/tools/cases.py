@@ -10,7 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._validate import scenario as scenario_of
+from .._contract import scenario as scenario_of
 
 DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),

@@ -26,12 +26,14 @@ from typing import Any, TextIO
 import ml_dtypes
 import numpy as np
 
+from .. import reference
+from .._cann.loader import library_info
+from ..array import DeviceArray, empty, to_device
+from ..device import acl_version, current_device, soc_name
+from ..errors import AclError
+from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v2_grad
+from ..stream import Stream
 from . import cases as _cases
-from . import reference
-from .errors import AclError
-from .memory import DeviceArray, empty, to_device
-from .ops import get_workspace_size, moe_init_routing_v2_grad
-from .runtime import Stream, acl_version, current_device, soc_name
 
 __all__ = ["CaseResult", "Report", "catalogue", "run"]
 
@@ -251,6 +253,7 @@ def _negative(name: str, status: int, spec: Neg, why: str) -> Case:
     def body(ctx: Context) -> CaseResult:
         t0 = time.perf_counter()
         dev = ctx.stream.device
+        x: DeviceArray | None
         if spec.x is not None and spec.x_over_small_buffer:
             small = empty((1 << 20,), np.uint8, dev)
             x = DeviceArray.from_pointer(small.data_ptr, spec.x, spec.x_dtype, owner=small, device=dev)
@@ -480,7 +483,6 @@ class _Progress:
 def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
         progress: TextIO | None = sys.stderr, cases: Iterable[Case] | None = None) -> Report:
     """Run a profile (or the given cases) and return the report."""
-    from ._ffi import library_info
 
     selected = [c for c in (cases if cases is not None else catalogue(profile))
                 if not name_filter or name_filter in c.name]

@@ -12,6 +12,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from . import _args
 from .errors import InvalidArgument
 
 DATA_DTYPES: tuple[np.dtype, ...] = (
@@ -46,24 +47,15 @@ class Geometry:
     scenario: str
 
 
-def _as_int(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgument(name, f"must be an int, got {type(value).__name__} {value!r}")
-    v = int(value)
-    if not -(2**63) <= v < 2**63:
-        raise InvalidArgument(name, f"must fit in int64, got {v}")
-    return v
-
-
 def _dtype_name(dt: np.dtype) -> str:
     return "bfloat16" if dt == DATA_DTYPES[1] else str(dt)
 
 
 def check_attributes(top_k: Any, drop_pad_mode: Any, active_num: Any) -> tuple[int, int, int]:
     """The three attributes as ints, or InvalidArgument."""
-    k = _as_int(top_k, "top_k")
-    mode = _as_int(drop_pad_mode, "drop_pad_mode")
-    active = _as_int(active_num, "active_num")
+    k = _args.int64("top_k", top_k)
+    mode = _args.int64("drop_pad_mode", drop_pad_mode)
+    active = _args.int64("active_num", active_num)
     if k <= 0:
         raise InvalidArgument("top_k", f"must be greater than 0, got {k}")
     if mode not in (0, 1):

@@ -1,0 +1,200 @@
+"""Thin wrappers of aclnn/acl_meta.h (aclTensor, executors) and of any operator's two phases.
+
+An operator is named by its API stem (``"aclnnMoeInitRoutingV2Grad"``): the first phase is
+``<stem>GetWorkspaceSize(<its parameters>, uint64_t *workspaceSize, aclOpExecutor **executor)``
+and the second ``<stem>(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+aclrtStream stream)``, as for every aclnn operator; the op layer says which parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import declare, handles, loader
+from .acl import StreamHandle
+from .errcheck import check, null_result
+
+__all__ = [
+    "ExecutorHandle", "TensorDesc", "TensorHandle", "bound_launch", "create_tensor", "destroy_status",
+    "get_workspace_size", "launch", "launch_probe", "set_input_addr", "set_output_addr", "set_repeatable",
+    "tensor_data_type",
+    "tensor_format", "tensor_raw_addr", "tensor_storage_shape", "tensor_view_offset", "tensor_view_shape",
+    "tensor_view_strides",
+]
+
+_ffi = declare.ffi
+_NULL = declare.NULL
+
+
+def _void(address: int) -> Any:
+    return _ffi.cast(declare.ctype("void *"), address)
+
+
+def _stream(h: StreamHandle | None) -> Any:
+    return _NULL if h is None else h._slot[0]
+
+
+# ---------------------------------------------------------------------------- aclTensor
+
+class TensorDesc:
+    """aclCreateTensor's array arguments, built once per view and reused."""
+
+    __slots__ = ("dims", "ndim", "dtype", "strides", "offset", "sdims", "sndim")
+
+    def __init__(self, shape: Sequence[int], dtype: int, strides: Sequence[int], offset: int,
+                 storage_shape: Sequence[int]) -> None:
+        arr = declare.ctype("int64_t[]")
+        self.dims = _ffi.new(arr, list(shape) or [0])
+        self.ndim = len(shape)
+        self.dtype = dtype
+        self.strides = _ffi.new(arr, list(strides) or [0])
+        self.offset = offset
+        self.sdims = _ffi.new(arr, list(storage_shape) or [0])
+        self.sndim = len(storage_shape)
+
+
+class TensorHandle(handles.Handle):
+    __slots__ = ()
+    SLOT_TYPE = "aclTensor **"
+    API = "aclDestroyTensor"
+
+    def _release_function(self) -> Callable[[Any], int]:
+        return loader.libs().nn.aclDestroyTensor
+
+
+def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> None:
+    """aclCreateTensor over device memory at ``addr`` into ``h`` (``fmt``: an aclFormat)."""
+    fn = loader.libs().nn.aclCreateTensor
+    handles.store_result(h._slot, fn, desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset,
+                         fmt, desc.sdims, desc.sndim, _void(addr))
+    if not h:
+        raise null_result("aclCreateTensor")
+
+
+def _int64_list(getter: Any, api: str, h: TensorHandle) -> tuple[int, ...]:
+    arr, n = _ffi.new(declare.ctype("int64_t **")), _ffi.new(declare.ctype("uint64_t *"))
+    check(getter(h._slot[0], arr, n), api)
+    try:
+        return tuple(int(arr[0][i]) for i in range(n[0]))
+    finally:
+        # CANN hands the array to the caller; the C library's free releases it.
+        _libc_free(arr[0])
+
+
+_libc: list[Any] = []
+
+
+def _libc_free(ptr: Any) -> None:
+    if not _libc:
+        _libc.append(_ffi.dlopen(None))
+    _libc[0].free(ptr)
+
+
+def tensor_view_shape(h: TensorHandle) -> tuple[int, ...]:
+    return _int64_list(loader.libs().nn.aclGetViewShape, "aclGetViewShape", h)
+
+
+def tensor_view_strides(h: TensorHandle) -> tuple[int, ...]:
+    return _int64_list(loader.libs().nn.aclGetViewStrides, "aclGetViewStrides", h)
+
+
+def tensor_storage_shape(h: TensorHandle) -> tuple[int, ...]:
+    return _int64_list(loader.libs().nn.aclGetStorageShape, "aclGetStorageShape", h)
+
+
+def tensor_view_offset(h: TensorHandle) -> int:
+    v = _ffi.new(declare.ctype("int64_t *"))
+    check(loader.libs().nn.aclGetViewOffset(h._slot[0], v), "aclGetViewOffset")
+    return int(v[0])
+
+
+def tensor_data_type(h: TensorHandle) -> int:
+    v = _ffi.new(declare.ctype("aclDataType *"))
+    check(loader.libs().nn.aclGetDataType(h._slot[0], v), "aclGetDataType")
+    return int(v[0])
+
+
+def tensor_format(h: TensorHandle) -> int:
+    v = _ffi.new(declare.ctype("aclFormat *"))
+    check(loader.libs().nn.aclGetFormat(h._slot[0], v), "aclGetFormat")
+    return int(v[0])
+
+
+def tensor_raw_addr(h: TensorHandle) -> int:
+    v = _ffi.new(declare.ctype("void **"))
+    check(loader.libs().nn.aclGetRawTensorAddr(h._slot[0], v), "aclGetRawTensorAddr")
+    return int(_ffi.cast(declare.ctype("uintptr_t"), v[0]))
+
+
+# ---------------------------------------------------------------------------- executors
+
+class ExecutorHandle(handles.Handle):
+    __slots__ = ()
+    SLOT_TYPE = "aclOpExecutor **"
+    API = "aclDestroyAclOpExecutor"
+
+    def _release_function(self) -> Callable[[Any], int]:
+        return loader.libs().nn.aclDestroyAclOpExecutor
+
+
+def set_repeatable(ex: ExecutorHandle) -> None:
+    check(loader.libs().nn.aclSetAclOpExecutorRepeatable(ex._slot[0]), "aclSetAclOpExecutorRepeatable")
+
+
+def set_input_addr(ex: ExecutorHandle, index: int, tensor: TensorHandle, addr: int) -> None:
+    check(loader.libs().nn.aclSetInputTensorAddr(ex._slot[0], index, tensor._slot[0], _void(addr)),
+          "aclSetInputTensorAddr")
+
+
+def set_output_addr(ex: ExecutorHandle, index: int, tensor: TensorHandle, addr: int) -> None:
+    check(loader.libs().nn.aclSetOutputTensorAddr(ex._slot[0], index, tensor._slot[0], _void(addr)),
+          "aclSetOutputTensorAddr")
+
+
+def destroy_status(h: handles.Handle) -> None:
+    """Release ``h`` now and raise CANN's failure, if any (an explicit close)."""
+    check(h.release(), h.API)
+
+
+# ---------------------------------------------------------------------------- an operator's two phases
+
+def get_workspace_size(api: str, args: Sequence[TensorHandle | int | bool | None], executor: ExecutorHandle) -> int:
+    """``<api>GetWorkspaceSize(*args, &size, &executor)``: the executor lands in ``executor``;
+    returns the workspace size. ``args`` are the operator's own parameters in C order: tensor
+    handles (None for a null pointer) and attribute values."""
+    fn = getattr(loader.libs().op, api + "GetWorkspaceSize")
+    cargs = [a._slot[0] if isinstance(a, TensorHandle) else (_NULL if a is None else a) for a in args]
+    size = _ffi.new(declare.ctype("uint64_t *"))
+    check(fn(*cargs, size, executor._slot), api + "GetWorkspaceSize")
+    return int(size[0])
+
+
+def launch(api: str, workspace: int, size: int, executor: ExecutorHandle, stream: StreamHandle | None,
+           consumes: bool) -> None:
+    """``<api>(workspace, size, executor, stream)``: queue the kernel. With ``consumes`` (a
+    one-shot executor) the executor is CANN's from this call on, whatever it returns: nnopbase
+    recycles a one-shot executor once past its argument checks (null executor, a null
+    workspace for a non-zero size, a size below the executor's), which the caller has made."""
+    fn = getattr(loader.libs().op, api)
+    ws, st, ex = _void(workspace), _stream(stream), executor._slot[0]
+    if consumes:
+        executor._slot[0] = _NULL  # before the call: no Python code may run between the two
+    check(fn(ws, size, ex, st), api)
+
+
+def bound_launch(api: str, workspace: int, size: int, executor: ExecutorHandle,
+                 stream: StreamHandle | None) -> Callable[[], int]:
+    """The second phase with every argument bound: calling it is one foreign call and returns
+    the raw status (a prepared plan's steady state; the caller checks it and keeps the
+    executor, stream and workspace alive as long as it may call it)."""
+    fn = getattr(loader.libs().op, api)
+    return functools.partial(fn, _void(workspace), size, executor._slot[0], _stream(stream))
+
+
+def launch_probe(api: str, workspace: int, size: int, executor: ExecutorHandle,
+                 stream: StreamHandle | None) -> tuple[Callable[..., int], tuple[Any, ...]]:
+    """The second phase's function and its converted arguments, for timing one bare foreign
+    call of it (the floor under any launch path)."""
+    return getattr(loader.libs().op, api), (_void(workspace), size, executor._slot[0], _stream(stream))

@@ -1,0 +1,102 @@
+"""The C declarations: one FFI object, fed from headers/ and from what a provider adds.
+
+headers/ holds one plain-C file per CANN header mirrored (the emulator compiles against the
+very same files; :mod:`pyacl_moe._paths` finds them). Constants and enum values are read back
+from cffi, never copied by hand: :func:`const` answers ``const("ACL_FORMAT_ND") == 2`` from the
+parsed headers.
+
+Declaring is lazy (importing the package reads no file) and happens once, under a lock. Every C
+type the bindings build values of is parsed at that moment too: cffi parses a type given as a
+string under an internal lock, and a finalizer run by the garbage collector in the middle of
+such a parse would take that lock again and hang the thread.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import cffi
+
+from .._paths import HEADER_FILES, headers_dir
+
+__all__ = ["HEADER_FILES", "NULL", "add_declarations", "const", "ctype", "declare", "declared_functions", "ffi",
+           "headers_dir"]
+
+ffi = cffi.FFI()
+NULL = ffi.NULL
+
+# Every C type the bindings build values of (see the module docstring for why up front).
+_TYPE_NAMES = (
+    "void *", "void **", "uintptr_t", "int32_t *", "int32_t[]", "uint32_t *", "size_t *", "float *",
+    "int64_t *", "int64_t[]", "int64_t **", "uint64_t *", "aclrtStream *", "aclrtEvent *", "aclrtContext *",
+    "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclTensor **", "aclrtEventRecordedStatus *",
+    "aclrtStreamStatus *",
+)
+
+_lock = threading.Lock()  # guards _texts and _types; cdef itself is not thread-safe
+_texts: list[str] = []  # every text given to cdef, in order
+_pending: list[tuple[str, tuple[str, ...]]] = []  # provider declarations not yet given to cdef
+_types: dict[str, Any] = {}
+
+
+def _cdef_locked(text: str, type_names: tuple[str, ...]) -> None:
+    ffi.cdef(text)
+    _texts.append(text)
+    for name in type_names:
+        _types[name] = ffi.typeof(name)
+
+
+def declare() -> None:
+    """Give headers/ (and any provider's declarations) to cdef, once."""
+    if _pending or not _texts:
+        with _lock:
+            if not _texts:
+                for name in HEADER_FILES:
+                    _cdef_locked((headers_dir() / name).read_text(), ())
+                _cdef_locked("void free(void *);", _TYPE_NAMES)
+            while _pending:
+                text, type_names = _pending.pop(0)
+                _cdef_locked(text, type_names)
+
+
+def add_declarations(text: str, type_names: tuple[str, ...] = ()) -> None:
+    """Declarations a provider adds (the emulator's aclemu* extras), and the types of them the
+    bindings build values of. Given to cdef with the headers."""
+    with _lock:
+        _pending.append((text, tuple(type_names)))
+
+
+def ctype(name: str) -> Any:
+    """A pre-parsed C type (one of those declared up front)."""
+    t = _types.get(name)
+    if t is None:
+        declare()
+        t = _types[name]
+    return t
+
+
+_consts: dict[str, int] = {}
+_values: list[Any] = []  # a library object to read declared constants from (the process itself)
+
+
+def const(name: str) -> int:
+    """The value of an enum item, ``#define`` or ``static const int`` of the headers."""
+    value = _consts.get(name)
+    if value is None:
+        declare()
+        if not _values:
+            # cffi exposes the values the declarations give on any library object; the
+            # process's own symbol table loads nothing.
+            _values.append(ffi.dlopen(None))
+        value = _consts[name] = int(getattr(_values[0], name))
+    return value
+
+
+def declared_functions() -> list[str]:
+    """The names of every function declared so far (for resolving them all at load)."""
+    declare()
+    with _lock:
+        text = "".join(_texts)
+    return sorted(set(re.findall(r"\b(acl\w+)\s*\(", text)))

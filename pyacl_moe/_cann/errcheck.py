@@ -1,0 +1,31 @@
+"""The one status check: every CANN status goes through :func:`check`."""
+
+from __future__ import annotations
+
+from .. import errors
+from . import declare, loader
+
+__all__ = ["check", "null_result", "recent_message"]
+
+
+def recent_message() -> str:
+    """CANN's text for the calling thread's latest failure (aclGetRecentErrMsg), or ''."""
+    lib = loader.loaded_libraries()
+    if lib is None:
+        return ""
+    try:
+        p = lib.acl.aclGetRecentErrMsg()
+    except Exception:  # a library without the symbol: no message
+        return ""
+    return declare.ffi.string(p).decode("utf-8", "replace") if p != declare.NULL else ""
+
+
+def check(status: int, api: str) -> None:
+    """Raise the AclError for a failure status of ``api`` (nothing for 0)."""
+    if status:
+        raise errors.error_for(status, api, recent_message())
+
+
+def null_result(api: str, status_if_no_message: int = 561103) -> errors.AclError:
+    """The error for a call that signals failure by returning NULL instead of a status."""
+    return errors.error_for(status_if_no_message, api, recent_message() or f"{api} returned NULL")

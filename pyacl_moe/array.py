@@ -1,0 +1,601 @@
+"""Device memory: :class:`DeviceArray` and the copies between host and device.
+
+A DeviceArray is a typed, strided view (element strides and offset, as aclCreateTensor takes
+them) of a device allocation, which it owns (aclrtMalloc/aclrtFree) or borrows
+(``DeviceArray.from_pointer``). Basic slicing gives views that share the allocation. The memory
+is freed once no array views it and no queued work uses it, or when its device closes.
+
+Copies follow stream order: a copy on a stream holds its host buffer and the allocation until
+it has run; reading back defaults to the stream that last wrote the memory; writing from the
+host waits for (or, on a stream, is ordered after) queued work that uses the memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import _args, _lifetime
+from ._cann import acl, aclnn, declare
+from .device import Device, resolve_device
+from .errors import AclRuntimeError, ClosedError, InvalidArgument
+from .stream import Event, Stream, StreamState, resolve_stream
+
+__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "empty", "from_pointer", "may_overlap",
+           "host_array",
+           "on_memory_pressure", "to_device", "zeros"]
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+# numpy dtype -> the aclDataType it is (values read from headers/).
+_ACL_NAMES: dict[np.dtype, str] = {
+    np.dtype(np.float32): "ACL_FLOAT",
+    np.dtype(np.float16): "ACL_FLOAT16",
+    np.dtype(np.int8): "ACL_INT8",
+    np.dtype(np.int32): "ACL_INT32",
+    np.dtype(np.uint8): "ACL_UINT8",
+    np.dtype(np.int16): "ACL_INT16",
+    np.dtype(np.uint16): "ACL_UINT16",
+    np.dtype(np.uint32): "ACL_UINT32",
+    np.dtype(np.int64): "ACL_INT64",
+    np.dtype(np.uint64): "ACL_UINT64",
+    np.dtype(np.float64): "ACL_DOUBLE",
+    np.dtype(np.bool_): "ACL_BOOL",
+    np.dtype(np.complex64): "ACL_COMPLEX64",
+    np.dtype(np.complex128): "ACL_COMPLEX128",
+    bfloat16: "ACL_BF16",
+}
+
+# Called with a device when an allocation on it fails for lack of memory, before one retry:
+# caches above (the workspace pool) give back what they hold idle.
+_pressure_hooks: list[Callable[[Device], None]] = []
+
+
+def on_memory_pressure(hook: Callable[[Device], None]) -> None:
+    """Register a cache to shrink when device memory runs out."""
+    _pressure_hooks.append(hook)
+
+
+def acl_data_type(dtype: Any) -> int:
+    """The aclDataType code of a numpy dtype; InvalidArgument if CANN has none."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
+    name = _ACL_NAMES.get(dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt)
+    if name is None:
+        supported = ", ".join(sorted(str(d) for d in _ACL_NAMES))
+        raise InvalidArgument("dtype", f"{dt} has no CANN data type (supported: {supported})")
+    return declare.const(name)
+
+
+# layout -> its id. Ids are never reused (next() is atomic; a lost race wastes a number).
+_layout_ids: dict[tuple[Any, ...], int] = {}
+_layout_counter = itertools.count()
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class Allocation:
+    """One device allocation, shared by every DeviceArray that views it and by queued work
+    that uses it. Owned memory is freed (aclrtFree) once this object is gone.
+
+    ``users`` are the streams that queued work on it (a host write waits for them); guarded by
+    the GIL (single dict operations). ``last_write`` is the stream of the latest write queued
+    through pyacl_moe, which reading back waits for.
+    """
+
+    __slots__ = ("device", "ptr", "nbytes", "mem", "owner", "users", "last_write", "__weakref__")
+
+    def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.ptr = ptr
+        self.owner = owner  # what keeps borrowed memory alive
+        self.mem: acl.DeviceMemory | None = None
+        self.users: dict[StreamState, None] = {}
+        self.last_write: StreamState | None = None
+
+    @property
+    def owned(self) -> bool:
+        return self.mem is not None
+
+    def used_on(self, state: StreamState, write: bool) -> None:
+        """Queued work on ``state`` reads (or writes) this memory."""
+        if state not in self.users:
+            self.users[state] = None
+        if write:
+            self.last_write = state
+
+
+def allocate(device: Device, nbytes: int) -> Allocation:
+    """A new allocation of ``nbytes`` (at least one byte: aclrtMalloc refuses 0)."""
+    _lifetime.collect()
+    device.activate()
+    alloc = Allocation(device, nbytes)
+    mem = alloc.mem = acl.DeviceMemory(device.context)
+    _lifetime.track(alloc, mem)  # before the memory exists: nothing can be lost in between
+    try:
+        acl.malloc(mem, max(nbytes, 1))
+    except AclRuntimeError as exc:
+        if exc.status not in (207001, 207018):  # ACL_ERROR_RT_MEMORY_ALLOCATION, ..._DEVICE_OOM
+            raise
+        # Out of memory: what completed work held, and idle caches, may be enough.
+        device.reclaim()
+        for hook in _pressure_hooks:
+            hook(device)
+        _lifetime.quiesce()
+        device.activate()
+        acl.malloc(mem, max(nbytes, 1))
+    alloc.ptr = mem.ptr
+    return alloc
+
+
+class DeviceArray:
+    """An n-dimensional array in device memory.
+
+    ``shape`` and ``dtype`` as in NumPy; ``strides`` and ``offset`` are in elements, as
+    aclCreateTensor takes them. Create one with :func:`to_device`, :func:`empty`,
+    :func:`zeros` or :func:`from_pointer`; read it back with :meth:`to_host`.
+    """
+
+    __slots__ = ("_alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "_span", "_layout",
+                 "_layout_id", "__weakref__")
+
+    def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
+                 offset: int) -> None:
+        self._alloc: Allocation | None = alloc
+        self._shape = shape
+        self._dtype = dtype
+        self._strides = strides
+        self._offset = offset
+        self._acl_dtype = acl_data_type(dtype)
+        self._desc: aclnn.TensorDesc | None = None
+        self._span: tuple[int, int] | None = None
+        self._layout = (shape, dtype, strides)
+        self._layout_id = -1
+
+    # -- for pyacl_moe's own layers
+
+    def allocation(self, what: str = "array") -> Allocation:
+        """The allocation this array views, checked alive (ClosedError otherwise)."""
+        a = self._alloc
+        if a is None or a.device.closed:
+            raise ClosedError(what, "this DeviceArray was closed" if a is None else
+                              f"its memory went with device {a.device.device_id}, which was closed")
+        return a
+
+    def tensor_desc(self) -> aclnn.TensorDesc:
+        """What aclCreateTensor needs for this view, built once."""
+        d = self._desc
+        if d is None:
+            a = self.allocation()
+            d = self._desc = aclnn.TensorDesc(self._shape, self._acl_dtype, self._strides, self._offset,
+                                              (a.nbytes // self._dtype.itemsize,))
+        return d
+
+    def span(self) -> tuple[int, int]:
+        """[first, last] device byte addresses the view touches (last < first when empty)."""
+        sp = self._span
+        if sp is None:
+            base = self.allocation().ptr
+            item = self._dtype.itemsize
+            lo = base + self._offset * item
+            if not all(self._shape):
+                sp = (lo, lo - 1)
+            else:
+                hi = lo + sum((n - 1) * s for n, s in zip(self._shape, self._strides)) * item + item - 1
+                sp = (lo, hi)
+            self._span = sp
+        return sp
+
+    # -- construction
+
+    @classmethod
+    def from_pointer(cls, ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[int] | None = None,
+                     offset: int = 0, owner: Any = None, device: Device | int | None = None) -> DeviceArray:
+        """Same as :func:`from_pointer`."""
+        return from_pointer(ptr, shape, dtype, strides, offset, owner, device)
+
+    # -- properties
+
+    @property
+    def device(self) -> Device:
+        """The device the memory is on."""
+        return self.allocation().device
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape, as in NumPy."""
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The element type, as in NumPy (bfloat16 is ml_dtypes.bfloat16)."""
+        return self._dtype
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Strides in elements (aclCreateTensor's unit)."""
+        return self._strides
+
+    @property
+    def offset(self) -> int:
+        """Offset of the first element from the storage base, in elements."""
+        return self._offset
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
+        """(shape, dtype, strides): what an aclTensor of the view depends on, its address aside."""
+        return self._layout
+
+    @property
+    def layout_id(self) -> int:
+        """A small int naming :attr:`layout` in this process (equal ids, equal layouts): a cheap
+        key for caches of executors and checks."""
+        lid = self._layout_id
+        if lid < 0:
+            lid = self._layout_id = _layout_ids.setdefault(self._layout, next(_layout_counter))
+        return lid
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self._shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self._dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the elements (not of the storage)."""
+        return self.size * self.itemsize
+
+    @property
+    def acl_data_type(self) -> int:
+        """The aclDataType code of the dtype."""
+        return self._acl_dtype
+
+    @property
+    def data_ptr(self) -> int:
+        """The storage base address (what aclCreateTensor receives as tensorData)."""
+        return self.allocation().ptr
+
+    @property
+    def address(self) -> int:
+        """The device address of the first element."""
+        return self.allocation().ptr + self._offset * self._dtype.itemsize
+
+    @property
+    def storage_size(self) -> int:
+        """Elements in the underlying storage."""
+        return self.allocation().nbytes // self._dtype.itemsize
+
+    @property
+    def owns_memory(self) -> bool:
+        """False for memory borrowed through from_pointer."""
+        return self.allocation().owned
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True when the view is C-contiguous."""
+        return _is_contiguous(self._shape, self._strides)
+
+    @property
+    def closed(self) -> bool:
+        """True once closed, or once its device was closed."""
+        a = self._alloc
+        return a is None or a.device.closed
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d DeviceArray")
+        return self._shape[0]
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"<DeviceArray closed shape={self._shape} dtype={self._dtype}>"
+        return (
+            f"<DeviceArray shape={self._shape} dtype={self._dtype} strides={self._strides} "
+            f"offset={self._offset} device={self.device.device_id} address={self.address:#x}>"
+        )
+
+    # -- views
+
+    def __getitem__(self, key: Any) -> DeviceArray:
+        """Basic slicing (ints, slices with positive steps, Ellipsis): a view, no copy."""
+        alloc = self.allocation()
+        if not isinstance(key, tuple):
+            key = (key,)
+        if sum(k is Ellipsis for k in key) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        if Ellipsis in key:
+            i = key.index(Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            key = key[:i] + (slice(None),) * fill + key[i + 1:]
+        if len(key) > self.ndim:
+            raise IndexError(f"too many indices: array is {self.ndim}-dimensional, got {len(key)}")
+        shape, strides, offset = [], [], self._offset
+        for d, k in enumerate(key):
+            n, s = self._shape[d], self._strides[d]
+            if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
+                k = int(k)
+                if not -n <= k < n:
+                    raise IndexError(f"index {k} is out of bounds for axis {d} with size {n}")
+                offset += (k % n) * s
+            elif isinstance(k, slice):
+                start, stop, step = k.indices(n)
+                if step <= 0:
+                    raise InvalidArgument(
+                        "key", "negative slice steps are not supported: CANN views take non-negative strides"
+                    )
+                length = max(0, (stop - start + step - 1) // step)
+                if length:
+                    offset += start * s
+                shape.append(length)
+                strides.append(s * step)
+            else:
+                raise InvalidArgument("key", f"only ints, slices and '...' index a DeviceArray, got {type(k).__name__}")
+        shape += self._shape[len(key):]
+        strides += self._strides[len(key):]
+        return DeviceArray(alloc, tuple(shape), self._dtype, tuple(strides), offset)
+
+    # -- copies
+
+    def to_host(self, stream: Stream | None = None) -> np.ndarray:
+        """Copy to a new NumPy array.
+
+        The copy runs on ``stream`` (default: the stream that last wrote this memory through
+        pyacl_moe, else a synchronous copy) and waits for it, so earlier work queued there is
+        visible.
+        """
+        alloc = self.allocation()
+        out = np.empty(self._shape, dtype=self._dtype)
+        lo, hi = self.span()
+        if hi < lo:
+            return out
+        nbytes = hi - lo + 1
+        host = out if self.is_contiguous else np.empty(nbytes, dtype=np.uint8)
+        if stream is not None:
+            state: StreamState | None = resolve_stream(stream, alloc.device)
+        else:
+            state = alloc.last_write
+        if state is not None:
+            try:
+                alloc.used_on(state, write=False)
+                state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
+                              "ACL_MEMCPY_DEVICE_TO_HOST")
+                state.synchronize(None)
+            except ClosedError:
+                if stream is not None:
+                    raise
+                state = None  # the writer's stream closed, and so ran everything: copy directly
+        if state is None:
+            alloc.device.activate()
+            acl.memcpy(host.ctypes.data, nbytes, lo, nbytes, "ACL_MEMCPY_DEVICE_TO_HOST")
+        if host is not out:
+            view = np.lib.stride_tricks.as_strided(
+                host.view(self._dtype), shape=self._shape, strides=tuple(s * self.itemsize for s in self._strides)
+            )
+            out[...] = view
+        return out
+
+    def numpy(self, stream: Stream | None = None) -> np.ndarray:
+        """Same as :meth:`to_host`."""
+        return self.to_host(stream)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.to_host()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
+        """Overwrite this (contiguous) array with ``array``'s values.
+
+        With ``stream`` the copy is queued there, after queued work of other streams that uses
+        this memory (through events); without, it waits for such work first, then copies.
+        """
+        alloc = self.allocation()
+        if not self.is_contiguous:
+            raise InvalidArgument("array", "copy_from_host needs a contiguous DeviceArray")
+        host = host_array(np.asarray(array), "array")
+        if host.shape != self._shape or host.dtype != self._dtype:
+            raise InvalidArgument(
+                "array", f"must have shape {self._shape} and dtype {self._dtype}, got {host.shape} {host.dtype}"
+            )
+        state = resolve_stream(stream, alloc.device) if stream is not None else None
+        _copy_in(alloc, self.address, host, state)
+
+    def close(self) -> None:
+        """Drop this array's hold on the memory; it is freed once no array views it and no
+        queued work uses it. Safe twice."""
+        self._alloc = None
+        _lifetime.collect()
+
+
+def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    if not all(shape):
+        return True  # no elements: nothing is laid out
+    expect = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
+    """Whether two views share a byte of device memory (exact, strides included)."""
+    (alo, ahi), (blo, bhi) = a.span(), b.span()
+    if ahi < alo or bhi < blo or ahi < blo or bhi < alo:
+        return False
+    if a.is_contiguous and b.is_contiguous:
+        return True
+    # Strided views whose ranges meet may still interleave without touching: ask NumPy's exact
+    # solver, on arrays that only describe the addresses (nothing is read).
+    return bool(np.shares_memory(_address_view(a), _address_view(b)))
+
+
+class _AddressOnly:
+    """An __array_interface__ describing a view by address, never dereferenced."""
+
+    def __init__(self, a: DeviceArray) -> None:
+        self.__array_interface__ = {
+            "data": (a.address, True),
+            "shape": a.shape,
+            "strides": tuple(s * a.itemsize for s in a.strides),
+            "typestr": f"|V{a.itemsize}",
+            "version": 3,
+        }
+
+
+def _address_view(a: DeviceArray) -> np.ndarray:
+    return np.asarray(_AddressOnly(a))
+
+
+def host_array(array: np.ndarray, name: str) -> np.ndarray:
+    """A C-contiguous, native-byte-order copy (or the array itself when it already is one)."""
+    if array.dtype == object:
+        raise InvalidArgument(name, "dtype object cannot go to the device")
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    acl_data_type(array.dtype)
+    return np.ascontiguousarray(array)
+
+
+def _wait_for_users(alloc: Allocation, state: StreamState | None) -> None:
+    """Order a host write after queued work of other streams that uses ``alloc``: on
+    ``state`` through events; without a stream, by waiting. A stream that closes meanwhile has
+    run everything (closing waits for it) and needs nothing."""
+    for user in list(alloc.users):
+        if user is state:
+            continue  # stream order
+        try:
+            if state is None:
+                if not user.query():
+                    user.synchronize(None)
+            else:
+                ev = Event(user.device)
+                core = ev.core()
+                user.enqueue(core, acl.record_event, core.handle)
+                state.enqueue(core, acl.stream_wait_event, core.handle)
+        except ClosedError:
+            if state is not None and (state.closing or state.device.closed):
+                raise  # the writer's own stream
+            alloc.users.pop(user, None)
+
+
+def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None) -> None:
+    n = host.nbytes
+    if n == 0:
+        return
+    _wait_for_users(alloc, state)
+    if state is not None:
+        alloc.used_on(state, write=True)
+        state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
+    else:
+        alloc.device.activate()
+        acl.memcpy(dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
+
+
+def empty(shape: Any, dtype: Any, device: Device | int | None = None) -> DeviceArray:
+    """A new contiguous DeviceArray with uninitialized contents."""
+    shp = _args.shape("shape", shape)
+    dt = _dtype(dtype)
+    nbytes = _args.nbytes("shape", shp, dt.itemsize)
+    dev = resolve_device(device)
+    return DeviceArray(allocate(dev, nbytes), shp, dt, _contiguous_strides(shp), 0)
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
+    acl_data_type(dt)
+    return dt
+
+
+def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
+    """A new contiguous DeviceArray of zeros (memset on ``stream`` if given, else now)."""
+    if stream is not None:
+        _args.instance("stream", stream, Stream, "a Stream or None")
+    arr = empty(shape, dtype, device if device is not None or stream is None else stream.device)
+    alloc = arr.allocation()
+    n = alloc.nbytes
+    if n:
+        if stream is not None:
+            state = resolve_stream(stream, alloc.device)
+            alloc.used_on(state, write=True)
+            state.enqueue(alloc, acl.memset_async, alloc.ptr, n, 0, n)
+        else:
+            acl.memset(alloc.ptr, n, 0, n)
+    return arr
+
+
+def to_device(array: Any, stream: Stream | None = None, device: Device | int | None = None) -> DeviceArray:
+    """Copy a NumPy array (or anything np.asarray takes) to a new contiguous DeviceArray.
+
+    Fortran-ordered, strided or byte-swapped input is first made C-contiguous and native on
+    the host. With ``stream`` the copy is queued on it (the host data is held until the copy
+    has run); without, it is done before returning.
+    """
+    host = host_array(np.asarray(array), "array")
+    if stream is not None:
+        _args.instance("stream", stream, Stream, "a Stream or None")
+        dev = stream.device if device is None else resolve_device(device)
+        state: StreamState | None = resolve_stream(stream, dev)
+    else:
+        dev = resolve_device(device)
+        state = None
+    alloc = allocate(dev, host.nbytes)
+    arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
+    _copy_in(alloc, alloc.ptr, host, state)
+    return arr
+
+
+def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[int] | None = None, offset: int = 0,
+                 owner: Any = None, device: Device | int | None = None) -> DeviceArray:
+    """Wrap device memory allocated elsewhere (a torch_npu tensor's ``data_ptr()``, say).
+
+    ``ptr`` is the storage base, ``strides``/``offset`` are in elements. The memory is
+    borrowed: it is never freed here, and ``owner`` is kept alive as long as any array viewing
+    it (or queued work using it), so the memory cannot go away underneath.
+    """
+    p = _args.integer("ptr", ptr, 1, 2**64 - 1)
+    dt = _dtype(dtype)
+    shp = _args.shape("shape", shape)
+    if strides is None:
+        st = _contiguous_strides(shp)
+    else:
+        st = _args.shape("strides", strides)
+        if len(st) != len(shp):
+            raise InvalidArgument("strides", f"must have {len(shp)} entries, one per dimension, got {len(st)}")
+    off = _args.int64("offset", offset, lo=0)
+    dev = resolve_device(device)
+    extent = off + (sum((n - 1) * s for n, s in zip(shp, st)) + 1 if all(shp) else 0)
+    nbytes = extent * dt.itemsize
+    if p + nbytes > 2**64:
+        raise InvalidArgument("ptr", f"{p:#x} + {nbytes} bytes runs past the end of the address space")
+    alloc = Allocation(dev, nbytes, ptr=p, owner=owner)
+    return DeviceArray(alloc, shp, dt, st, off)
+

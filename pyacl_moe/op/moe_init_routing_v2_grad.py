@@ -1,0 +1,383 @@
+"""aclnnMoeInitRoutingV2Grad: the backward of MoE token routing.
+
+Low level, the two phases as CANN has them::
+
+    size, executor = get_workspace_size(x_t, idx_t, top_k, drop_pad_mode, active_num, out_t)
+    execute(workspace, size, executor, stream)
+
+A prepared plan, :class:`MoeInitRoutingV2Grad`, runs the first phase once and relaunches. The
+one-call function :func:`moe_init_routing_v2_grad` takes NumPy arrays (copy in, run,
+synchronize, copy out) or DeviceArrays (queued on a stream, returns at once).
+"""
+
+from __future__ import annotations
+
+from typing import Any, overload
+
+import numpy as np
+
+from .. import _args, _contract
+from ..array import DeviceArray, empty, host_array, may_overlap, to_device
+from ..device import Device, current_device, resolve_device
+from ..errors import InvalidArgument
+from ..pool import workspace_for
+from ..stream import Stream, resolve_stream
+from ..tensor import AclTensor
+from .executor import Executor, build, launch, mark_uses
+from .executor import execute as execute
+from .plan import Plan, check_no_overlap, launch_cached
+from .spec import OpSpec, Param
+
+__all__ = ["SPEC", "MoeInitRoutingV2Grad", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
+
+SPEC = OpSpec(
+    "aclnnMoeInitRoutingV2Grad",
+    (
+        Param("grad_expanded_x", "input", "gradExpandedX"),
+        Param("expanded_row_idx", "input", "expandedRowIdx"),
+        Param("top_k", "attr", "topK"),
+        Param("drop_pad_mode", "attr", "dropPadMode"),
+        Param("active_num", "attr", "activeNum"),
+        Param("out", "output", "out"),
+    ),
+)
+
+
+def _attrs(top_k: Any, drop_pad_mode: Any, active_num: Any) -> dict[str, int]:
+    return {"top_k": _args.int64("top_k", top_k), "drop_pad_mode": _args.int64("drop_pad_mode", drop_pad_mode),
+            "active_num": _args.int64("active_num", active_num)}
+
+
+# ---------------------------------------------------------------------------- the two phases
+
+def _as_tensor(value: Any, name: str, owned: list[AclTensor]) -> AclTensor | None:
+    if value is None or isinstance(value, AclTensor):
+        return value
+    if isinstance(value, DeviceArray):
+        t = AclTensor(value)
+        owned.append(t)
+        return t
+    raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
+
+
+def get_workspace_size(
+    grad_expanded_x: AclTensor | DeviceArray | None,
+    expanded_row_idx: AclTensor | DeviceArray | None,
+    top_k: int,
+    drop_pad_mode: int = 0,
+    active_num: int = 0,
+    out: AclTensor | DeviceArray | None = None,
+    device: Device | int | None = None,
+) -> tuple[int, Executor]:
+    """Phase one, as CANN has it: (workspace bytes, executor).
+
+    Nothing of the contract is checked on the host (the vendor validates; None passes a null
+    pointer), only the attributes' C type (int64). DeviceArrays are wrapped in aclTensors the
+    executor keeps.
+    """
+    attrs = _attrs(top_k, drop_pad_mode, active_num)
+    owned: list[AclTensor] = []
+    given = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx, "out": out}
+    tensors = {n: _as_tensor(v, n, owned) for n, v in given.items()}
+    dev = resolve_device(device) if device is not None else None
+    for t in tensors.values():
+        if dev is None and t is not None:
+            dev = t.array.device
+    dev = dev or current_device()
+    core = build(SPEC, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
+    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
+
+
+# ---------------------------------------------------------------------------- the contract on device arrays
+
+# Layouts that passed the contract: the checks depend only on shapes, dtypes, strides and the
+# attributes, so a layout that passed once passes again. Keys carry the attributes' types, so
+# True never stands for 1.
+_validated: dict[tuple[Any, ...], _contract.Geometry] = {}
+_VALIDATED_MAX = 256
+
+
+def _check_layout(key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any,
+                  out: DeviceArray | None) -> _contract.Geometry:
+    geo = _validated.get(key)
+    if geo is None:
+        geo = _contract.check_shapes(
+            x.shape, x.dtype, idx.shape, idx.dtype, top_k, mode, active,
+            None if out is None else out.shape, None if out is None else out.dtype,
+        )
+        if out is not None and not out.is_contiguous:
+            raise InvalidArgument("out", "must be contiguous (the op writes its output densely)")
+        if len(_validated) >= _VALIDATED_MAX:
+            _validated.clear()
+        _validated[key] = geo
+    return geo
+
+
+def _device_of(arrays: dict[str, DeviceArray]) -> Device:
+    dev: Device | None = None
+    first = ""
+    for name, a in arrays.items():
+        d = a.allocation(name).device
+        if dev is None:
+            dev, first = d, name
+        elif d is not dev:
+            raise InvalidArgument(
+                name, f"is on device {d.device_id} but {first} is on device {dev.device_id}: all must share one device"
+            )
+    assert dev is not None
+    return dev
+
+
+# ---------------------------------------------------------------------------- the prepared plan
+
+class MoeInitRoutingV2Grad(Plan):
+    """A prepared launch of the op on fixed DeviceArrays: the first phase runs once, and each
+    call relaunches the same (repeatable) executor.
+
+    ``plan(stream=None, workspace=None)`` queues the kernel and returns ``out``;
+    ``plan.rebind(...)`` points it at other arrays of the same shape, dtype and strides;
+    ``close()`` (or the context manager) releases it once its queued launches have run. With
+    ``repeatable=False`` the plan launches once, as CANN's one-shot executors do. Any thread
+    may launch a plan, on any stream of its device.
+    """
+
+    _spec = SPEC
+
+    def __init__(
+        self,
+        grad_expanded_x: DeviceArray,
+        expanded_row_idx: DeviceArray,
+        top_k: int,
+        drop_pad_mode: int = 0,
+        active_num: int = 0,
+        *,
+        out: DeviceArray | None = None,
+        repeatable: bool = True,
+        validate: bool = True,
+    ) -> None:
+        self._closed = True  # until prepared
+        _args.instance("validate", validate, bool, "a bool")
+        arrays = {
+            "grad_expanded_x": _args.instance("grad_expanded_x", grad_expanded_x, DeviceArray, "a DeviceArray"),
+            "expanded_row_idx": _args.instance("expanded_row_idx", expanded_row_idx, DeviceArray, "a DeviceArray"),
+        }
+        if out is not None:
+            arrays["out"] = _args.instance("out", out, DeviceArray, "a DeviceArray or None")
+        dev = _device_of(arrays)
+        attrs = _attrs(top_k, drop_pad_mode, active_num)
+        x, idx = grad_expanded_x, expanded_row_idx
+        if validate:
+            geo = _contract.check_shapes(x.shape, x.dtype, idx.shape, idx.dtype, top_k, drop_pad_mode, active_num,
+                                         None if out is None else out.shape, None if out is None else out.dtype)
+            if out is not None:
+                if not out.is_contiguous:
+                    raise InvalidArgument("out", "must be contiguous (the op writes its output densely)")
+                check_no_overlap(SPEC, arrays)
+            n, h = geo.tokens, geo.hidden
+        else:
+            k = attrs["top_k"]
+            n, h = (idx.shape[0] // k if idx.ndim and k > 0 else 0), (x.shape[-1] if x.ndim else 0)
+        if out is None:
+            out = arrays["out"] = empty((n, h), x.dtype, dev)
+        self._validate = validate
+        self._prepare(dev, arrays, attrs, _args.instance("repeatable", repeatable, bool, "a bool"))
+
+    @property
+    def out(self) -> DeviceArray:
+        """The output array the plan writes (after a rebind, the new one)."""
+        return self._arrays["out"]
+
+    def _result(self) -> DeviceArray:
+        return self._arrays["out"]
+
+    def __repr__(self) -> str:
+        a = self._arrays
+        state = "closed" if self._closed else "repeatable" if self._repeatable else "one-shot"
+        return (f"<MoeInitRoutingV2Grad x={a['grad_expanded_x'].shape} idx={a['expanded_row_idx'].shape} "
+                f"out={a['out'].shape} {state}>")
+
+    def rebind(self, grad_expanded_x: DeviceArray | None = None, expanded_row_idx: DeviceArray | None = None,
+               out: DeviceArray | None = None) -> None:
+        """Point the executor at other arrays with the same shape, dtype and strides (the
+        offset may differ). Launches already queued keep the arrays they were queued with; a
+        launch in flight on another thread completes first."""
+        changes: dict[str, DeviceArray] = {}
+        for name, new in (("grad_expanded_x", grad_expanded_x), ("expanded_row_idx", expanded_row_idx),
+                          ("out", out)):
+            if new is None:
+                continue
+            _args.instance(name, new, DeviceArray, "a DeviceArray or None")
+            old = self._arrays[name]
+            if new.layout != old.layout:
+                raise InvalidArgument(
+                    name,
+                    f"has shape {new.shape}, dtype {new.dtype}, strides {new.strides} but the plan was built for "
+                    f"{old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout",
+                )
+            if new.allocation(name).device is not self._device:
+                raise InvalidArgument(
+                    name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}"
+                )
+            changes[name] = new
+        if self._validate and changes:
+            check_no_overlap(SPEC, {**self._arrays, **changes})
+        self._rebind(changes)
+
+
+# ---------------------------------------------------------------------------- one call
+
+@overload
+def moe_init_routing_v2_grad(grad_expanded_x: DeviceArray, expanded_row_idx: DeviceArray, top_k: int,
+                             drop_pad_mode: int = ..., active_num: int = ..., *, out: DeviceArray | None = ...,
+                             stream: Stream | None = ..., workspace: DeviceArray | None = ...,
+                             validate: bool = ...) -> DeviceArray: ...
+
+
+@overload
+def moe_init_routing_v2_grad(grad_expanded_x: np.ndarray, expanded_row_idx: np.ndarray, top_k: int,
+                             drop_pad_mode: int = ..., active_num: int = ..., *, out: np.ndarray | None = ...,
+                             stream: Stream | None = ..., workspace: DeviceArray | None = ...,
+                             validate: bool = ...) -> np.ndarray: ...
+
+
+def moe_init_routing_v2_grad(
+    grad_expanded_x: Any,
+    expanded_row_idx: Any,
+    top_k: int,
+    drop_pad_mode: int = 0,
+    active_num: int = 0,
+    *,
+    out: Any = None,
+    stream: Stream | None = None,
+    workspace: DeviceArray | None = None,
+    validate: bool = True,
+) -> Any:
+    """The backward of MoE token routing: ``out[i] = sum_t grad_expanded_x[expanded_row_idx[i*top_k+t]]``.
+
+    grad_expanded_x: [N*top_k, H] (dropless), [A, H] (active, A = active_num) or [E, C, H]
+        (drop/pad), float16, bfloat16 (ml_dtypes) or float32.
+    expanded_row_idx: [N*top_k] int32.
+    top_k, drop_pad_mode (0 or 1), active_num (>= 0): the op's attributes.
+    out: optional output [N, H], same dtype as grad_expanded_x, contiguous, sharing no memory
+        with the inputs.
+    stream: where to run (default: the device's default stream).
+    workspace: a DeviceArray of at least the op's workspace size (default: the stream's).
+    validate: check the contract on the host first (index values too when the indices are a
+        NumPy array) and raise InvalidArgument; False hands everything to CANN untouched.
+
+    NumPy in: copies in, runs, synchronizes, returns a NumPy array. DeviceArray in: returns a
+    DeviceArray at once, the kernel queued on the stream.
+    """
+    on_device = isinstance(grad_expanded_x, DeviceArray)
+    if on_device != isinstance(expanded_row_idx, DeviceArray):
+        raise InvalidArgument(
+            "expanded_row_idx", "must be a DeviceArray when grad_expanded_x is one, and a host array otherwise"
+        )
+    if stream is not None and not isinstance(stream, Stream):
+        raise InvalidArgument("stream", f"must be a Stream or None, got {type(stream).__name__}")
+    if workspace is not None and not isinstance(workspace, DeviceArray):
+        raise InvalidArgument("workspace", f"must be a DeviceArray or None, got {type(workspace).__name__}")
+    if not isinstance(validate, bool):
+        raise InvalidArgument("validate", f"must be a bool, got {type(validate).__name__}")
+    if on_device:
+        return _run_device(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out, stream,
+                           workspace, validate)
+    return _run_host(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out, stream, workspace,
+                     validate)
+
+
+def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any, out: Any,
+                stream: Stream | None, workspace: DeviceArray | None, validate: bool) -> DeviceArray:
+    # The common case's checks come first and cheaply; anything unusual takes _device_of for
+    # its errors.
+    xa = x.allocation("grad_expanded_x")
+    ia = idx.allocation("expanded_row_idx")
+    dev = xa.device
+    oa = None
+    if out is not None:
+        if not isinstance(out, DeviceArray):
+            raise InvalidArgument("out", f"must be a DeviceArray when the inputs are, got {type(out).__name__}")
+        oa = out.allocation("out")
+    if ia.device is not dev or (oa is not None and oa.device is not dev) or workspace is not None:
+        arrays = {"grad_expanded_x": x, "expanded_row_idx": idx}
+        if out is not None:
+            arrays["out"] = out
+        if workspace is not None:
+            arrays["workspace"] = workspace
+        _device_of(arrays)
+    state = dev.default_stream.state if stream is None else stream.state
+    if state.device is not dev:
+        resolve_stream(stream, dev)  # raises, naming the devices
+    if validate:
+        key = (x.layout_id, idx.layout_id, type(top_k), top_k, type(mode), mode, type(active), active,
+               -1 if out is None else out.layout_id)
+        geo = _validated.get(key)
+        if geo is None:
+            geo = _check_layout(key, x, idx, top_k, mode, active, out)
+        xlo, xhi = x.span()
+        ilo, ihi = idx.span()
+        if out is None:
+            out = empty((geo.tokens, geo.hidden), x.dtype, dev)
+            oa = out.allocation("out")
+            key = (*key[:-1], out.layout_id)
+            olo = out.span()[0]
+        else:
+            olo, ohi = out.span()
+            if (olo <= xhi and xlo <= ohi) or (olo <= ihi and ilo <= ohi):
+                check_no_overlap(SPEC, {"grad_expanded_x": x, "expanded_row_idx": idx, "out": out})
+        if workspace is not None and may_overlap(workspace, out):
+            raise InvalidArgument("workspace", "shares device memory with out")
+        assert oa is not None
+        # A layout seen before on this stream relaunches its cached executor, rebound.
+        launch_cached(SPEC, key, (x, idx, out), (xa, ia, oa), (xlo, ilo, olo), (top_k, mode, active), state,
+                      workspace)
+        return out
+    attrs = _attrs(top_k, mode, active)
+    k = attrs["top_k"]
+    n = idx.shape[0] // k if idx.ndim and k > 0 else 0
+    h = x.shape[-1] if x.ndim else 0
+    if out is None:
+        out = empty((n, h), x.dtype, dev)
+    size, executor = get_workspace_size(x, idx, k, attrs["drop_pad_mode"], attrs["active_num"], out, device=dev)
+    try:
+        if workspace is None:
+            block = workspace_for(state, size) if size else None
+            core = executor.core()
+            mark_uses(core, state)
+            launch(core, state, block.ptr if block is not None else 0, size,
+                   (block, xa, ia, out.allocation("out")))
+        else:
+            execute(workspace, size, executor, stream)
+    finally:
+        executor.close()
+    return out
+
+
+def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, stream: Stream | None,
+              workspace: DeviceArray | None, validate: bool) -> np.ndarray:
+    hx, hi = _contract.native(np.asarray(x)), _contract.native(np.asarray(idx))
+    if out is not None and not isinstance(out, np.ndarray):
+        raise InvalidArgument("out", f"must be a NumPy array when the inputs are, got {type(out).__name__}")
+    if validate:
+        geo = _contract.check_shapes(
+            hx.shape, hx.dtype, hi.shape, hi.dtype, top_k, mode, active,
+            None if out is None else out.shape, None if out is None else out.dtype,
+        )
+        if out is not None and not out.flags.writeable:
+            raise InvalidArgument("out", "must be writable")
+        _contract.check_indices(hi, geo, int(top_k), int(active))
+    hx, hi = host_array(hx, "grad_expanded_x"), host_array(hi, "expanded_row_idx")
+    dev = stream.device if stream is not None else current_device()
+    s = stream if stream is not None else dev.default_stream
+    dx = to_device(hx, stream=s)
+    di = to_device(hi, stream=s)
+    # The indices were checked above; the layout check below is a memo lookup.
+    dout = _run_device(dx, di, top_k, mode, active, None, s, workspace, validate)
+    result = dout.to_host(s)
+    dx.close()
+    di.close()
+    dout.close()
+    if out is not None:
+        out[...] = result
+        return out
+    return result

@@ -1,0 +1,442 @@
+"""Prepared launches of any aclnn operator, and the executor cache behind the one-call functions.
+
+A :class:`Plan` runs the first phase once over fixed DeviceArrays and relaunches its
+(repeatable) executor. On each stream it launches on, it makes a :class:`_Slot`: the second
+phase with every argument bound, and what those arguments point at. The steady state launches
+through the slot with one foreign call and no lock. Whoever ends a slot (the plan closing or
+rebinding, its stream or device closing) *detaches* it: marks it dead and waits for launches in
+flight through it, then retires what it kept on its stream, to be released once the work queued
+there is done.
+
+The one-call functions use :func:`launch_cached`: each stream keeps a small cache of repeatable
+executors by layout, used under the stream's lock, and rebinds the one that matches to each
+call's arrays.
+
+Lock order: a plan's lock, an executor's lock, a stream's lock, a pool's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .. import _args, _lifetime
+from .._cann import acl, aclnn, declare
+from .._cann.errcheck import check, recent_message
+from ..array import Allocation, DeviceArray, may_overlap
+from ..device import Device
+from ..errors import ClosedError, InvalidArgument
+from ..pool import WORKSPACE, workspace_for
+from ..stream import Stream, StreamState, resolve_stream
+from ..tensor import AclTensor, TensorCore
+from .executor import Executor, ExecutorCore, build, launch, mark_uses
+from .spec import OpSpec
+
+__all__ = ["Plan", "check_no_overlap", "launch_cached"]
+
+_thread = acl.thread_state  # the calling thread's current context (read only)
+
+
+class _Slot:
+    """A plan's steady state on one stream (see the module docstring).
+
+    ``inflight`` counts launches in progress through the slot: incremented and decremented
+    with ``+=`` under the GIL (no thread switch and no asynchronous exception can fall inside
+    one), the decrement in a ``finally``, so it always returns to zero. ``detach()`` sets
+    ``dead`` before reading ``inflight`` and a launch increments ``inflight`` before reading
+    ``dead``, so every launch either sees the slot dead or is waited for."""
+
+    __slots__ = ("stream", "state", "context", "launch", "keep", "result", "inflight", "dead", "__weakref__")
+
+    def __init__(self, stream: Stream | None, state: StreamState, bound: Any, keep: tuple[Any, ...],
+                 result: Any) -> None:
+        self.stream = stream  # the argument the plan was called with (None: the default stream)
+        self.state = state
+        self.context = state.context
+        self.launch = bound
+        self.keep = keep  # what the bound arguments point at: the workspace, the allocations
+        self.result = result  # what the plan returns
+        self.inflight = 0
+        self.dead = False
+
+    def detach(self) -> None:
+        """Stop the slot and wait for the launches in flight through it (they are short: one
+        foreign call each)."""
+        self.dead = True
+        while self.inflight:
+            time.sleep(0.0001)
+
+
+def _through(slot: _Slot, api: str) -> None:
+    """One launch through a slot, making sure of the thread's context first (the plan's slow
+    path, and the steady state's retry)."""
+    try:
+        slot.inflight += 1
+        if slot.dead:
+            raise ClosedError("stream", slot.state.closed_reason() if slot.state.closing else "the plan was rebound")
+        if _thread.context is not slot.context:
+            slot.state.device.activate()
+        st = slot.launch()
+        if st:
+            check(st, api)
+    finally:
+        slot.inflight -= 1
+
+
+def check_no_overlap(spec: OpSpec, arrays: Mapping[str, DeviceArray | None]) -> None:
+    """Refuse an output that shares memory with another tensor of the launch: the kernel would
+    read what it is overwriting."""
+    for out_name in spec.outputs:
+        out = arrays.get(out_name)
+        if out is None:
+            continue
+        for name in spec.tensors:
+            other = arrays.get(name)
+            if name == out_name or other is None:
+                continue
+            if may_overlap(out, other):
+                raise InvalidArgument(
+                    out_name, f"shares device memory with {name}: the kernel would overwrite what it reads "
+                              "(use a separate output array)"
+                )
+
+
+class Plan:
+    """A prepared launch of an operator on fixed DeviceArrays (see the module docstring).
+
+    Subclasses (one per operator) check their contract and call ``_prepare``. ``plan(stream,
+    workspace)`` queues the kernel; ``rebind(...)`` points it at other arrays of the same
+    layout; ``close()`` releases it once the work it queued is done.
+    """
+
+    _spec: OpSpec
+
+    def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
+                 repeatable: bool) -> None:
+        self._lock = threading.Lock()  # guards _slots, _closed, _spent, _arrays, the executor's addresses
+        self._slot: _Slot | None = None  # the slot launched through last (the steady state's)
+        self._slots: dict[StreamState, _Slot] = {}
+        self._closed = True  # until the executor exists
+        self._spent = False  # a one-shot plan that has launched
+        self._device = device
+        self._arrays = dict(arrays)
+        self._tensors = {n: AclTensor(a) for n, a in arrays.items()}
+        core = build(self._spec, device, {n: t.core() for n, t in self._tensors.items()}, attrs)
+        if repeatable:
+            core.set_repeatable()
+        self._core = core
+        self._repeatable = repeatable
+        # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
+        self._view_offsets = {n: a.offset for n, a in arrays.items()}
+        self._closed = False
+
+    # -- properties
+
+    @property
+    def workspace_size(self) -> int:
+        """Bytes of workspace a launch needs."""
+        return self._core.workspace_size
+
+    @property
+    def executor(self) -> Executor:
+        """The plan's executor (closing it is the plan's business: use ``plan.close()``)."""
+        return Executor(self._core, tuple(self._tensors[n] for n in self._spec.tensors))
+
+    @property
+    def closed(self) -> bool:
+        """True once closed."""
+        return self._closed
+
+    @property
+    def device(self) -> Device:
+        """The device the plan launches on."""
+        return self._device
+
+    def _result(self) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # -- launching
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise ClosedError("plan", "it was closed")
+        if self._spent:
+            raise ClosedError("plan", "it was one-shot (repeatable=False) and has launched; build a new plan")
+
+    def _launch(self, stream: Stream | None, workspace: DeviceArray | None) -> None:
+        """Every launch but the steady state's."""
+        self._usable()
+        state = resolve_stream(stream, self._device)
+        core = self._core
+        size = core.workspace_size
+        allocs = tuple(a.allocation(n) for n, a in self._arrays.items())
+        if workspace is not None:
+            ws = _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
+            ws_alloc = ws.allocation("workspace")
+            if ws.nbytes < size:
+                raise InvalidArgument("workspace", f"must hold at least {size} bytes, got {ws.nbytes}")
+            if ws_alloc.device is not self._device:
+                raise InvalidArgument("workspace", f"is on device {ws_alloc.device.device_id}, the plan on "
+                                                   f"{self._device.device_id}")
+            self._launch_held(core, state, ws.address, size, (ws_alloc, *allocs))
+            return
+        if not self._repeatable:
+            block = workspace_for(state, size) if size else None
+            self._launch_held(core, state, block.ptr if block is not None else 0, size, (block, *allocs))
+            return
+        slot = self._slots.get(state)
+        if slot is None or slot.dead:
+            slot = self._make_slot(stream, state)
+        self._slot = slot
+        _through(slot, self._spec.api)
+
+    def _launch_held(self, core: ExecutorCore, state: StreamState, ws: int, size: int, hold: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._usable()
+            mark_uses(core, state)
+            if not self._repeatable:
+                self._spent = True
+        launch(core, state, ws, size, hold)
+
+    def _make_slot(self, stream: Stream | None, state: StreamState) -> _Slot:
+        core = self._core
+        size = core.workspace_size
+        block = workspace_for(state, size) if size else None
+        with self._lock:
+            self._usable()
+            slot = self._slots.get(state)
+            if slot is not None and not slot.dead:
+                return slot
+            keep = (block, *(a.allocation(n) for n, a in self._arrays.items()))
+            bound = aclnn.bound_launch(self._spec.api, block.ptr if block is not None else 0, size, core.handle,
+                                       state.handle)
+            slot = _Slot(stream, state, bound, keep, self._result())
+            mark_uses(core, state)
+            state.add_launcher(slot)
+            self._slots[state] = slot
+            return slot
+
+    def __call__(self, stream: Stream | None = None, workspace: DeviceArray | None = None) -> Any:
+        """Queue the kernel on ``stream`` (default: the device's default stream) and return the
+        output(s). ``workspace``: your own DeviceArray of at least ``workspace_size`` bytes; by
+        default the stream's workspace from the device's pool."""
+        slot = self._slot
+        if slot is not None and slot.stream is stream and workspace is None:
+            # The steady state, inlined (a call here is a measurable share of a launch): one
+            # foreign call, no lock (see _Slot). With one device open, the thread's context is
+            # not checked first: a launch without it fails cleanly and goes the slow way.
+            try:
+                slot.inflight += 1
+                if not slot.dead and (acl.contexts_open == 1 or _thread.context is slot.context):
+                    st = slot.launch()
+                    if not st:
+                        return slot.result
+                    if _thread.context is slot.context:
+                        check(st, self._spec.api)  # a real failure: the context was right
+                    recent_message()  # no context on this thread yet: drop the message, retry below
+            finally:
+                slot.inflight -= 1
+        self._launch(stream, workspace)
+        return self._result()
+
+    def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
+        """The second phase's function and the arguments a launch on ``stream`` passes it, for
+        timing one bare foreign call (the floor under the plan's launch). Launches once to bind
+        the stream first."""
+        self(stream)
+        slot = self._slots[resolve_stream(stream, self._device)]
+        block = slot.keep[0]
+        return aclnn.launch_probe(self._spec.api, block.ptr if block is not None else 0, self._core.workspace_size,
+                                  self._core.handle, slot.state.handle)
+
+    # -- rebinding and release
+
+    def _detach_all(self) -> None:
+        """Stop every slot (lock held) and hand what they kept to their streams."""
+        slots = list(self._slots.values())
+        self._slots = {}
+        self._slot = None
+        for s in slots:
+            s.detach()
+        for s in slots:
+            s.state.retire(s.keep)
+
+    def _rebind(self, changes: Mapping[str, DeviceArray]) -> None:
+        """Point the executor at ``changes`` (name -> array, checked by the subclass for its
+        layout, device and overlap). Launches already queued keep the arrays they were queued
+        with."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("plan", "it was closed")
+            if not self._repeatable:
+                raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
+            self._detach_all()
+            core = self._core
+            for name, new in changes.items():
+                alloc = new.allocation(name)
+                # CANN keeps the tensor's view offset: give it the base that puts the first
+                # element where the new array has it.
+                base = new.address - self._view_offsets[name] * new.itemsize
+                tcore = self._tensors[name].core()
+                core.set_address(name, tcore, base)
+                tcore.alloc = alloc
+                self._tensors[name].rebound(new)
+                self._arrays[name] = new
+
+    def close(self) -> None:
+        """Destroy the executor, and release the plan's hold on its arrays and workspace once
+        the work it queued is done. Safe twice; a launch in flight on another thread completes
+        first."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._detach_all()
+        status = self._core.destroy()
+        _lifetime.collect()
+        check(status, "aclDestroyAclOpExecutor")
+
+    def __enter__(self) -> Plan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- the executor cache
+
+class _Cached:
+    """A repeatable executor for one layout on one stream, the addresses it is bound to now,
+    and its launch with every argument bound (for the stream's current workspace)."""
+
+    __slots__ = ("core", "tensors", "offsets", "bound", "call", "call_ws", "size")
+
+    def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray], attrs: Mapping[str, Any]) -> None:
+        self.tensors = [TensorCore(a, declare.const("ACL_FORMAT_ND")) for a in arrays]
+        # A cache must not keep a caller's memory alive: each launch holds its own arrays.
+        for tc in self.tensors:
+            tc.alloc = None
+        core = build(spec, device, dict(zip(spec.tensors, self.tensors)), attrs)
+        core.set_repeatable()
+        self.core = core
+        self.size = core.workspace_size
+        self.offsets = [a.offset * a.itemsize for a in arrays]
+        self.bound = [a.address for a in arrays]
+        self.call: Any = None
+        self.call_ws: Any = None
+
+    def rebind_one(self, spec: OpSpec, i: int, addr: int) -> None:
+        """Point tensor ``i`` (``spec.tensors`` order) at a view whose first element is at
+        ``addr`` (the stream's lock held)."""
+        kind, index = spec.slot(spec.tensors[i])
+        setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
+        setter(self.core.handle, index, self.tensors[i].handle, addr - self.offsets[i])
+        self.bound[i] = addr
+
+    def bind(self, spec: OpSpec, block: Allocation | None, state: StreamState) -> Any:
+        """The launch with every argument bound, for the stream's workspace ``block``."""
+        self.call = aclnn.bound_launch(spec.api, block.ptr if block is not None else 0, self.size, self.core.handle,
+                                       state.handle)
+        self.call_ws = block
+        return self.call
+
+
+class _ExecutorCache:
+    """A stream's executors for one operator, by layout (in the stream's caches)."""
+
+    SIZE = 8
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: collections.OrderedDict[Any, _Cached] = collections.OrderedDict()
+
+    def release(self, idle: bool) -> list[Any]:
+        """Destroy the executors now: launches already queued captured what they need."""
+        entries = list(self.entries.values())
+        self.entries.clear()
+        for e in entries:
+            e.core.destroy()
+        return []
+
+
+def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs: tuple[Allocation, ...],
+                  firsts: tuple[int, ...], attrs: Sequence[Any], state: StreamState,
+                  workspace: DeviceArray | None) -> None:
+    """Launch ``spec`` on ``arrays`` (in ``spec.tensors`` order, with their allocations and the
+    addresses of their first elements, checked by the caller) through the stream's cached
+    executor for ``key`` (layout and attribute values, in ``spec.attrs`` order), made on a
+    miss."""
+    if workspace is None:
+        ws_slot = state.caches.get(WORKSPACE)
+        block = ws_slot.block if ws_slot is not None else None
+    else:
+        block = workspace.allocation("workspace")
+    # Host writes to these arrays wait for this stream from now on.
+    for alloc in allocs:
+        if state not in alloc.users:
+            alloc.users[state] = None
+    for i in spec.output_positions:
+        allocs[i].last_write = state
+    with state.lock:
+        if state.closing or state.device.closed:
+            state.check_open()
+        cache = state.caches.get(spec.api)
+        entry = cache.entries.get(key) if cache is not None else None
+        if entry is not None and (block is not None and block.nbytes >= entry.size or not entry.size):
+            if _thread.context is not state.context:
+                state.device.activate()
+            bound = entry.bound
+            for i, addr in enumerate(firsts):
+                if addr != bound[i]:
+                    entry.rebind_one(spec, i, addr)
+            ledger = state.ledger
+            ledger.count += 1
+            ledger.holds.append((ledger.count, (block, allocs)))
+            if workspace is None:
+                call = entry.call
+                if call is None or entry.call_ws is not block:
+                    call = entry.bind(spec, block, state)
+                st = call()
+                if st:
+                    check(st, spec.api)
+            else:
+                aclnn.launch(spec.api, workspace.address, entry.size, entry.core.handle, state.handle, False)
+            done = ledger.after_enqueue() if ledger.count - ledger.last_fence >= ledger.FENCE_EVERY else None
+            return
+    # A miss (a new layout, no workspace yet, a workspace too small): the first phase and the
+    # workspace are made outside the lock, then the launch as above.
+    entry = _Cached(spec, state.device, arrays, dict(zip(spec.attrs, attrs)))
+    size = entry.size
+    if workspace is None:
+        block = workspace_for(state, size) if size else None
+    elif workspace.nbytes < size:
+        raise InvalidArgument("workspace", f"must hold at least {size} bytes, got {workspace.nbytes}")
+    with state.lock:
+        state.check_open()
+        cache = state.caches.get(spec.api)
+        if cache is None:
+            cache = state.caches[spec.api] = _ExecutorCache()
+        current = cache.entries.get(key)
+        if current is None:
+            cache.entries[key] = entry
+            while len(cache.entries) > _ExecutorCache.SIZE:
+                cache.entries.popitem(last=False)[1].core.destroy()
+        else:
+            entry = current  # another thread made one meanwhile; ours goes
+        if _thread.context is not state.context:
+            state.device.activate()
+        for i, addr in enumerate(firsts):
+            if addr != entry.bound[i]:
+                entry.rebind_one(spec, i, addr)
+        state.ledger.hold((block, allocs))
+        if workspace is None:
+            st = entry.bind(spec, block, state)()
+            if st:
+                check(st, spec.api)
+        else:
+            aclnn.launch(spec.api, workspace.address, entry.size, entry.core.handle, state.handle, False)
+        done = state.ledger.after_enqueue()
+    del done

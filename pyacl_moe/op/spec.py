@@ -1,0 +1,47 @@
+"""What the op layer needs to know of an operator: its API stem and its first phase's
+parameters in C order, each an input tensor, an output tensor or an attribute. That table is
+the single description of the operator's slots: aclSetInputTensorAddr/aclSetOutputTensorAddr
+indices, what a launch reads and writes, and the first phase's argument list all come from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["OpSpec", "Param"]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of the first phase: ``kind`` is "input", "output" or "attr"; ``c_name`` is
+    the vendor's name for it (used in messages)."""
+
+    name: str
+    kind: str
+    c_name: str
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An aclnn operator: ``api`` is the stem (``<api>GetWorkspaceSize`` and ``<api>``)."""
+
+    api: str
+    params: tuple[Param, ...]
+    inputs: tuple[str, ...] = field(init=False)
+    outputs: tuple[str, ...] = field(init=False)
+    attrs: tuple[str, ...] = field(init=False)
+    tensors: tuple[str, ...] = field(init=False)
+    output_positions: tuple[int, ...] = field(init=False)  # positions of the outputs in ``tensors``
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(p.name for p in self.params if p.kind == "input"))
+        object.__setattr__(self, "outputs", tuple(p.name for p in self.params if p.kind == "output"))
+        object.__setattr__(self, "attrs", tuple(p.name for p in self.params if p.kind == "attr"))
+        object.__setattr__(self, "tensors", self.inputs + self.outputs)
+        object.__setattr__(self, "output_positions", tuple(range(len(self.inputs), len(self.tensors))))
+
+    def slot(self, name: str) -> tuple[str, int]:
+        """("input" or "output", index) of a tensor parameter, as aclSet*TensorAddr take it."""
+        if name in self.inputs:
+            return "input", self.inputs.index(name)
+        return "output", self.outputs.index(name)

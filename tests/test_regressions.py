@@ -1,0 +1,505 @@
+"""One regression test per defect of the lifetimes-and-threads review (defects 1 to 13), each
+written against the public API so that it also runs, and fails, on the code the defects were
+found in. Stress tests of each shared object, run longer, are in test_threads.py."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pyacl_moe as pm
+from pyacl_moe.tools.cases import make_case
+
+from .conftest import LIVE, settle
+
+# Older code has no ClosedError: a class nothing raises makes the test fail there.
+ClosedError = getattr(pm, "ClosedError", type("NeverRaised", (Exception,), {}))
+
+
+def _lazy(on: bool) -> None:
+    if hasattr(pm.emulator, "set_stream_mode"):
+        pm.emulator.set_stream_mode("lazy" if on else "async")
+
+
+@pytest.fixture
+def lazy():
+    _lazy(True)
+    yield
+    pm.Device(0).synchronize()
+    _lazy(False)
+
+
+def _hammer(workers, seconds: float) -> list[BaseException]:
+    """Run each worker(stop) in its own thread for ``seconds``; the errors they raised. The
+    interpreter switches threads every microsecond meanwhile, so races show up."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def run(fn):
+        try:
+            fn(stop)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(seconds)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        sys.setswitchinterval(interval)
+    return errors
+
+
+# ------------------------------------------------------------------------------------------- 1
+
+@pytest.mark.parametrize("mode", ["async", "lazy"])
+def test_01_synchronize_on_one_thread_never_frees_what_another_thread_queued(device, mode):
+    """Synchronizing a stream dropped everything kept alive, including what another thread
+    queued during the wait: the NumPy path then copied a freed host temporary."""
+    _lazy(mode == "lazy")
+    try:
+        case = make_case(64, 4, 256, "float32", "dropless", seed=11)
+        x = np.asfortranarray(case.grad_expanded_x)  # the NumPy path copies it to a temporary
+        expected = pm.moe_init_routing_v2_grad(case.grad_expanded_x, case.expanded_row_idx, 4)  # bit-exact
+        wrong = []
+
+        def caller(stop):
+            while not stop.is_set():
+                got = pm.moe_init_routing_v2_grad(x, case.expanded_row_idx, 4)
+                if not np.array_equal(got, expected):
+                    wrong.append(1)
+
+        def syncer(stop):
+            while not stop.is_set():
+                device.default_stream.synchronize()
+
+        errors = _hammer([caller, caller, syncer, syncer], 1.5)
+        assert not errors, errors[0]
+        assert not wrong, f"{len(wrong)} wrong results"
+    finally:
+        _lazy(False)
+
+
+# ------------------------------------------------------------------------------------------- 2
+
+def test_02_empty_cache_never_frees_a_workspace_a_queued_kernel_uses(device):
+    case = make_case(64, 4, 128, "float32", "dropless", seed=12)
+    expected = pm.moe_init_routing_v2_grad(*case.args())  # the kernel is deterministic: bit-exact
+
+    def launcher(stop):
+        with pm.Stream(device) as s:
+            x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
+            while not stop.is_set():
+                outs = [pm.moe_init_routing_v2_grad(x, idx, 4, stream=s) for _ in range(4)]
+                for o in outs:
+                    assert np.array_equal(o.to_host(s), expected)
+
+    def emptier(stop):
+        while not stop.is_set():
+            pm.empty_cache()
+
+    faults = pm.emulator.stats()["device_faults"]
+    errors = _hammer([launcher, launcher, emptier], 1.5)
+    assert not errors, errors[0]
+    assert pm.emulator.stats()["device_faults"] == faults
+
+
+# ------------------------------------------------------------------------------------------- 3
+
+def test_03_closing_a_plan_while_another_thread_launches_it_is_safe(isolated):
+    r = isolated("""
+import threading, time, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+dev = pm.Device(0)
+Closed = getattr(pm, 'ClosedError', pm.InvalidArgument)
+s = pm.Stream(dev)
+x = pm.to_device(np.ones((8, 4), np.float32), stream=s); idx = pm.to_device(np.arange(8, dtype=np.int32), stream=s)
+unexpected = []
+for round_ in range(200):
+    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+    plan(s)
+    stop = threading.Event()
+    def launch():
+        while not stop.is_set():
+            try:
+                plan(s)
+            except (Closed, pm.InvalidArgument):
+                return
+            except BaseException as e:
+                unexpected.append(repr(e)); return
+    ts = [threading.Thread(target=launch) for _ in range(3)]
+    [t.start() for t in ts]
+    time.sleep(0.001)
+    plan.close()
+    stop.set(); [t.join() for t in ts]
+s.synchronize()
+print('unexpected', unexpected[:3])
+assert not unexpected
+print('ok')
+""", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok")
+
+
+# ------------------------------------------------------------------------------------------- 4
+
+def test_04_the_executor_cache_never_destroys_an_executor_in_use(device):
+    cases = [make_case(8, 2, 8 + 4 * i, "float32", "dropless", seed=i) for i in range(12)]  # more than the cache holds
+    arrays = [(pm.to_device(c.grad_expanded_x), pm.to_device(c.expanded_row_idx), pm.moe_init_routing_v2_grad(*c.args()))
+              for c in cases]
+
+    def worker(stop):
+        i = 0
+        while not stop.is_set():
+            x, idx, expected = arrays[i % len(arrays)]
+            assert np.array_equal(pm.moe_init_routing_v2_grad(x, idx, 2).to_host(), expected)
+            i += 1
+
+    errors = _hammer([worker] * 6, 1.5)
+    assert not errors, errors[0]
+
+
+# ------------------------------------------------------------------------------------------- 5
+
+def test_05_the_pool_keeps_count_of_every_block_under_threads(device):
+    settle()
+    shared = pm.Stream(device)
+    # One layout per thread: each has an executor of its own, and they all take and give back
+    # workspace on the one stream at the same time.
+    cases = [make_case(16, 2, 16 + 8 * i, "float32", "dropless", seed=i) for i in range(6)]
+    arrays = [(pm.to_device(c.grad_expanded_x, stream=shared), pm.to_device(c.expanded_row_idx, stream=shared),
+               pm.empty((16, c.grad_expanded_x.shape[1]), np.float32)) for c in cases]
+
+    def worker(i):
+        def run(stop):
+            x, idx, out = arrays[i]
+            while not stop.is_set():
+                pm.moe_init_routing_v2_grad(x, idx, 2, out=out, stream=shared)
+        return run
+
+    errors = _hammer([worker(i) for i in range(6)], 1.5)
+    shared.close()
+    del arrays
+    assert not errors, errors[0]
+    settle()
+    assert pm.memory_stats()["bytes_held"] == 0
+    assert pm.memory_stats()["blocks_in_use"] == 0
+
+
+# ------------------------------------------------------------------------------------------- 6
+
+def test_06_a_plan_never_launches_on_a_closed_stream(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=6)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    expected = pm.moe_init_routing_v2_grad(*case.args())
+    with pm.MoeInitRoutingV2Grad(x, idx, 2) as plan:
+        s1 = pm.Stream(device)
+        plan(s1)
+        s1.close()
+        with pm.Stream(device) as s2:
+            launched = pm.emulator.stats()["kernels_launched"]
+            with pytest.raises(ClosedError):
+                plan(s1)
+            assert pm.emulator.stats()["kernels_launched"] == launched  # nothing landed on s2
+            plan(s2)
+            assert np.array_equal(plan.out.to_host(s2), expected)
+
+
+# ------------------------------------------------------------------------------------------- 7
+
+def test_07_an_asynchronous_call_never_blocks_and_a_fault_keeps_its_own_error(device, lazy):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=7)
+    with pm.Stream(device) as s:
+        x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
+        bad = pm.to_device(np.full(16, 99, np.int32), stream=s)
+        pm.moe_init_routing_v2_grad(x, bad, 2, stream=s, validate=False)  # faults when it runs
+        ran = pm.emulator.stats()["kernels_run"]
+        for _ in range(5000):  # past any keep-alive limit
+            pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+        assert pm.emulator.stats()["kernels_run"] == ran, "an asynchronous call waited for the stream"
+        with pytest.raises(pm.AclRuntimeError) as info:
+            s.synchronize()
+        assert info.value.status == 507015
+        s.synchronize()
+
+
+# ------------------------------------------------------------------------------------------- 8
+
+def test_08_keyboard_interrupt_anywhere_leaks_nothing_and_frees_nothing_early(isolated):
+    r = isolated("""
+import _thread, random, threading, time, gc, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+LIVE = ('device_allocations', 'streams', 'events', 'tensors', 'executors', 'pending_tasks')
+dev = pm.Device(0)
+x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+idx = np.random.default_rng(1).permutation(64).astype(np.int32)
+expected = pm.moe_init_routing_v2_grad(x, idx, 4)   # the kernel is deterministic: bit-exact
+dev.synchronize(); pm.empty_cache()
+before = pm.emulator.stats()
+faults = before['device_faults']
+stop = threading.Event()
+def interrupter():
+    rnd = random.Random(3)
+    while not stop.is_set():
+        time.sleep(rnd.uniform(0.0002, 0.003))
+        _thread.interrupt_main()
+t = threading.Thread(target=interrupter, daemon=True); t.start()
+interrupts = wrong = 0
+deadline = time.time() + 4
+while time.time() < deadline:
+    try:
+        got = pm.moe_init_routing_v2_grad(x, idx, 4)
+        if not np.array_equal(got, expected): wrong += 1
+        with pm.Stream(dev) as s:
+            dx = pm.to_device(x, stream=s); di = pm.to_device(idx, stream=s)
+            ev = pm.Event(dev); ev.record(s)
+            with pm.MoeInitRoutingV2Grad(dx, di, 4) as plan:
+                plan(s); plan(s)
+            out = pm.moe_init_routing_v2_grad(dx, di, 4, stream=s)
+            t_ = pm.AclTensor(out)
+            if not np.array_equal(out.to_host(s), expected): wrong += 1
+            ev.close(); t_.close()
+    except KeyboardInterrupt:
+        interrupts += 1
+stop.set()
+while t.is_alive():
+    try:
+        t.join(0.1)
+    except KeyboardInterrupt:
+        pass
+for _ in range(3):   # let the last interrupt land outside the cleanup
+    try:
+        time.sleep(0.02)
+    except KeyboardInterrupt:
+        pass
+for name in ('got', 'dx', 'di', 'out', 'plan', 's', 'ev', 't_'):
+    globals().pop(name, None)
+gc.collect(); dev.synchronize(); pm.empty_cache()
+after = pm.emulator.stats()
+leaked = {k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}
+print('interrupts', interrupts, 'wrong', wrong, 'leaked', leaked, 'faults', after['device_faults'] - faults,
+      'guards', pm.emulator.check_guards())
+assert interrupts > 100, interrupts
+assert not wrong and not leaked and after['device_faults'] == faults and pm.emulator.check_guards() == 0
+print('ok')
+""", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok"), r.stdout
+    print(r.stdout)
+
+
+# ------------------------------------------------------------------------------------------- 9
+
+def test_09_device_close_and_exit_wait_for_the_default_stream(isolated):
+    r = isolated("""
+import atexit, numpy as np
+from tests.emu_raw import Emu
+emu = Emu()
+def check_at_exit():   # registered first, so it runs after pyacl_moe's exit hook
+    print('faults at exit', emu.stats()['device_faults'])
+atexit.register(check_at_exit)
+import pyacl_moe as pm
+pm.use_emulator()
+if hasattr(pm.emulator, 'set_stream_mode'):
+    pm.emulator.set_stream_mode('lazy')
+dev = pm.Device(0)
+for _ in range(3):
+    x = pm.to_device(np.ones((64, 8), np.float32), stream=dev.default_stream)
+    idx = pm.to_device(np.arange(64, dtype=np.int32), stream=dev.default_stream)
+    out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=dev.default_stream)
+    del x, idx
+dev.close()
+print('faults after close', pm.emulator.stats()['device_faults'])
+dev = pm.Device(0)
+x = pm.to_device(np.ones((64, 8), np.float32), stream=dev.default_stream)
+idx = pm.to_device(np.arange(64, dtype=np.int32), stream=dev.default_stream)
+out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=dev.default_stream)
+del x, idx   # exit with the work still queued
+""")
+    assert r.returncode == 0, r.stderr
+    assert "faults after close 0" in r.stdout, r.stdout + r.stderr
+    assert "faults at exit 0" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------ 10
+
+def test_10_a_dropped_stream_is_released_without_any_synchronize(device):
+    settle()
+    streams = pm.emulator.stats()["streams"]
+    case = make_case(64, 4, 64, "float32", "dropless", seed=10)
+    s = pm.Stream(device)
+    x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
+    pm.moe_init_routing_v2_grad(x, idx, 4, stream=s)
+    del s, x, idx
+    # No synchronize: the stream goes once its work has run, at a later call into pyacl_moe.
+    deadline = time.time() + 5
+    while pm.emulator.stats()["streams"] != streams and time.time() < deadline:
+        time.sleep(0.01)
+    assert pm.emulator.stats()["streams"] == streams
+
+
+def test_10_switching_devices_does_not_grow_aclrtsetdevice_references(isolated):
+    r = isolated("""
+import pyacl_moe as pm
+pm.use_emulator()
+d0, d1 = pm.Device(0), pm.Device(1)
+base = pm.emulator.stats()['devices_set']
+for _ in range(20000):
+    d0.set_current(); d1.set_current()
+print(base, pm.emulator.stats()['devices_set'])
+""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    base, after = r.stdout.split()
+    assert base == after == "2"
+
+
+# ------------------------------------------------------------------------------------------ 11
+
+def test_11_fork_while_another_thread_is_inside_never_hangs_the_child(isolated):
+    r = isolated("""
+import os, sys, threading, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+Closed = getattr(pm, 'ClosedError', None)
+dev = pm.Device(0)
+s = pm.Stream(dev)
+x = np.ones((256, 64), np.float32); idx = np.arange(256, dtype=np.int32)
+stop = threading.Event()
+def busy():
+    while not stop.is_set():
+        pm.moe_init_routing_v2_grad(x, idx, 4)
+        with pm.Stream(dev) as t:
+            pm.to_device(x, stream=t).to_host(t)
+        pm.empty_cache()
+ts = [threading.Thread(target=busy) for _ in range(2)]
+[t.start() for t in ts]
+hung = bad = 0
+for i in range(30):
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            s.synchronize()
+        except Exception as e:
+            code = 0 if Closed is not None and isinstance(e, Closed) else 4
+        if code == 0:
+            try:
+                pm.Device(0)
+                code = 5
+            except Exception as e:
+                code = 0 if isinstance(e, Closed) else 6
+        os._exit(code)
+    import time
+    deadline = time.time() + 10
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            if os.waitstatus_to_exitcode(status) != 0: bad += 1
+            break
+        if time.time() > deadline:
+            os.kill(pid, 9); os.waitpid(pid, 0); hung += 1
+            break
+        time.sleep(0.005)
+stop.set(); [t.join() for t in ts]
+print('hung', hung, 'bad', bad)
+assert hung == 0 and bad == 0
+print('ok')
+""", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+# ------------------------------------------------------------------------------------------ 12
+
+def test_12_an_out_overlapping_an_input_is_refused(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=12)
+    expected = pm.moe_init_routing_v2_grad(*case.args())
+    both = pm.to_device(np.concatenate([case.grad_expanded_x, np.zeros((8, 16), np.float32)]))
+    x, idx = both[:16], pm.to_device(case.expanded_row_idx)
+    with pytest.raises(pm.InvalidArgument, match="out"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, out=both[8:16])  # overlaps x's last 8 rows
+    with pytest.raises(pm.InvalidArgument, match="out"):
+        pm.MoeInitRoutingV2Grad(x, idx, 2, out=both[8:16])
+    # Disjoint views of the same memory are fine.
+    out = both[16:]
+    pm.moe_init_routing_v2_grad(x, idx, 2, out=out)
+    assert np.array_equal(out.to_host(), expected)
+    with pm.MoeInitRoutingV2Grad(x, idx, 2, out=out) as plan:
+        with pytest.raises(pm.InvalidArgument, match="out"):
+            plan.rebind(out=both[0:8])
+
+
+def test_12_a_host_write_waits_for_queued_work_that_reads_the_array(device, lazy):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=13)
+    expected = pm.moe_init_routing_v2_grad(*case.args())
+    with pm.Stream(device) as s:
+        x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
+        out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)  # queued: reads x when it runs
+        x.copy_from_host(np.zeros_like(case.grad_expanded_x))  # must not overtake the kernel
+        assert np.array_equal(out.to_host(s), expected)
+        with pm.Stream(device) as t:
+            out2 = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+            x.copy_from_host(case.grad_expanded_x, stream=t)  # on another stream: ordered by an event
+            assert np.array_equal(out2.to_host(s), np.zeros_like(expected))
+            t.synchronize()
+        assert np.array_equal(x.to_host(), case.grad_expanded_x)
+
+
+# ------------------------------------------------------------------------------------------ 13
+
+def test_13_wrong_types_and_out_of_range_integers_are_refused_by_name(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=14)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    with pytest.raises(pm.InvalidArgument, match="shape"):
+        pm.empty((2**62, 4), np.float32)
+    with pytest.raises(pm.InvalidArgument, match="shape"):
+        pm.empty("12", np.float32)
+    with pytest.raises(pm.InvalidArgument, match="stream"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, stream=5)
+    with pm.Stream(device) as s:
+        with pytest.raises(pm.InvalidArgument, match="event"):
+            s.wait_event(None)
+        with pytest.raises(pm.InvalidArgument, match="timeout_ms"):
+            s.synchronize(timeout_ms=2**40)
+        size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((8, 16), np.float32))
+        ws = pm.empty((size,), np.uint8)
+        with pytest.raises(pm.InvalidArgument, match="workspace_size"):
+            pm.execute(ws, -1, ex, s)
+        pm.execute(ws, size, ex, s)
+        s.synchronize()
+    with pytest.raises(pm.InvalidArgument, match="ptr"):
+        pm.DeviceArray.from_pointer(2**64, (4,), np.float32)
+    with pytest.raises(pm.InvalidArgument, match="top_k"):
+        pm.get_workspace_size(x, idx, 2.0)
+
+
+def test_every_closed_object_raises_closed_error(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=15)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    s = pm.Stream(device)
+    s.close()
+    ev = pm.Event(device)
+    ev.close()
+    a = pm.to_device(np.ones(4, np.float32))
+    a.close()
+    t = pm.AclTensor(pm.to_device(np.ones(4, np.float32)))
+    t.close()
+    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+    plan.close()
+    size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((8, 16), np.float32))
+    ex.close()
+    for use in (s.synchronize, s.query, lambda: s.record(), ev.synchronize, ev.query, lambda: ev.record(),
+                a.to_host, lambda: a[0], t.core, lambda: t.view_shape, plan, lambda: plan.rebind(out=pm.empty((8, 16), np.float32)),
+                ex.set_repeatable, lambda: pm.execute(None, 0, ex)):
+        with pytest.raises(ClosedError):
+            use()
+    assert all(k in LIVE for k in ("streams", "events"))

@@ -1,0 +1,234 @@
+"""Threaded stress tests, one per shared object: a stream, a plan, an array, the workspace pool,
+the executor cache, a device being closed. Each runs 8 threads for PYACL_MOE_STRESS_SECONDS
+(3 s by default, longer under ``-m slow``) with the interpreter switching threads every
+microsecond, checks every result bit for bit, and leaves the emulator's live counters where
+it found them."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pyacl_moe as pm
+from pyacl_moe.tools.cases import make_case
+
+SECONDS = float(os.environ.get("PYACL_MOE_STRESS_SECONDS", "3"))
+THREADS = 8
+
+
+def hammer(workers, seconds: float = SECONDS) -> list[BaseException]:
+    """Run each ``worker(stop, i)`` on its own thread for ``seconds``; return what they raised."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run(fn, i):
+        try:
+            fn(stop, i)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=run, args=(w, i)) for i, w in enumerate(workers)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    return errors
+
+
+@pytest.fixture(scope="module")
+def case():
+    c = make_case(32, 4, 64, "float32", "dropless", seed=21)
+    return c, pm.moe_init_routing_v2_grad(*c.args())  # the kernel is deterministic: bit-exact
+
+
+def test_a_shared_stream(device, no_leaks, case):
+    c, expected = case
+    shared = pm.Stream(device)
+
+    def worker(stop, i):
+        while not stop.is_set():
+            x = pm.to_device(c.grad_expanded_x, stream=shared)
+            idx = pm.to_device(c.expanded_row_idx, stream=shared)
+            out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=shared)
+            if i % 2:
+                ev = shared.record()
+                with pm.Stream(device) as own:
+                    own.wait_event(ev)
+                    got = out.to_host(own)
+                ev.close()
+            else:
+                got = out.to_host(shared)
+            assert np.array_equal(got, expected)
+            if i == 0:
+                shared.synchronize()
+            elif i == 1:
+                shared.query()
+
+    errors = hammer([worker] * THREADS)
+    shared.close()
+    assert not errors, errors[0]
+
+
+def test_a_shared_plan(device, no_leaks, case):
+    c, expected = case
+    x, idx = pm.to_device(c.grad_expanded_x), pm.to_device(c.expanded_row_idx)
+    current = [pm.MoeInitRoutingV2Grad(x, idx, 4)]
+    swap = threading.Lock()
+    closed_seen = []
+
+    def launcher(stop, i):
+        with pm.Stream(device) as own:
+            while not stop.is_set():
+                plan = current[0]
+                s = own if i % 2 else None
+                try:
+                    out = plan(s)
+                    got = out.to_host(s)
+                except pm.ClosedError:
+                    closed_seen.append(1)
+                    continue
+                assert np.array_equal(got, expected)
+
+    def rebinder(stop, i):
+        while not stop.is_set():
+            plan = current[0]
+            try:
+                plan.rebind(grad_expanded_x=pm.to_device(c.grad_expanded_x), out=pm.empty((32, 64), np.float32))
+            except pm.ClosedError:
+                continue
+            time.sleep(0.001)
+
+    def replacer(stop, i):
+        while not stop.is_set():
+            time.sleep(0.02)
+            with swap:
+                old, current[0] = current[0], pm.MoeInitRoutingV2Grad(x, idx, 4)
+            old.close()
+
+    errors = hammer([launcher] * (THREADS - 2) + [rebinder, replacer])
+    current[0].close()
+    assert not errors, errors[0]
+    assert closed_seen, "no launch met a closed plan: the test did not exercise closing"
+
+
+def test_a_shared_array(device, no_leaks, case):
+    c, expected = case
+    x = pm.to_device(c.grad_expanded_x)
+    idx = pm.to_device(c.expanded_row_idx)
+
+    def reader(stop, i):
+        with pm.Stream(device) as own:
+            while not stop.is_set():
+                out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=own)
+                assert np.array_equal(out.to_host(own), expected)
+                assert np.array_equal(x[i % 32].to_host(), c.grad_expanded_x[i % 32])
+
+    def writer(stop, i):
+        with pm.Stream(device) as own:
+            while not stop.is_set():
+                # Same values, so every reader's result stays exact; the writes must still wait
+                # for (or be ordered after) the kernels that read x.
+                x.copy_from_host(c.grad_expanded_x, stream=own if i % 2 else None)
+
+    errors = hammer([reader] * (THREADS - 2) + [writer] * 2)
+    assert not errors, errors[0]
+
+
+def test_the_pool_and_empty_cache(device, no_leaks, case):
+    c, expected = case
+
+    def launcher(stop, i):
+        while not stop.is_set():
+            with pm.Stream(device) as s:  # each stream takes a workspace and gives it back
+                x = pm.to_device(c.grad_expanded_x, stream=s)
+                idx = pm.to_device(c.expanded_row_idx, stream=s)
+                outs = [pm.moe_init_routing_v2_grad(x, idx, 4, stream=s) for _ in range(3)]
+                assert all(np.array_equal(o.to_host(s), expected) for o in outs)
+
+    def dropper(stop, i):
+        while not stop.is_set():  # streams dropped with work queued: released without a wait
+            s = pm.Stream(device)
+            pm.moe_init_routing_v2_grad(pm.to_device(c.grad_expanded_x, stream=s),
+                                        pm.to_device(c.expanded_row_idx, stream=s), 4, stream=s)
+            del s
+
+    def emptier(stop, i):
+        while not stop.is_set():
+            pm.empty_cache()
+            pm.memory_stats()
+            time.sleep(0.002)
+
+    errors = hammer([launcher] * (THREADS - 3) + [dropper, emptier, emptier])
+    assert not errors, errors[0]
+
+
+def test_the_executor_cache(device, no_leaks):
+    # More layouts than a stream caches, on one stream: entries are evicted while others launch.
+    cases = [make_case(8, 2, 8 + 8 * i, "float32", "dropless", seed=i) for i in range(12)]
+    data = [(pm.to_device(k.grad_expanded_x), pm.to_device(k.expanded_row_idx), pm.moe_init_routing_v2_grad(*k.args()))
+            for k in cases]
+    shared = pm.Stream(device)
+
+    def worker(stop, i):
+        n = i
+        while not stop.is_set():
+            x, idx, expected = data[n % len(data)]
+            out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=shared)
+            assert np.array_equal(out.to_host(shared), expected)
+            n += 3
+
+    errors = hammer([worker] * THREADS)
+    shared.close()
+    assert not errors, errors[0]
+
+
+def test_closing_the_device_under_load(isolated):
+    r = isolated(f"""
+import sys, threading, time, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+sys.setswitchinterval(1e-6)
+x = np.ones((32, 16), np.float32); idx = np.arange(32, dtype=np.int32)
+for round_ in range(5):
+    dev = pm.Device(0)
+    dx, di = pm.to_device(x), pm.to_device(idx)
+    plan = pm.MoeInitRoutingV2Grad(dx, di, 4)
+    s = pm.Stream(dev)
+    stop = threading.Event(); unexpected = []
+    def work(i):
+        while not stop.is_set():
+            try:
+                if i % 3 == 0: plan(s)
+                elif i % 3 == 1: pm.moe_init_routing_v2_grad(dx, di, 4, stream=s).to_host(s)
+                else: pm.moe_init_routing_v2_grad(x, idx, 4)
+            except pm.ClosedError:
+                pass
+            except Exception as e:
+                unexpected.append(repr(e))
+    ts = [threading.Thread(target=work, args=(i,)) for i in range({THREADS})]
+    [t.start() for t in ts]
+    time.sleep(0.3)
+    dev.close()
+    time.sleep(0.05)
+    stop.set(); [t.join() for t in ts]
+    assert not unexpected, unexpected[:3]
+for d in pm.device.open_devices():   # the NumPy path may have opened device 0 again meanwhile
+    d.close()
+st = pm.emulator.stats()
+assert st['device_allocations'] == 0 and st['streams'] == 0 and st['events'] == 0, st
+print('ok')
+""", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok")
