@@ -90,12 +90,12 @@ class Allocation:
     """One device allocation, shared by every DeviceArray that views it and by queued work
     that uses it. Owned memory is freed (aclrtFree) once this object is gone.
 
-    ``users`` are the streams that queued work on it (a host write waits for them); guarded by
-    the GIL (single dict operations). ``last_write`` is the stream of the latest write queued
-    through pyacl_moe, which reading back waits for.
+    ``users`` are the streams that queued work on it through pyacl_moe (a host write waits for
+    them), ``writers`` those that queued work writing it (a read back waits for them); dicts
+    used as ordered sets, changed by single dict operations under the GIL.
     """
 
-    __slots__ = ("device", "ptr", "nbytes", "mem", "owner", "users", "last_write", "__weakref__")
+    __slots__ = ("device", "ptr", "nbytes", "mem", "owner", "users", "writers", "__weakref__")
 
     def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None) -> None:
         self.device = device
@@ -104,7 +104,7 @@ class Allocation:
         self.owner = owner  # what keeps borrowed memory alive
         self.mem: acl.DeviceMemory | None = None
         self.users: dict[StreamState, None] = {}
-        self.last_write: StreamState | None = None
+        self.writers: dict[StreamState, None] = {}
 
     @property
     def owned(self) -> bool:
@@ -114,8 +114,8 @@ class Allocation:
         """Queued work on ``state`` reads (or writes) this memory."""
         if state not in self.users:
             self.users[state] = None
-        if write:
-            self.last_write = state
+        if write and state not in self.writers:
+            self.writers[state] = None
 
 
 def allocate(device: Device, nbytes: int) -> Allocation:
@@ -365,9 +365,9 @@ class DeviceArray:
     def to_host(self, stream: Stream | None = None) -> np.ndarray:
         """Copy to a new NumPy array.
 
-        The copy runs on ``stream`` (default: the stream that last wrote this memory through
-        pyacl_moe, else a synchronous copy) and waits for it, so earlier work queued there is
-        visible.
+        With ``stream`` the copy is queued there and waited for, so earlier work on that stream
+        is visible. Without, it first waits for every stream that queued a write to this memory
+        through pyacl_moe, then copies.
         """
         alloc = self.allocation()
         out = np.empty(self._shape, dtype=self._dtype)
@@ -377,20 +377,13 @@ class DeviceArray:
         nbytes = hi - lo + 1
         host = out if self.is_contiguous else np.empty(nbytes, dtype=np.uint8)
         if stream is not None:
-            state: StreamState | None = resolve_stream(stream, alloc.device)
+            state = resolve_stream(stream, alloc.device)
+            alloc.used_on(state, write=False)
+            state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
+                          "ACL_MEMCPY_DEVICE_TO_HOST")
+            state.synchronize(None)
         else:
-            state = alloc.last_write
-        if state is not None:
-            try:
-                alloc.used_on(state, write=False)
-                state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
-                              "ACL_MEMCPY_DEVICE_TO_HOST")
-                state.synchronize(None)
-            except ClosedError:
-                if stream is not None:
-                    raise
-                state = None  # the writer's stream closed, and so ran everything: copy directly
-        if state is None:
+            _order_after(alloc.writers, alloc, None)
             alloc.device.activate()
             acl.memcpy(host.ctypes.data, nbytes, lo, nbytes, "ACL_MEMCPY_DEVICE_TO_HOST")
         if host is not out:
@@ -482,33 +475,34 @@ def host_array(array: np.ndarray, name: str) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def _wait_for_users(alloc: Allocation, state: StreamState | None) -> None:
-    """Order a host write after queued work of other streams that uses ``alloc``: on
-    ``state`` through events; without a stream, by waiting. A stream that closes meanwhile has
+def _order_after(streams: dict[StreamState, None], alloc: Allocation, state: StreamState | None) -> None:
+    """Order host access to ``alloc`` after work queued on ``streams`` (its users or writers):
+    on ``state`` through events; without a stream, by waiting. A stream that closes meanwhile has
     run everything (closing waits for it) and needs nothing."""
-    for user in list(alloc.users):
-        if user is state:
+    for other in list(streams):
+        if other is state:
             continue  # stream order
         try:
             if state is None:
-                if not user.query():
-                    user.synchronize(None)
+                if not other.query():
+                    other.synchronize(None)
             else:
-                ev = Event(user.device)
+                ev = Event(other.device)
                 core = ev.core()
-                user.enqueue(core, acl.record_event, core.handle)
+                other.enqueue(core, acl.record_event, core.handle)
                 state.enqueue(core, acl.stream_wait_event, core.handle)
         except ClosedError:
             if state is not None and (state.closing or state.device.closed):
-                raise  # the writer's own stream
-            alloc.users.pop(user, None)
+                raise  # the caller's own stream
+            alloc.users.pop(other, None)
+            alloc.writers.pop(other, None)
 
 
 def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None) -> None:
     n = host.nbytes
     if n == 0:
         return
-    _wait_for_users(alloc, state)
+    _order_after(alloc.users, alloc, state)
     if state is not None:
         alloc.used_on(state, write=True)
         state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")

@@ -16,6 +16,7 @@ blocking anyone: once the device reports it idle (aclrtStreamQuery), at a later 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -48,7 +49,7 @@ class StreamState:
     """
 
     __slots__ = ("device", "context", "handle", "lock", "ledger", "closing", "closed", "caches", "launchers",
-                 "shut_caches", "__weakref__")
+                 "shut_caches", "waiters", "__weakref__")
 
     def __init__(self, device: Device, handle: acl.StreamHandle | None) -> None:
         self.device = device
@@ -60,6 +61,7 @@ class StreamState:
         self.closed = False  # the handle is gone
         self.caches: dict[Any, Any] = {}
         self.shut_caches: dict[Any, Any] = {}  # the caches once shut, until the stream is destroyed
+        self.waiters = 0  # threads in synchronize() or query() (the handle in use outside the lock)
         self.launchers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- use
@@ -112,20 +114,31 @@ class StreamState:
         del done
 
     def synchronize(self, timeout_ms: int | None) -> None:
-        self.check_open()
-        acl.use_context(self.context)
-        mark = self.sync_mark()
-        acl.synchronize_stream(self.handle, timeout_ms)
+        try:
+            # Counted while the handle is in use outside the lock: a close waits for it. The
+            # count goes up before the check, and close marks the stream before it reads the
+            # count, so either this call sees the stream closing or close waits for it.
+            self.waiters += 1
+            self.check_open()
+            acl.use_context(self.context)
+            mark = self.sync_mark()
+            acl.synchronize_stream(self.handle, timeout_ms)
+        finally:
+            self.waiters -= 1
         # Only what was held before the wait began: work queued meanwhile by other threads
         # keeps what it uses.
         self.sync_done(mark)
         _lifetime.collect()
 
     def query(self) -> bool:
-        self.check_open()
-        acl.use_context(self.context)
-        mark = self.sync_mark()
-        idle = acl.query_stream(self.handle)
+        try:
+            self.waiters += 1  # see synchronize
+            self.check_open()
+            acl.use_context(self.context)
+            mark = self.sync_mark()
+            idle = acl.query_stream(self.handle)
+        finally:
+            self.waiters -= 1
         if idle:
             self.sync_done(mark)
         else:
@@ -176,7 +189,10 @@ class StreamState:
         return caches
 
     def _destroy(self, caches: dict[Any, Any]) -> int:
-        """The stream has run everything: release its caches and what it held, destroy it."""
+        """The stream has run everything: release its caches and what it held, destroy it
+        (once no other thread is still waiting on it)."""
+        while self.waiters:
+            time.sleep(0.0001)
         for cache in caches.values():
             cache.release(True)
         with self.lock:
@@ -245,6 +261,8 @@ class _Retiring:
         if s.closed or s.device.closed:
             s.closed = True
             return True
+        if s.waiters:
+            return False  # a thread still waits on it (through a plan's stream): later
         acl.use_context(s.context)
         if not acl.query_stream(s.handle):
             return False

@@ -32,7 +32,7 @@ from ..errors import ClosedError, InvalidArgument
 from ..pool import WORKSPACE, workspace_for
 from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
-from .executor import Executor, ExecutorCore, build, launch, mark_uses
+from .executor import Executor, build, launch, mark_uses
 from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "launch_cached"]
@@ -68,22 +68,6 @@ class _Slot:
         self.dead = True
         while self.inflight:
             time.sleep(0.0001)
-
-
-def _through(slot: _Slot, api: str) -> None:
-    """One launch through a slot, making sure of the thread's context first (the plan's slow
-    path, and the steady state's retry)."""
-    try:
-        slot.inflight += 1
-        if slot.dead:
-            raise ClosedError("stream", slot.state.closed_reason() if slot.state.closing else "the plan was rebound")
-        if _thread.context is not slot.context:
-            slot.state.device.activate()
-        st = slot.launch()
-        if st:
-            check(st, api)
-    finally:
-        slot.inflight -= 1
 
 
 def check_no_overlap(spec: OpSpec, arrays: Mapping[str, DeviceArray | None]) -> None:
@@ -166,13 +150,11 @@ class Plan:
         if self._spent:
             raise ClosedError("plan", "it was one-shot (repeatable=False) and has launched; build a new plan")
 
-    def _launch(self, stream: Stream | None, workspace: DeviceArray | None) -> None:
-        """Every launch but the steady state's."""
+    def _launch(self, stream: Stream | None, workspace: DeviceArray | None) -> Any:
+        """Every launch but the steady state's; returns the output(s) the launch writes."""
         self._usable()
         state = resolve_stream(stream, self._device)
-        core = self._core
-        size = core.workspace_size
-        allocs = tuple(a.allocation(n) for n, a in self._arrays.items())
+        size = self._core.workspace_size
         if workspace is not None:
             ws = _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
             ws_alloc = ws.allocation("workspace")
@@ -181,25 +163,44 @@ class Plan:
             if ws_alloc.device is not self._device:
                 raise InvalidArgument("workspace", f"is on device {ws_alloc.device.device_id}, the plan on "
                                                    f"{self._device.device_id}")
-            self._launch_held(core, state, ws.address, size, (ws_alloc, *allocs))
-            return
+            return self._launch_held(state, ws.address, size, ws_alloc)
         if not self._repeatable:
             block = workspace_for(state, size) if size else None
-            self._launch_held(core, state, block.ptr if block is not None else 0, size, (block, *allocs))
-            return
-        slot = self._slots.get(state)
-        if slot is None or slot.dead:
-            slot = self._make_slot(stream, state)
-        self._slot = slot
-        _through(slot, self._spec.api)
+            return self._launch_held(state, block.ptr if block is not None else 0, size, block)
+        while True:
+            slot = self._slots.get(state)
+            if slot is None or slot.dead:
+                slot = self._make_slot(stream, state)
+            self._slot = slot
+            try:
+                slot.inflight += 1
+                if not slot.dead:
+                    if _thread.context is not slot.context:
+                        slot.state.device.activate()
+                    st = slot.launch()
+                    if st:
+                        check(st, self._spec.api)
+                    return slot.result  # the outputs this slot's executor writes, whatever rebinds since
+            finally:
+                slot.inflight -= 1
+            # The slot died between being made and launched: a rebind (look again), or a close.
+            self._usable()
+            state.check_open()
 
-    def _launch_held(self, core: ExecutorCore, state: StreamState, ws: int, size: int, hold: tuple[Any, ...]) -> None:
+    def _launch_held(self, state: StreamState, ws: int, size: int, ws_alloc: Any) -> Any:
+        """A launch that holds what it uses on the stream (a user's workspace, a one-shot
+        plan), under the plan's lock so that no rebind falls between its arrays and its
+        launch."""
         with self._lock:
             self._usable()
+            core = self._core
             mark_uses(core, state)
             if not self._repeatable:
                 self._spent = True
-        launch(core, state, ws, size, hold)
+            allocs = tuple(a.allocation(n) for n, a in self._arrays.items())
+            result = self._result()
+            launch(core, state, ws, size, (ws_alloc, *allocs))
+        return result
 
     def _make_slot(self, stream: Stream | None, state: StreamState) -> _Slot:
         core = self._core
@@ -239,8 +240,7 @@ class Plan:
                     recent_message()  # no context on this thread yet: drop the message, retry below
             finally:
                 slot.inflight -= 1
-        self._launch(stream, workspace)
-        return self._result()
+        return self._launch(stream, workspace)
 
     def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
         """The second phase's function and the arguments a launch on ``stream`` passes it, for
@@ -379,7 +379,8 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs:
         if state not in alloc.users:
             alloc.users[state] = None
     for i in spec.output_positions:
-        allocs[i].last_write = state
+        if state not in allocs[i].writers:
+            allocs[i].writers[state] = None
     with state.lock:
         if state.closing or state.device.closed:
             state.check_open()
