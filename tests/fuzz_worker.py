@@ -2,8 +2,10 @@
 (a segmentation fault, say) fails one example instead of killing pytest.
 
 Protocol on stdin/stdout: a 4-byte big-endian length, then a pickled request; the reply is
-framed the same way. Request: dict(x, idx, top_k, drop_pad_mode, active_num, validate, device).
-Reply: ("ok", ndarray) or ("error", exception type name, message).
+framed the same way. Request: dict(x, idx, top_k, drop_pad_mode, active_num, validate, device,
+stream): ``device`` passes DeviceArrays, ``stream`` queues everything on a stream of its own
+(else the default stream). Reply: ("ok", ndarray) or ("error", exception type name, message,
+whether it is one of pyacl_moe's deliberate errors: InvalidArgument or AclError).
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ def main() -> None:
             return
         try:
             args = (req["x"], req["idx"], req["top_k"], req["drop_pad_mode"], req["active_num"])
-            if req["device"]:
+            if req["device"] and req.get("stream"):
+                with pm.Stream() as s:
+                    x, idx = pm.to_device(args[0], stream=s), pm.to_device(args[1], stream=s)
+                    res = pm.moe_init_routing_v2_grad(x, idx, *args[2:], stream=s, validate=req["validate"]).to_host(s)
+            elif req["device"]:
                 x, idx = pm.to_device(args[0]), pm.to_device(args[1])
                 res = pm.moe_init_routing_v2_grad(x, idx, *args[2:], validate=req["validate"]).to_host()
             else:

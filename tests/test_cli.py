@@ -1,4 +1,6 @@
-"""The pyacl-moe command."""
+"""The pyacl-moe command. Most cases run its main() in this process (the same emulator); those
+about a process of its own (the module entry point, the environment, no CANN at all) run it
+in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 
 import pytest
 
+import pyacl_moe as pm
 from pyacl_moe import cli
 
 
@@ -19,42 +22,62 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           timeout=300)
 
 
-def test_info_json():
-    r = run_cli("--emulator", "info", "--json")
-    assert r.returncode == 0, r.stderr
-    info = json.loads(r.stdout)
+@pytest.fixture
+def main(device, capsys):
+    """cli.main in this process: (exit status, stdout, stderr)."""
+
+    def call(*args: str) -> tuple[int, str, str]:
+        code = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    yield call
+    pm.emulator.set_mutation(None)
+
+
+def test_info_json(main):
+    code, out, err = main("--emulator", "info", "--json")
+    assert code == 0, err
+    info = json.loads(out)
     assert info["backend"] == "emulator"
     assert set(info["libraries"]) == {"ascendcl", "nnopbase", "opapi"}
     assert info["acl_version"] == "1.13.0" and info["soc"] == "Ascend910B3"
     assert info["device_count"] == 1 and info["devices"][0]["memory_total"] == 32 << 30
 
 
-def test_info_text():
-    r = run_cli("--emulator", "info")
-    assert r.returncode == 0, r.stderr
-    assert "backend      emulator" in r.stdout and "libopapi.so" in r.stdout
+def test_info_text(main):
+    code, out, err = main("--emulator", "info")
+    assert code == 0, err
+    assert "backend      emulator" in out and "libopapi.so" in out
 
 
 @pytest.mark.parametrize("mode", ["dropless", "active", "drop-pad"])
-def test_run_passes(mode):
-    r = run_cli("--emulator", "run", "--mode", mode, "--dtype", "bfloat16", "--tokens", "32", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_run_passes(main, mode):
+    code, out, err = main("--emulator", "run", "--mode", mode, "--dtype", "bfloat16", "--tokens", "32", "--json")
+    assert code == 0, err
+    out = json.loads(out)
     assert out["passed"] and out["scenario"] == mode and out["mismatches"] == 0
 
 
-def test_run_fails_on_a_wrong_kernel():
+def test_run_fails_on_a_wrong_kernel(main):
+    pm.emulator.set_mutation("skip-last-k")
+    code, out, _ = main("--emulator", "run", "--top-k", "8")
+    assert code == 1
+    assert "FAIL" in out
+
+
+def test_the_module_runs_and_reads_the_environment():
     r = run_cli("--emulator", "run", "--top-k", "8", env={"PYACL_MOE_EMU_MUTATION": "skip-last-k"})
-    assert r.returncode == 1
+    assert r.returncode == 1, r.stderr
     assert "FAIL" in r.stdout
 
 
-def test_emulator_path_and_build():
-    r = run_cli("emulator", "path")
-    assert r.returncode == 0, r.stderr
-    home = r.stdout.strip()
+def test_emulator_path_and_build(main):
+    code, out, err = main("emulator", "path")
+    assert code == 0, err
+    home = out.strip()
     assert os.path.isfile(os.path.join(home, "lib64", "libopapi.so"))
-    assert run_cli("emulator", "build").stdout.strip() == home
+    assert main("emulator", "build")[1].strip() == home
 
 
 def test_without_cann_the_error_says_what_to_do(tmp_path):

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
 import pyacl_moe as pm
+from pyacl_moe import cli
 from pyacl_moe.tools import conformance
 
 
@@ -81,17 +79,14 @@ def test_junit_marks_failures(device, clean_emulator, tmp_path):
     assert suite.find("testcase/failure") is not None
 
 
-def test_cli_exit_status_and_filter(tmp_path):
-    env = dict(os.environ)
-    cmd = [sys.executable, "-m", "pyacl_moe.cli", "--emulator", "conformance", "--quick", "--filter", "small",
-           "--report", str(tmp_path / "r.json")]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "passed, 0 failed" in r.stdout
+def test_cli_exit_status_and_filter(device, clean_emulator, tmp_path, capsys):
+    args = ["--emulator", "conformance", "--quick", "--filter", "small", "--report", str(tmp_path / "r.json")]
+    assert cli.main(args) == 0, capsys.readouterr()
+    assert "passed, 0 failed" in capsys.readouterr().out
     assert all("small" in c["name"] for c in json.loads((tmp_path / "r.json").read_text())["cases"])
-    env["PYACL_MOE_EMU_MUTATION"] = "off-by-one-row"
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 1 and "FAILED" in r.stdout
+    pm.emulator.set_mutation("off-by-one-row")
+    assert cli.main(args) == 1
+    assert "FAILED" in capsys.readouterr().out
 
 
 def test_full_profile_adds_large_shapes():

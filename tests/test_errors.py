@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pyacl_moe as pm
-from pyacl_moe import errors
+from pyacl_moe import _status, errors
 
 
 def test_table_names_and_classes():
@@ -21,10 +21,14 @@ def test_table_names_and_classes():
     assert isinstance(errors.error_for(107017, "x"), pm.AclRuntimeError)
     assert isinstance(errors.error_for(100000, "x"), pm.AclRuntimeError)
     assert issubclass(pm.AclError, RuntimeError) and issubclass(pm.InvalidArgument, ValueError)
+    assert issubclass(pm.ClosedError, pm.PyaclMoeError) and issubclass(pm.ClosedError, ValueError)
+    assert not issubclass(pm.ClosedError, pm.InvalidArgument)
+    assert issubclass(pm.CannNotFoundError, OSError) and issubclass(pm.CannNotFoundError, pm.PyaclMoeError)
+    assert errors.is_aclnn_status(561002) and not errors.is_aclnn_status(507015)
 
 
 def test_every_table_entry_has_a_distinct_name():
-    names = [name for name, _ in errors._TABLE.values()]
+    names = [name for name, _ in _status.TABLE.values()]
     assert len(names) == len(set(names))
 
 
@@ -33,7 +37,12 @@ def test_exceptions_pickle():
     e2 = pickle.loads(pickle.dumps(e))
     assert (type(e2), e2.status, e2.api, e2.message) == (pm.AclnnError, 161001, "api", "msg")
     ia = pickle.loads(pickle.dumps(pm.InvalidArgument("top_k", "must be > 0")))
-    assert ia.parameter == "top_k"
+    assert (ia.parameter, ia.rule, str(ia)) == ("top_k", "must be > 0", "top_k: must be > 0")
+    ce = pickle.loads(pickle.dumps(pm.ClosedError("stream", "it was closed")))
+    assert (type(ce), ce.what, ce.reason, str(ce)) == (pm.ClosedError, "stream", "it was closed",
+                                                       "stream is closed: it was closed")
+    nf = pickle.loads(pickle.dumps(pm.CannNotFoundError(["here", "there"])))
+    assert nf.tried == ["here", "there"] and "  - there" in str(nf)
 
 
 def test_vendor_status_carries_api_name_and_message(device):
@@ -57,18 +66,37 @@ def test_runtime_status_is_an_acl_runtime_error(device):
 
 
 def test_every_bindings_wrapper_checks_its_status(device):
-    # The thin per-call functions of the bindings layer, including those nothing above uses
-    # yet: each returns plain values and raises on a failure status.
-    from pyacl_moe import _ffi
+    # The thin per-call functions of the bindings layer (pyacl_moe._cann), including those
+    # nothing above uses yet: each returns plain values and raises on a failure status, naming
+    # the API and carrying the vendor's message.
+    from pyacl_moe._cann import acl, aclnn, errcheck, loader
 
-    assert _ffi.get_device() == 0
-    host = _ffi.malloc_host(64)
-    assert host != 0
-    _ffi.free_host(host)
+    assert acl.device_count() == 1 and acl.get_version() == pm.acl_version()
+    free, total = acl.get_mem_info()
+    assert 0 < free <= total
+    mem = acl.DeviceMemory(device.context)
+    acl.malloc(mem, 64)
+    assert mem.ptr != 0 and mem.ptr == mem.address
+    for call, api in ((lambda: acl.memset(mem.ptr, 64, 0, 128), "aclrtMemset"),
+                      (lambda: acl.memcpy(mem.ptr, 64, mem.ptr, 128, "ACL_MEMCPY_DEVICE_TO_DEVICE"), "aclrtMemcpy"),
+                      (lambda: acl.synchronize_stream(None, -5), "aclrtSynchronizeStreamWithTimeout")):
+        with pytest.raises(pm.AclRuntimeError) as info:
+            call()
+        assert (info.value.status, info.value.api) == (100000, api) and info.value.message
+    assert acl.query_stream(None) is True
+    assert mem.release() == 0 and not mem
+    assert mem.release() == 0  # exactly once: the second release calls nothing
     with pytest.raises(pm.AclRuntimeError) as info:
-        _ffi.free_host(host)  # twice: the vendor's status, not a crash
+        # Freed twice behind the handle's back: the vendor's status, not a crash.
+        errcheck.check(loader.libs().acl.aclrtFree(acl._void(mem.ptr)), "aclrtFree")
     assert info.value.status == 207002
-    arr = pm.to_device(np.zeros(8, np.float32))
+    arr = pm.to_device(np.zeros((8, 4), np.float32))
     with pm.AclTensor(arr) as t:
-        _ffi.tensor_set_raw_addr(t._h, arr.data_ptr + 16)
-        assert t.raw_address == arr.data_ptr + 16
+        h = t.core().handle
+        assert aclnn.tensor_raw_addr(h) == arr.data_ptr and aclnn.tensor_view_shape(h) == (8, 4)
+        size, ex = pm.get_workspace_size(t, pm.to_device(np.arange(8, dtype=np.int32)), 2, 0, 0,
+                                         pm.empty((4, 4), np.float32))
+        with pytest.raises(pm.AclnnError) as info:
+            aclnn.set_input_addr(ex.core().handle, 7, h, arr.data_ptr)  # no input 7
+        assert info.value.api == "aclSetInputTensorAddr" and info.value.status == 161002
+        ex.close()

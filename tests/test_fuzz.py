@@ -3,6 +3,9 @@ attributes and index arrays, valid and invalid; a worker process runs each one.
 
 Valid inputs must match the golden reference; invalid ones must raise InvalidArgument or an
 AclError. Anything else (a wrong result, another exception, a crashed worker) fails.
+
+The default run draws a few hundred examples ($PYACL_MOE_FUZZ_EXAMPLES sets how many); the
+``slow`` variants draw thousands.
 """
 
 from __future__ import annotations
@@ -123,8 +126,9 @@ def cases(draw):
     elif flaw == "empty-h":
         xshape = xshape[:-1] + (0,)
     x = rng.standard_normal(xshape).astype(np.float32).astype(dtype) if dtype != np.bool_ else rng.random(xshape) > 0.5
+    on_device = draw(st.booleans())
     return dict(x=x, idx=idx.astype(idx_dtype), top_k=k, drop_pad_mode=mode, active_num=active,
-                validate=True, device=draw(st.booleans()))
+                validate=True, device=on_device, stream=on_device and draw(st.booleans()))
 
 
 def _judge(req: dict, reply: tuple) -> None:
@@ -148,17 +152,16 @@ def _judge(req: dict, reply: tuple) -> None:
     assert compare(reply[1], want).passed, "result differs from the reference"
 
 
-@settings(max_examples=int(os.environ.get("PYACL_MOE_FUZZ_EXAMPLES", "2000")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-@given(req=cases())
-def test_fuzz_one_call_function(worker, req):
+EXAMPLES = int(os.environ.get("PYACL_MOE_FUZZ_EXAMPLES", "400"))
+LONG_EXAMPLES = 5000
+HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+
+def _one_call(worker, req) -> None:
     _judge(req, worker.run(req))
 
 
-@settings(max_examples=int(os.environ.get("PYACL_MOE_FUZZ_EXAMPLES", "2000")) // 4, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-@given(req=cases())
-def test_fuzz_vendor_checks_without_host_validation(worker, req):
+def _vendor_alone(worker, req) -> None:
     # validate=False: the vendor judges alone. Whatever it refuses, or faults on, must come
     # back as an AclError (or the binding's own refusal of what has no CANN type), never a
     # crash; inputs within the contract must compute right. Outside the contract the vendor
@@ -178,13 +181,39 @@ def test_fuzz_vendor_checks_without_host_validation(worker, req):
     assert compare(reply[1], want).passed
 
 
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=HEALTH)
+@given(req=cases())
+def test_fuzz_one_call_function(worker, req):
+    _one_call(worker, req)
+
+
+@settings(max_examples=EXAMPLES // 4, deadline=None, suppress_health_check=HEALTH)
+@given(req=cases())
+def test_fuzz_vendor_checks_without_host_validation(worker, req):
+    _vendor_alone(worker, req)
+
+
+@pytest.mark.slow
+@settings(max_examples=LONG_EXAMPLES, deadline=None, suppress_health_check=HEALTH)
+@given(req=cases())
+def test_fuzz_one_call_function_long(worker, req):
+    _one_call(worker, req)
+
+
+@pytest.mark.slow
+@settings(max_examples=LONG_EXAMPLES // 4, deadline=None, suppress_health_check=HEALTH)
+@given(req=cases())
+def test_fuzz_vendor_checks_without_host_validation_long(worker, req):
+    _vendor_alone(worker, req)
+
+
 def test_worker_crash_fails_the_example_instead_of_pytest(worker):
     # A worker that dies reports a crash (the harness restarts it for the next example).
     worker.run(dict(x=np.zeros((2, 2), np.float32), idx=np.arange(2, dtype=np.int32), top_k=1,
-                    drop_pad_mode=0, active_num=0, validate=True, device=False))
+                    drop_pad_mode=0, active_num=0, validate=True, device=False, stream=False))
     worker.proc.kill()
     worker.proc.wait()
     worker.proc = None if worker.proc.poll() is None else worker.proc
     reply = worker.run(dict(x=np.zeros((2, 2), np.float32), idx=np.arange(2, dtype=np.int32), top_k=1,
-                            drop_pad_mode=0, active_num=0, validate=True, device=False))
+                            drop_pad_mode=0, active_num=0, validate=True, device=False, stream=False))
     assert reply[0] == "ok"

@@ -22,8 +22,7 @@ page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * page
-LIVE = ("device_allocations", "device_bytes", "host_allocations", "streams", "events", "tensors",
-        "scalars", "int_arrays", "executors", "pending_tasks")
+from tests.conftest import LIVE
 def settle():
     dev.synchronize(); pm.empty_cache(); gc.collect()
     return pm.emulator.stats()

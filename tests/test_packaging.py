@@ -32,19 +32,26 @@ def test_wheel_installs_and_runs_quickstart(tmp_path):
     (wheel,) = wheels.glob("pyacl_moe-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("pyacl_moe/headers/acl_rt.h", "pyacl_moe/headers/aclnn_moe_init_routing_v2_grad.h",
-                     "pyacl_moe/emulator/src/kernel.c", "pyacl_moe/emulator/src/aclemu.h", "pyacl_moe/py.typed"):
+                     "pyacl_moe/emulator/src/kernel.c", "pyacl_moe/emulator/src/aclemu.h", "pyacl_moe/py.typed",
+                     # every layer's package
+                     "pyacl_moe/_cann/__init__.py", "pyacl_moe/_cann/declare.py", "pyacl_moe/_cann/loader.py",
+                     "pyacl_moe/op/__init__.py", "pyacl_moe/op/moe_init_routing_v2_grad.py",
+                     "pyacl_moe/tools/cases.py", "pyacl_moe/tools/conformance.py", "pyacl_moe/_lifetime.py"):
         assert required in names, f"{required} missing from the wheel"
+    assert not any(n.startswith("tests/") for n in names), "the tests were packaged in the wheel"
 
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)  # (ensurepip would cost more than the rest of the test)
     py = env_dir / "bin" / "python"
-    r = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], capture_output=True,
-                       text=True, timeout=300)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True).stdout.strip()
+    assert site.startswith(str(env_dir)), site
+    # This environment's pip installs the wheel into the fresh one.
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     # The dependencies come from this environment (no network in the test): a .pth line adds
     # its site-packages after the venv's own, so the wheel's copy of the package wins.
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True).stdout.strip()
     deps = {Path(m.__file__).resolve().parent.parent for m in (numpy, cffi, ml_dtypes)}
     (Path(site) / "zz_outer_deps.pth").write_text("\n".join(str(d) for d in deps) + "\n")
     env = dict(os.environ, PYACL_MOE_EMULATOR="1", PYACL_MOE_CACHE=str(tmp_path / "cache"))

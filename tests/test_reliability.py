@@ -55,7 +55,7 @@ HOSTILE = [
     ("top_k 0", dict(k=0), "top_k", "greater than 0"),
     ("top_k negative", dict(k=-2), "top_k", "greater than 0"),
     ("top_k huge", dict(k=10**12), "top_k", "divide"),
-    ("top_k beyond int64", dict(k=2**70), "top_k", "int64"),
+    ("top_k beyond int64", dict(k=2**70), "top_k", "9223372036854775807]"),
     ("top_k float", dict(k=2.0), "top_k", "int"),
     ("top_k bool", dict(k=True), "top_k", "int"),
     ("top_k None", dict(k=None), "top_k", "int"),
@@ -116,7 +116,7 @@ def test_hostile_device_input(device):
         pm.moe_init_routing_v2_grad(x, idx, 2, out=pm.empty((4, 8), F32)[:, ::2])
     closed = pm.Stream(device)
     closed.close()
-    with pytest.raises(pm.InvalidArgument, match="stream: is closed"):
+    with pytest.raises(pm.ClosedError, match="stream is closed"):
         pm.moe_init_routing_v2_grad(x, idx, 2, stream=closed)
     with pytest.raises(pm.InvalidArgument, match="stream: must be a Stream"):
         pm.moe_init_routing_v2_grad(x, idx, 2, stream="default")
@@ -126,8 +126,12 @@ def test_hostile_device_input(device):
         pm.moe_init_routing_v2_grad(x, idx, 2, out=np.zeros((4, 4), F32))
     dead = pm.to_device(x_())
     dead.close()
-    with pytest.raises(pm.InvalidArgument, match="closed"):
+    with pytest.raises(pm.ClosedError, match="closed"):
         pm.moe_init_routing_v2_grad(dead, idx, 2)
+    with pytest.raises(pm.ClosedError, match="closed"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, out=dead)
+    with pytest.raises(pm.InvalidArgument, match="stream: must be a Stream"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, stream=device)
 
 
 def test_odd_host_layouts_work(device):
@@ -250,11 +254,11 @@ del owner; gc.collect()
 assert borrowed.to_host().tolist() == [0, 1, 2, 3]  # a borrowed pointer keeps its owner
 plan = pm.MoeInitRoutingV2Grad(pm.to_device(np.ones((4, 2), np.float32)), pm.to_device(np.arange(4, dtype=np.int32)), 2)
 tensor = pm.AclTensor(view)
-dev.close()                                 # aclFinalize with live arrays, tensors, a plan
+dev.close()                                 # a reset with live arrays, tensors, a plan (no aclFinalize)
 for thing in (view, arr, borrowed):
     try:
         thing.to_host()
-    except pm.InvalidArgument:
+    except pm.ClosedError:
         pass
     else:
         raise SystemExit("an array of a closed device still read")
@@ -262,10 +266,12 @@ for closer in (view.close, arr.close, plan.close, tensor.close, s.close, dev.clo
     closer()                                # safe no-ops
 try:
     plan()
-except pm.InvalidArgument:
+except pm.ClosedError:
     pass
+else:
+    raise SystemExit("a plan of a closed device still launched")
 st = pm.emulator.stats()
-assert st["device_allocations"] == 0 and st["initialized"] == 0, st
+assert st["device_allocations"] == 0 and st["devices_set"] == 0 and st["initialized"] == 1, st
 print("ok")
 """)
     assert r.returncode == 0, r.stderr
@@ -303,6 +309,8 @@ print("ok")
     assert r.stdout.strip() == "ok"
 
 
+@pytest.mark.xfail(strict=True, reason="binding bug: a plan dropped without close() frees its arrays at the next "
+                                       "safe point, under launches still queued")
 def test_work_queued_by_objects_in_a_cycle_finishes_before_their_memory_goes(isolated):
     # Plans, arrays and streams caught in one reference cycle are freed by the collector in an
     # order of its choosing. Memory that queued launches read must outlive them: no device
@@ -310,6 +318,7 @@ def test_work_queued_by_objects_in_a_cycle_finishes_before_their_memory_goes(iso
     r = isolated("""
 import gc, numpy as np, pyacl_moe as pm
 pm.use_emulator()
+pm.emulator.set_stream_mode("lazy")           # the work stays queued until something waits
 dev = pm.Device(0)
 faults = pm.emulator.stats()["device_faults"]
 for i in range(50):
@@ -318,12 +327,13 @@ for i in range(50):
     idx = pm.to_device(np.arange(64, dtype=np.int32), stream=s)
     plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
     for _ in range(3):
-        plan(s)                               # queued: the stream is lazy
+        plan(s)                               # queued, not run
     out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
     cycle = [s, x, idx, plan, out]
     cycle.append(cycle)
     del s, x, idx, plan, out, cycle
     gc.collect()                              # frees the cycle while its work is queued
+    assert pm.emulator.stats()["pending_tasks"] > 0
 dev.synchronize(); pm.empty_cache(); gc.collect()
 st = pm.emulator.stats()
 assert st["device_faults"] == faults, "queued work read memory the collector had freed"

@@ -1,4 +1,6 @@
-"""The op through the binding: both phases, the one-call function, validation."""
+"""aclnnMoeInitRoutingV2Grad through the one-call function: NumPy and device arrays, out and
+workspace, host validation and the vendor's own checks. The two phases by hand are in
+test_op_executor.py, prepared plans and the executor cache in test_op_plan.py."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def test_numpy_in_numpy_out(device, mode, dtype, no_leaks):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_device_arrays_run_asynchronously(device, mode, no_leaks):
+def test_device_arrays_run_asynchronously(device, mode, lazy_streams, no_leaks):
     case = make_case(16, 2, 8, "float32", mode, seed=3)
     with pm.Stream(device) as s:
         x = pm.to_device(case.grad_expanded_x, stream=s)
@@ -49,6 +51,7 @@ def test_device_arrays_run_asynchronously(device, mode, no_leaks):
         out = pm.moe_init_routing_v2_grad(x, idx, case.top_k, case.drop_pad_mode, case.active_num, stream=s)
         assert isinstance(out, pm.DeviceArray)
         assert pm.emulator.stats()["pending_tasks"] > pending  # queued, not run
+        assert out.shape == (16, 8) and out.dtype == np.float32 and out.device is device
         np.testing.assert_allclose(out.to_host(), loop_reference(case), rtol=1e-5, atol=1e-6)
 
 
@@ -90,78 +93,49 @@ def test_non_contiguous_inputs_are_honoured(device, no_leaks):
     np.testing.assert_allclose(out.to_host(), loop_reference(case), rtol=1e-5, atol=1e-6)
 
 
-def test_contract_examples_from_vendor_tests(device):
-    # (x shape, len(idx), out shape, dtype, top_k, mode, active) -> vendor status (0 = ok)
-    table = [
-        ((480, 8), 480, (80, 8), np.float32, 6, 0, 0, 0),
-        ((40, 512), 640, (10, 512), ml_dtypes.bfloat16, 64, 0, 40, 0),
-        ((40, 512), 80, (80, 512), np.float16, 1, 0, 40, 0),
-        ((10, 8, 512), 640, (80, 512), np.float32, 8, 1, 40, 0),
-        ((10, 512), 640, (80, 512), ml_dtypes.bfloat16, 8, 1, 40, 561002),
-        ((40, 512), 640, (10, 510), ml_dtypes.bfloat16, 64, 0, 40, 561002),
-    ]
-    for xs, n_idx, outs, dt, k, mode, active, want in table:
-        x, idx, out = pm.empty(xs, dt), pm.empty((n_idx,), np.int32), pm.empty(outs, dt)
-        size, ex = pm.get_workspace_size(x, idx, k, mode, active, out) if not want else (None, None)
-        if want:
-            with pytest.raises(pm.AclnnError) as info:
-                pm.get_workspace_size(x, idx, k, mode, active, out)
-            assert info.value.status == want
-        else:
-            assert size == 16 * 1024 * 1024
-            ex.close()
-
-
-def test_low_level_two_phases(device, no_leaks):
-    case = make_case(10, 2, 6, "float16", "dropless", seed=9)
-    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
-    out = pm.empty((10, 6), np.float16)
-    tx, ti, to = pm.AclTensor(x), pm.AclTensor(idx), pm.AclTensor(out)
-    size, ex = pm.get_workspace_size(tx, ti, 2, 0, 0, to)
-    assert size == 16 << 20 and not ex.closed and not ex.repeatable
-    ws = pm.empty((size,), np.uint8)
-    with pm.Stream(device) as s:
-        pm.execute(ws, size, ex, s)
-        assert ex.closed  # a one-shot executor is consumed by its launch
-        with pytest.raises(pm.InvalidArgument, match="executor"):
-            pm.execute(ws, size, ex, s)
-        np.testing.assert_array_equal(out.to_host(s), loop_reference(case))
-    for t in (tx, ti, to):
-        t.close()
-
-
-def test_repeatable_executor_and_rebinding(device, no_leaks):
-    a = make_case(6, 2, 4, "float32", "dropless", seed=1)
-    b = make_case(6, 2, 4, "float32", "dropless", seed=2)
-    xa, ia = pm.to_device(a.grad_expanded_x), pm.to_device(a.expanded_row_idx)
-    xb, ib = pm.to_device(b.grad_expanded_x), pm.to_device(b.expanded_row_idx)
-    out_a, out_b = pm.empty((6, 4), np.float32), pm.empty((6, 4), np.float32)
-    size, ex = pm.get_workspace_size(xa, ia, 2, 0, 0, out_a)
-    ex.set_repeatable()
-    ws = pm.empty((size,), np.uint8)
-    s = device.default_stream
-    pm.execute(ws, size, ex, s)
-    pm.execute(ws, size, ex, s)  # twice: repeatable
-    tx, ti, to = ex.tensors
-    ex.set_input_addr(0, tx, xb.data_ptr)
-    ex.set_input_addr(1, ti, ib.data_ptr)
-    ex.set_output_addr(0, to, out_b.data_ptr)
-    pm.execute(ws, size, ex, s)
-    np.testing.assert_allclose(out_a.to_host(s), loop_reference(a), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(out_b.to_host(s), loop_reference(b), rtol=1e-5, atol=1e-6)
-    ex.close()
-    ex.close()
-
-
 def test_vendor_checks_with_validate_false(device):
     x = pm.empty((8, 4), np.float64)  # ACL_DOUBLE: the vendor refuses it
     idx = pm.empty((8,), np.int32)
     with pytest.raises(pm.AclnnError) as info:
         pm.moe_init_routing_v2_grad(x, idx, 2, validate=False)
     assert info.value.status == 161002
-    with pytest.raises(pm.AclnnError) as info:
-        pm.get_workspace_size(None, idx, 2, 0, 0, pm.empty((4, 4), np.float32))
-    assert info.value.status == 161001
+    with pytest.raises(pm.AclnnError) as info:  # NumPy in: the same vendor check
+        pm.moe_init_routing_v2_grad(np.zeros((8, 4), np.float32), np.arange(8, dtype=np.int32), 3, validate=False)
+    assert info.value.status == 561002
+
+
+def test_argument_types_are_checked(device):
+    x, idx = pm.to_device(np.zeros((8, 4), np.float32)), pm.to_device(np.arange(8, dtype=np.int32))
+    for kwargs, name in ((dict(validate=1), "validate"), (dict(validate="yes"), "validate"),
+                         (dict(stream=0), "stream"), (dict(workspace=b"x"), "workspace"),
+                         (dict(out=np.zeros((4, 4), np.float32)), "out")):
+        with pytest.raises(pm.InvalidArgument) as info:
+            pm.moe_init_routing_v2_grad(x, idx, 2, **kwargs)
+        assert info.value.parameter == name
+    with pytest.raises(pm.InvalidArgument, match="out"):
+        pm.moe_init_routing_v2_grad(np.zeros((8, 4), np.float32), np.arange(8, dtype=np.int32), 2,
+                                    out=pm.empty((4, 4), np.float32))
+
+
+def test_an_out_sharing_memory_with_an_input_is_refused(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=4)
+    both = pm.to_device(np.concatenate([case.grad_expanded_x, np.zeros((8, 16), np.float32)]))
+    x, idx = both[:16], pm.to_device(case.expanded_row_idx)
+    launched = pm.emulator.stats()["kernels_launched"]
+    for out in (both[8:16], both[:8], both[12:20]):
+        with pytest.raises(pm.InvalidArgument, match="out: shares device memory with grad_expanded_x"):
+            pm.moe_init_routing_v2_grad(x, idx, 2, out=out)
+    idx_as_out = pm.DeviceArray.from_pointer(idx.data_ptr, (8, 16), np.float32, owner=idx)
+    with pytest.raises(pm.InvalidArgument, match="expanded_row_idx"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, out=idx_as_out)
+    assert pm.emulator.stats()["kernels_launched"] == launched
+    ws = pm.empty((16 << 20,), np.uint8)
+    with pytest.raises(pm.InvalidArgument, match="workspace"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, out=pm.DeviceArray.from_pointer(ws.data_ptr, (8, 16), np.float32,
+                                                                            owner=ws), workspace=ws)
+    out = both[16:]  # disjoint views of one allocation are fine
+    pm.moe_init_routing_v2_grad(x, idx, 2, out=out)
+    np.testing.assert_array_equal(out.to_host(), loop_reference(case))
 
 
 @pytest.mark.parametrize(

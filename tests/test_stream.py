@@ -1,0 +1,198 @@
+"""Stream and Event: creation, ordering, waiting, timing, release."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import pyacl_moe as pm
+
+
+def test_stream_and_event_lifecycle(device, no_leaks):
+    before = pm.emulator.stats()
+    with pm.Stream(device) as s:
+        assert s.handle != 0 and not s.closed and not s.is_default
+        assert s.device is device and s.state.device is device
+        assert pm.emulator.stats()["streams"] == before["streams"] + 1
+        ev = s.record()
+        assert isinstance(ev, pm.Event) and ev.device is device and ev.handle != 0
+        ev.synchronize()
+        assert ev.query()
+        ev.close()
+        ev.close()  # twice is fine
+        assert ev.closed and ev.handle == 0
+    assert s.closed and s.handle == 0
+    s.close()  # twice is fine
+    with pytest.raises(pm.ClosedError, match="stream"):
+        s.synchronize()
+    with pytest.raises(pm.ClosedError, match="stream"):
+        s.query()
+    with pytest.raises(pm.ClosedError, match="event"):
+        ev.synchronize()
+    assert pm.emulator.stats()["streams"] == before["streams"]
+    assert pm.emulator.stats()["events"] == before["events"]
+
+
+def test_default_stream_wraps_null(device):
+    s = device.default_stream
+    assert s.is_default and s.handle == 0 and s is device.default_stream
+    s.synchronize()
+    assert s.query()
+    s.close()  # a no-op: the default stream belongs to the device
+    assert not s.closed
+    s.synchronize()
+
+
+def test_query_and_synchronize_follow_queued_work(device, lazy_streams, no_leaks):
+    with pm.Stream(device) as s:
+        assert s.query()  # nothing queued
+        x = pm.to_device(np.ones((1024, 64), np.float32), stream=s)
+        idx = pm.to_device(np.arange(1024, dtype=np.int32), stream=s)
+        out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=s)
+        assert not s.query()  # queued, not run (a query runs nothing)
+        with pytest.raises(pm.AclRuntimeError) as info:
+            s.synchronize(timeout_ms=0)
+        assert info.value.status == 507046 and info.value.api == "aclrtSynchronizeStreamWithTimeout"
+        s.synchronize(timeout_ms=-1)  # -1: no limit
+        assert s.query() and pm.emulator.stats()["pending_tasks"] == 0
+        np.testing.assert_array_equal(out.to_host(s), np.full((256, 64), 4.0, np.float32))
+        del x, idx, out
+
+
+@pytest.mark.parametrize("timeout", [-2, 2**31, 2**40, 1.5, "10", True])
+def test_synchronize_refuses_a_bad_timeout(device, timeout):
+    with pytest.raises(pm.InvalidArgument, match="timeout_ms"):
+        device.default_stream.synchronize(timeout_ms=timeout)
+
+
+def test_events_time_work_on_a_stream(device, lazy_streams, no_leaks):
+    with pm.Stream(device) as s:
+        x = pm.to_device(np.ones((4096, 256), np.float32), stream=s)
+        idx = pm.to_device(np.arange(4096, dtype=np.int32), stream=s)
+        start, end = pm.Event(device), pm.Event(device)
+        assert start.query()  # never recorded: complete
+        start.record(s)
+        out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=s)
+        assert s.record(end) is end
+        assert not end.query()  # queued, not run
+        with pytest.raises(pm.AclRuntimeError) as info:
+            start.elapsed_ms(end)  # not yet run
+        assert info.value.status == 507006
+        end.synchronize()
+        assert end.query() and start.query()
+        assert start.elapsed_ms(end) >= 0.0
+        assert (end - start) == start.elapsed_ms(end)
+        np.testing.assert_array_equal(out.to_host(s), np.full((1024, 256), 4.0, np.float32))
+        start.close(), end.close()
+        del x, idx, out
+
+
+def test_event_arguments_are_checked(device, no_leaks):
+    ev = pm.Event(device)
+    with pytest.raises(pm.InvalidArgument, match="end"):
+        ev.elapsed_ms(None)
+    with pytest.raises(pm.InvalidArgument, match="start"):
+        ev - 1.0
+    with pytest.raises(pm.InvalidArgument, match="stream"):
+        ev.record("default")
+    with pytest.raises(pm.InvalidArgument, match="event"):
+        device.default_stream.wait_event(None)
+    with pytest.raises(pm.InvalidArgument, match="event"):
+        device.default_stream.wait_event(device.default_stream)
+    ev.record()  # default: the device's default stream
+    ev.synchronize()
+    ev.close()
+    with pytest.raises(pm.ClosedError, match="event"):
+        device.default_stream.wait_event(ev)
+    with pytest.raises(pm.ClosedError, match="end"):
+        pm.Event(device).elapsed_ms(ev)
+
+
+def test_stream_wait_event_orders_two_streams(device, no_leaks):
+    with pm.Stream(device) as a, pm.Stream(device) as b:
+        host = np.arange(64, dtype=np.float32)
+        arr = pm.zeros((64,), np.float32, stream=a)
+        arr.copy_from_host(host, stream=a)
+        ev = a.record()
+        b.wait_event(ev)
+        # Reading on b waits (through the event) for a's copy.
+        np.testing.assert_array_equal(arr.to_host(b), host)
+        ev.close()
+        del arr
+
+
+def test_wait_event_holds_b_until_a_has_run(device, lazy_streams, no_leaks):
+    with pm.Stream(device) as a, pm.Stream(device) as b:
+        x = pm.to_device(np.ones((512, 32), np.float32), stream=a)
+        idx = pm.to_device(np.arange(512, dtype=np.int32), stream=a)
+        out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=a)
+        ev = a.record()
+        b.wait_event(ev)
+        ran = pm.emulator.stats()["kernels_run"]
+        assert not b.query()  # b waits for a's event, which has not run
+        b.synchronize()  # running b runs a up to the event
+        assert pm.emulator.stats()["kernels_run"] == ran + 1 and ev.query()
+        ev.close()  # recorded and waited on: released at once, nothing queued uses it
+        np.testing.assert_array_equal(out.to_host(b), np.full((128, 32), 4.0, np.float32))
+        del x, idx, out
+
+
+def test_an_event_closed_while_queued_work_uses_it_lives_until_that_work_ran(device, lazy_streams, no_leaks):
+    with pm.Stream(device) as a, pm.Stream(device) as b:
+        events = pm.emulator.stats()["events"]
+        ev = a.record()
+        b.wait_event(ev)
+        ev.close()  # a record and a wait are queued on it
+        assert ev.closed and pm.emulator.stats()["events"] == events + 1
+        b.synchronize()
+        a.synchronize()
+        assert pm.emulator.stats()["events"] == events
+
+
+def test_events_of_another_device_are_refused(isolated):
+    r = isolated("""
+import pyacl_moe as pm
+pm.use_emulator()
+d0, d1 = pm.Device(0), pm.Device(1)
+ev = pm.Event(d1)
+for bad in (lambda: d0.default_stream.wait_event(ev), lambda: ev.record(pm.Stream(d0))):
+    try:
+        bad()
+    except pm.InvalidArgument as e:
+        print(e.parameter)
+""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["event", "stream"]
+
+
+@pytest.mark.xfail(strict=True, reason="binding bug: what a safe point's poll frees (a dropped stream's holds) waits "
+                                       "for the next safe point, so emulator.stats() is not exact")
+def test_a_dropped_stream_and_event_are_released(device, no_leaks):
+    streams, events = pm.emulator.stats()["streams"], pm.emulator.stats()["events"]
+    s = pm.Stream(device)
+    ev = s.record()
+    assert pm.emulator.stats()["streams"] == streams + 1
+    del s, ev
+    gc.collect()
+    st = pm.emulator.stats()  # waits for the releases pending
+    assert st["streams"] == streams and st["events"] == events
+
+
+def test_closing_a_stream_waits_for_it(device, lazy_streams, no_leaks):
+    faults = pm.emulator.stats()["device_faults"]
+    s = pm.Stream(device)
+    x = pm.to_device(np.ones((64, 8), np.float32), stream=s)
+    idx = pm.to_device(np.arange(64, dtype=np.int32), stream=s)
+    out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=s)
+    assert pm.emulator.stats()["pending_tasks"] > 0
+    s.close()
+    st = pm.emulator.stats()
+    assert st["pending_tasks"] == 0 and st["device_faults"] == faults
+    np.testing.assert_array_equal(out.to_host(), np.full((16, 8), 4.0, np.float32))  # the array outlives it
+    with pytest.raises(pm.ClosedError, match="stream"):
+        pm.moe_init_routing_v2_grad(x, idx, 4, stream=s)
+    with pytest.raises(pm.ClosedError, match="stream"):
+        out.to_host(s)
+    del x, idx, out
