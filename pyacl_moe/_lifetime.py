@@ -111,17 +111,7 @@ def collect() -> None:
     if not (_dead or _retry or _pollers):
         return
     with _collect_lock:
-        while _dead:
-            token = _dead[0]
-            holder = _registry.get(token)
-            if holder is not None:
-                try:
-                    holder.release()
-                except Exception:  # e.g. the device context could not be made current: later
-                    _retry.append(holder)
-                if token in _registry:
-                    del _registry[token]
-            del _dead[0]
+        _drain_locked()
         for _ in range(len(_retry)):
             holder = _retry[0]
             del _retry[0]
@@ -139,6 +129,21 @@ def collect() -> None:
                 del _pollers[i]
             else:
                 i += 1
+        _drain_locked()  # what the pollers and the releases above let go
+
+
+def _drain_locked() -> None:
+    while _dead:
+        token = _dead[0]
+        holder = _registry.get(token)
+        if holder is not None:
+            try:
+                holder.release()
+            except Exception:  # e.g. the device context could not be made current: later
+                _retry.append(holder)
+            if token in _registry:
+                del _registry[token]
+        del _dead[0]
 
 
 def quiesce() -> None:

@@ -22,10 +22,11 @@ class TensorCore:
     """What an AclTensor owns: the handle, and the allocation it points into (kept alive as
     long as the handle is). Executors built from the tensor hold the core too."""
 
-    __slots__ = ("handle", "token", "alloc", "__weakref__")
+    __slots__ = ("handle", "token", "alloc", "device", "__weakref__")
 
     def __init__(self, array: DeviceArray, fmt: int) -> None:
         alloc = array.allocation()
+        self.device = alloc.device
         self.alloc: Allocation | None = alloc  # None when the owner keeps the memory alive itself
         self.handle = aclnn.TensorHandle()
         self.token = _lifetime.track(self, self.handle)
@@ -50,8 +51,9 @@ class AclTensor:
     def core(self, what: str = "tensor") -> TensorCore:
         """The handle's owner, checked open (for pyacl_moe's own layers)."""
         c = self._core
-        if c is None:
-            raise ClosedError(what, "the AclTensor was closed")
+        if c is None or c.device.closed:
+            raise ClosedError(what, "the AclTensor was closed" if c is None else
+                              f"its device {c.device.device_id} was closed")
         return c
 
     @property
@@ -67,8 +69,9 @@ class AclTensor:
 
     @property
     def closed(self) -> bool:
-        """True once closed."""
-        return self._core is None
+        """True once closed, or once its device was closed."""
+        c = self._core
+        return c is None or c.device.closed
 
     # What CANN reports back: used by tests to check the descriptor is the array's.
     @property

@@ -20,12 +20,20 @@ def test_bench_quick_json_has_exactly_the_keys():
     assert all(isinstance(data[k], float) and data[k] > 0 for k in bench.KEYS[1:])
 
 
+def test_bench_json_has_the_raw_launch_floor():
+    assert "raw_launch_ns" in bench.KEYS and bench.KEYS.index("raw_launch_ns") < bench.KEYS.index("plan_launch_ns")
+
+
 def test_report_states_each_target():
     res = dict.fromkeys(bench.KEYS, 1.0)
     res["backend"] = "emulator"
-    res["plan_launch_ns"] = 5.0
+    res["raw_launch_ns"] = 3.0
+    res["plan_launch_ns"] = 5.0  # 2 units above the floor: the plan's target (1 unit) is missed
     extra = {"oneshot_uncached_ns": 1, "input_mib": 1, "reference_peak_extra_mib": 1, "kernel_gb_per_s": 1,
              "copy_gb_per_s": 1}
     text = bench.report(res, extra)
-    assert "plan launch" in text and "MISSED" in text and "met" in text
+    assert "target plan overhead" in text and "plan_launch_ns - raw_launch_ns" in text
+    assert "MISSED" in text and "met" in text
     assert not bench.targets_met(res)
+    res["plan_launch_ns"] = 3.5
+    assert bench.targets_met(res)

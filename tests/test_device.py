@@ -215,7 +215,6 @@ print('ok')
     assert r.stdout.split("\n")[:2] == ["ok", "at exit 0 0 0 0 0 0 0 0"], r.stdout + r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="binding bug: an AclTensor of a closed device still answers (no ClosedError)")
 def test_an_acltensor_of_a_closed_device_raises_closed_error(isolated):
     r = isolated("""
 import numpy as np, pyacl_moe as pm

@@ -296,8 +296,6 @@ def test_the_cache_is_per_stream_keyed_by_layout_and_attributes_and_holds_eight(
     assert pm.emulator.stats()["executors"] == executors
 
 
-@pytest.mark.xfail(strict=True, reason="binding bug: a plan dropped without close() frees its arrays at the next "
-                                       "safe point, under launches still queued")
 def test_a_dropped_plan_keeps_its_arrays_until_its_launches_ran(device, lazy_streams):
     case = make_case(64, 2, 32, "float32", "dropless", seed=42)
     faults = pm.emulator.stats()["device_faults"]

@@ -154,9 +154,10 @@ print('ok')
 # ------------------------------------------------------------------------------------------- 4
 
 def test_04_the_executor_cache_never_destroys_an_executor_in_use(device):
-    cases = [make_case(8, 2, 8 + 4 * i, "float32", "dropless", seed=i) for i in range(12)]  # more than the cache holds
-    arrays = [(pm.to_device(c.grad_expanded_x), pm.to_device(c.expanded_row_idx), pm.moe_init_routing_v2_grad(*c.args()))
-              for c in cases]
+    # More layouts than a stream's cache holds.
+    cases = [make_case(8, 2, 8 + 4 * i, "float32", "dropless", seed=i) for i in range(12)]
+    arrays = [(pm.to_device(c.grad_expanded_x), pm.to_device(c.expanded_row_idx),
+               pm.moe_init_routing_v2_grad(*c.args())) for c in cases]
 
     def worker(stop):
         i = 0
@@ -189,7 +190,7 @@ def test_05_the_pool_keeps_count_of_every_block_under_threads(device):
 
     errors = _hammer([worker(i) for i in range(6)], 1.5)
     shared.close()
-    del arrays
+    arrays.clear()
     assert not errors, errors[0]
     settle()
     assert pm.memory_stats()["bytes_held"] == 0
@@ -497,8 +498,9 @@ def test_every_closed_object_raises_closed_error(device, no_leaks):
     plan.close()
     size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((8, 16), np.float32))
     ex.close()
+    other_out = pm.empty((8, 16), np.float32)
     for use in (s.synchronize, s.query, lambda: s.record(), ev.synchronize, ev.query, lambda: ev.record(),
-                a.to_host, lambda: a[0], t.core, lambda: t.view_shape, plan, lambda: plan.rebind(out=pm.empty((8, 16), np.float32)),
+                a.to_host, lambda: a[0], t.core, lambda: t.view_shape, plan, lambda: plan.rebind(out=other_out),
                 ex.set_repeatable, lambda: pm.execute(None, 0, ex)):
         with pytest.raises(ClosedError):
             use()

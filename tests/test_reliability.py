@@ -309,8 +309,6 @@ print("ok")
     assert r.stdout.strip() == "ok"
 
 
-@pytest.mark.xfail(strict=True, reason="binding bug: a plan dropped without close() frees its arrays at the next "
-                                       "safe point, under launches still queued")
 def test_work_queued_by_objects_in_a_cycle_finishes_before_their_memory_goes(isolated):
     # Plans, arrays and streams caught in one reference cycle are freed by the collector in an
     # order of its choosing. Memory that queued launches read must outlive them: no device

@@ -167,8 +167,6 @@ for bad in (lambda: d0.default_stream.wait_event(ev), lambda: ev.record(pm.Strea
     assert r.stdout.split() == ["event", "stream"]
 
 
-@pytest.mark.xfail(strict=True, reason="binding bug: what a safe point's poll frees (a dropped stream's holds) waits "
-                                       "for the next safe point, so emulator.stats() is not exact")
 def test_a_dropped_stream_and_event_are_released(device, no_leaks):
     streams, events = pm.emulator.stats()["streams"], pm.emulator.stats()["events"]
     s = pm.Stream(device)

@@ -70,6 +70,30 @@ class _Slot:
             time.sleep(0.0001)
 
 
+class _Slots:
+    """A plan's slots by stream, and their one release: stop each, then hand what it kept to
+    its stream until the launches queued there have run."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self) -> None:
+        self.slots: dict[StreamState, _Slot] = {}
+
+    @staticmethod
+    def detach(slots: dict[StreamState, _Slot]) -> None:
+        taken = list(slots.values())
+        slots.clear()
+        for s in taken:
+            s.detach()
+        for s in taken:
+            s.state.retire(s.keep)
+
+    def release(self) -> int:
+        """The plan went without close() (the holder's release, at a safe point)."""
+        self.detach(self.slots)
+        return 0
+
+
 def check_no_overlap(spec: OpSpec, arrays: Mapping[str, DeviceArray | None]) -> None:
     """Refuse an output that shares memory with another tensor of the launch: the kernel would
     read what it is overwriting."""
@@ -102,7 +126,11 @@ class Plan:
                  repeatable: bool) -> None:
         self._lock = threading.Lock()  # guards _slots, _closed, _spent, _arrays, the executor's addresses
         self._slot: _Slot | None = None  # the slot launched through last (the steady state's)
-        self._slots: dict[StreamState, _Slot] = {}
+        # The slots, by stream. Their holder hands what they keep to their streams when the plan
+        # goes without close(): launches it queued may not have run.
+        holder = _Slots()
+        self._slots = holder.slots
+        _lifetime.track(self, holder)
         self._closed = True  # until the executor exists
         self._spent = False  # a one-shot plan that has launched
         self._device = device
@@ -256,13 +284,8 @@ class Plan:
 
     def _detach_all(self) -> None:
         """Stop every slot (lock held) and hand what they kept to their streams."""
-        slots = list(self._slots.values())
-        self._slots = {}
         self._slot = None
-        for s in slots:
-            s.detach()
-        for s in slots:
-            s.state.retire(s.keep)
+        _Slots.detach(self._slots)
 
     def _rebind(self, changes: Mapping[str, DeviceArray]) -> None:
         """Point the executor at ``changes`` (name -> array, checked by the subclass for its
