@@ -484,8 +484,9 @@ def _order_after(streams: dict[StreamState, None], alloc: Allocation, state: Str
             continue  # stream order
         try:
             if state is None:
-                if not other.query():
-                    other.synchronize(None)
+                # A synchronize even when the stream looks idle: it is what reports a device
+                # fault of the work that used the memory (a query does not).
+                other.synchronize(None)
             else:
                 ev = Event(other.device)
                 core = ev.core()

@@ -133,13 +133,12 @@ def lazy_streams():
     pyacl_moe.emulator.set_stream_mode("async")
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """After the whole run, no live device allocation may have corrupt guard bytes."""
+@pytest.fixture(scope="session", autouse=True)
+def guards_intact():
+    """After the whole run (of each worker process), no live device allocation may have
+    corrupt guard bytes: something wrote past the end of a block."""
+    yield
     if BACKEND != "emulator" or pyacl_moe.loaded_info() is None:
         return
     corrupt = pyacl_moe.emulator.check_guards()
-    if corrupt:
-        session.config.get_terminal_writer().line(
-            f"emulator: {corrupt} live device allocation(s) with corrupt guard bytes after the run", red=True
-        )
-        session.exitstatus = 1
+    assert corrupt == 0, f"emulator: {corrupt} live device allocation(s) with corrupt guard bytes after the run"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import ml_dtypes
 import numpy as np
@@ -233,3 +234,20 @@ def test_reading_back_waits_for_the_last_writer(device, lazy_streams, no_leaks):
         x.copy_from_host(np.zeros((256, 4), np.float32))
         np.testing.assert_array_equal(out.to_host(b), np.full((128, 4), 2.0, np.float32))
         del arr, x, idx, out
+
+
+def test_reading_back_reports_a_fault_of_the_work_that_wrote_the_array(device, no_leaks):
+    # The kernel faults (an index past the rows, unchecked with validate=False); by the time
+    # the array is read back the device is idle, and a query would say so without the fault:
+    # the read back synchronizes the writer's stream, so the fault is reported here, once.
+    x = pm.to_device(np.ones((8, 4), np.float32))
+    bad = pm.to_device(np.full(8, 99, np.int32))
+    out = pm.moe_init_routing_v2_grad(x, bad, 2, validate=False)
+    deadline = time.time() + 5
+    while not device.default_stream.query() and time.time() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(pm.AclRuntimeError) as info:
+        out.to_host()
+    assert info.value.status == 507015
+    out2 = pm.moe_init_routing_v2_grad(x, pm.to_device(np.arange(8, dtype=np.int32)), 2)
+    assert np.array_equal(out2.to_host(), np.full((4, 4), 2.0, np.float32))  # the next one is clean

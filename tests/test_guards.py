@@ -1,4 +1,4 @@
-"""Guard bytes: the end-of-run check (conftest.pytest_sessionfinish) would catch a stray
+"""Guard bytes: the end-of-run check (conftest.guards_intact) would catch a stray
 write; this shows the check sees one."""
 
 from __future__ import annotations
