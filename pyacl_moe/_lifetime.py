@@ -207,17 +207,18 @@ class Ledger:
     # Beyond this many fences still pending, no new one: the oldest must finish first.
     MAX_FENCES = 16
 
-    __slots__ = ("context", "stream", "count", "completed", "holds", "fences", "spare", "last_fence")
+    __slots__ = ("context", "stream", "count", "completed", "holds", "fences", "spare", "next_fence")
 
     def __init__(self, context: acl.Context, stream: acl.StreamHandle | None) -> None:
         self.context = context
         self.stream = stream
         self.count = 0  # points given out
         self.completed = 0  # every point <= completed is known complete
-        self.holds: collections.deque[tuple[int, Any]] = collections.deque()  # (point, what), in order
+        # (point, what...) in point order: what a hold keeps is everything after the point
+        self.holds: collections.deque[tuple[Any, ...]] = collections.deque()
         self.fences: collections.deque[tuple[int, acl.EventHandle]] = collections.deque()
         self.spare: list[acl.EventHandle] = []  # completed fence events, for reuse
-        self.last_fence = 0
+        self.next_fence = self.FENCE_EVERY  # the count at which after_enqueue fences next
 
     def hold(self, what: Any) -> None:
         """Keep ``what`` until the enqueue about to be made is complete (call before it)."""
@@ -238,16 +239,16 @@ class Ledger:
     def after_enqueue(self) -> list[Any]:
         """Called after each held enqueue: fence every FENCE_EVERY points, and drop what the
         fences show complete."""
-        if self.count - self.last_fence < self.FENCE_EVERY:
+        if self.count < self.next_fence:
             return _NOTHING
         self.fence()
-        self.last_fence = self.count  # even when no fence could be recorded: try again later
+        self.next_fence = self.count + self.FENCE_EVERY  # even when no fence could be recorded
         return self.poll()
 
     def fence(self) -> None:
         """Record an event behind everything queued so far (a failure is not the caller's:
         what is held then waits for the next fence or synchronize)."""
-        if not self.holds or len(self.fences) >= self.MAX_FENCES or self.last_fence == self.count:
+        if not self.holds or len(self.fences) >= self.MAX_FENCES or (self.fences and self.fences[-1][0] == self.count):
             return
         try:
             spare = self.spare
@@ -263,7 +264,6 @@ class Ledger:
             entry = (self.count, h)
             del spare[-1]
             self.fences.append(entry)
-            self.last_fence = self.count
         except Exception:
             return
 

@@ -73,6 +73,13 @@ def acl_data_type(dtype: Any) -> int:
     return declare.const(name)
 
 
+def _span(base: int, shape: tuple[int, ...], strides: tuple[int, ...], offset: int, item: int) -> tuple[int, int]:
+    lo = base + offset * item
+    if not all(shape):
+        return (lo, lo - 1)
+    return (lo, lo + sum((n - 1) * s for n, s in zip(shape, strides)) * item + item - 1)
+
+
 # layout -> its id. Ids are never reused (next() is atomic; a lost race wastes a number).
 _layout_ids: dict[tuple[Any, ...], int] = {}
 _layout_counter = itertools.count()
@@ -149,27 +156,32 @@ class DeviceArray:
     :func:`zeros` or :func:`from_pointer`; read it back with :meth:`to_host`.
     """
 
-    __slots__ = ("_alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "_span", "_layout",
-                 "_layout_id", "__weakref__")
+    __slots__ = ("alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "_layout", "span",
+                 "layout_id", "__weakref__")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int) -> None:
-        self._alloc: Allocation | None = alloc
+        #: the Allocation the view is of (None once closed); see :meth:`allocation` for a checked one
+        self.alloc: Allocation | None = alloc
         self._shape = shape
         self._dtype = dtype
         self._strides = strides
         self._offset = offset
         self._acl_dtype = acl_data_type(dtype)
         self._desc: aclnn.TensorDesc | None = None
-        self._span: tuple[int, int] | None = None
         self._layout = (shape, dtype, strides)
-        self._layout_id = -1
+        # Read on every launch, so plain attributes rather than properties.
+        #: (first, last) device byte addresses the view touches (last < first when empty).
+        self.span = _span(alloc.ptr, shape, strides, offset, dtype.itemsize)
+        #: a small int naming :attr:`layout` in this process (equal ids, equal layouts): a cheap
+        #: key for caches of executors and checks.
+        self.layout_id = _layout_ids.setdefault(self._layout, next(_layout_counter))
 
     # -- for pyacl_moe's own layers
 
     def allocation(self, what: str = "array") -> Allocation:
         """The allocation this array views, checked alive (ClosedError otherwise)."""
-        a = self._alloc
+        a = self.alloc
         if a is None or a.device.closed:
             raise ClosedError(what, "this DeviceArray was closed" if a is None else
                               f"its memory went with device {a.device.device_id}, which was closed")
@@ -183,21 +195,6 @@ class DeviceArray:
             d = self._desc = aclnn.TensorDesc(self._shape, self._acl_dtype, self._strides, self._offset,
                                               (a.nbytes // self._dtype.itemsize,))
         return d
-
-    def span(self) -> tuple[int, int]:
-        """[first, last] device byte addresses the view touches (last < first when empty)."""
-        sp = self._span
-        if sp is None:
-            base = self.allocation().ptr
-            item = self._dtype.itemsize
-            lo = base + self._offset * item
-            if not all(self._shape):
-                sp = (lo, lo - 1)
-            else:
-                hi = lo + sum((n - 1) * s for n, s in zip(self._shape, self._strides)) * item + item - 1
-                sp = (lo, hi)
-            self._span = sp
-        return sp
 
     # -- construction
 
@@ -238,15 +235,6 @@ class DeviceArray:
     def layout(self) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
         """(shape, dtype, strides): what an aclTensor of the view depends on, its address aside."""
         return self._layout
-
-    @property
-    def layout_id(self) -> int:
-        """A small int naming :attr:`layout` in this process (equal ids, equal layouts): a cheap
-        key for caches of executors and checks."""
-        lid = self._layout_id
-        if lid < 0:
-            lid = self._layout_id = _layout_ids.setdefault(self._layout, next(_layout_counter))
-        return lid
 
     @property
     def ndim(self) -> int:
@@ -304,7 +292,7 @@ class DeviceArray:
     @property
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
-        a = self._alloc
+        a = self.alloc
         return a is None or a.device.closed
 
     def __len__(self) -> int:
@@ -371,7 +359,7 @@ class DeviceArray:
         """
         alloc = self.allocation()
         out = np.empty(self._shape, dtype=self._dtype)
-        lo, hi = self.span()
+        lo, hi = self.span
         if hi < lo:
             return out
         nbytes = hi - lo + 1
@@ -421,7 +409,7 @@ class DeviceArray:
     def close(self) -> None:
         """Drop this array's hold on the memory; it is freed once no array views it and no
         queued work uses it. Safe twice."""
-        self._alloc = None
+        self.alloc = None
         _lifetime.collect()
 
 
@@ -438,7 +426,7 @@ def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
 
 def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
     """Whether two views share a byte of device memory (exact, strides included)."""
-    (alo, ahi), (blo, bhi) = a.span(), b.span()
+    (alo, ahi), (blo, bhi) = a.span, b.span
     if ahi < alo or bhi < blo or ahi < blo or bhi < alo:
         return False
     if a.is_contiguous and b.is_contiguous:

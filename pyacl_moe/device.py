@@ -156,7 +156,8 @@ class Device:
     @property
     def default_stream(self) -> Any:
         """The device's default Stream (CANN's NULL stream), attached by the stream module."""
-        return self.attached("default_stream")
+        s = self._attached.get("default_stream")
+        return s if s is not None and not self._closed else self.attached("default_stream")
 
     def queues(self) -> list[Queue]:
         """The device's streams (their states), open or finishing."""

@@ -279,7 +279,8 @@ class Stream:
     another thread is using makes that thread's call complete or raise ClosedError.
     """
 
-    __slots__ = ("_state", "_is_default", "__weakref__")
+    __slots__ = ("state", "_is_default", "__weakref__")
+    state: StreamState  #: the stream's internals, for pyacl_moe's own layers (read on every launch)
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
@@ -287,7 +288,7 @@ class Stream:
         dev.activate()
         handle = acl.StreamHandle(dev.context)
         state = StreamState(dev, handle)
-        self._state = state
+        self.state = state
         self._is_default = False
         _lifetime.track(self, state)  # before the handle exists: a dropped stream is released
         acl.create_stream(handle)
@@ -297,7 +298,7 @@ class Stream:
     def _default(cls, device: Device) -> Stream:
         s = cls.__new__(cls)
         state = StreamState(device, None)
-        s._state = state
+        s.state = state
         s._is_default = True
         device.add_queue(state)
         return s
@@ -305,19 +306,14 @@ class Stream:
     # -- properties
 
     @property
-    def state(self) -> StreamState:
-        """The stream's internals (for pyacl_moe's own layers)."""
-        return self._state
-
-    @property
     def device(self) -> Device:
         """The device the stream belongs to."""
-        return self._state.device
+        return self.state.device
 
     @property
     def handle(self) -> int:
         """The aclrtStream as an integer (0 for a default stream, and once closed)."""
-        h = self._state.handle
+        h = self.state.handle
         return h.address if h is not None else 0
 
     @property
@@ -328,7 +324,7 @@ class Stream:
     @property
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
-        s = self._state
+        s = self.state
         return s.closing or s.device.closed
 
     def __repr__(self) -> str:
@@ -342,26 +338,26 @@ class Stream:
         device-side failure (e.g. 507015 for a kernel fault) or a timeout (507046)."""
         if timeout_ms is not None:
             timeout_ms = _args.int32("timeout_ms", timeout_ms, lo=-1)
-        self._state.synchronize(timeout_ms)
+        self.state.synchronize(timeout_ms)
 
     def query(self) -> bool:
         """True when every task queued on the stream has run (aclrtStreamQuery); never
         waits."""
-        return self._state.query()
+        return self.state.query()
 
     def wait_event(self, event: Event) -> None:
         """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent)."""
         ev = _args.instance("event", event, Event, "an Event")
         core = ev.core("event")
-        if core.device is not self._state.device:
+        if core.device is not self.state.device:
             raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
-                                           f"{self._state.device.device_id}")
-        self._state.enqueue(core, acl.stream_wait_event, core.handle)
+                                           f"{self.state.device.device_id}")
+        self.state.enqueue(core, acl.stream_wait_event, core.handle)
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) on this stream and return it."""
         if event is None:
-            ev = Event(self._state.device)
+            ev = Event(self.state.device)
         else:
             ev = _args.instance("event", event, Event, "an Event or None")
         ev.record(self)
@@ -373,7 +369,7 @@ class Stream:
         """Wait for the stream, then destroy it. Safe twice; a no-op on a default stream."""
         if self._is_default:
             return
-        self._state.close()
+        self.state.close()
 
     def __enter__(self) -> Stream:
         return self
@@ -389,10 +385,10 @@ def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") 
     """The state of ``stream`` (the device's default stream if None), checked open and on
     ``device``."""
     if stream is None:
-        return device.default_stream._state
+        return device.default_stream.state
     if not isinstance(stream, Stream):
         raise InvalidArgument(name, f"must be a Stream or None, got {type(stream).__name__}")
-    state = stream._state
+    state = stream.state
     state.check_open(name)
     if state.device is not device:
         raise InvalidArgument(name, f"is on device {state.device.device_id}, the arrays on {device.device_id}")

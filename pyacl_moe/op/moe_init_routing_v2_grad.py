@@ -288,16 +288,19 @@ def moe_init_routing_v2_grad(
 
 def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any, out: Any,
                 stream: Stream | None, workspace: DeviceArray | None, validate: bool) -> DeviceArray:
-    # The common case's checks come first and cheaply; anything unusual takes _device_of for
-    # its errors.
-    xa = x.allocation("grad_expanded_x")
-    ia = idx.allocation("expanded_row_idx")
+    # The common case's checks come first and cheaply (a closed device is caught under the
+    # stream's lock); anything unusual takes _device_of for its errors.
+    xa, ia = x.alloc, idx.alloc
+    if xa is None or ia is None:
+        xa, ia = x.allocation("grad_expanded_x"), idx.allocation("expanded_row_idx")  # raises ClosedError
     dev = xa.device
     oa = None
     if out is not None:
-        if not isinstance(out, DeviceArray):
+        if type(out) is not DeviceArray and not isinstance(out, DeviceArray):
             raise InvalidArgument("out", f"must be a DeviceArray when the inputs are, got {type(out).__name__}")
-        oa = out.allocation("out")
+        oa = out.alloc
+        if oa is None:
+            oa = out.allocation("out")  # raises ClosedError
     if ia.device is not dev or (oa is not None and oa.device is not dev) or workspace is not None:
         arrays = {"grad_expanded_x": x, "expanded_row_idx": idx}
         if out is not None:
@@ -309,20 +312,24 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
     if state.device is not dev:
         resolve_stream(stream, dev)  # raises, naming the devices
     if validate:
-        key = (x.layout_id, idx.layout_id, type(top_k), top_k, type(mode), mode, type(active), active,
-               -1 if out is None else out.layout_id)
+        if type(top_k) is int and type(mode) is int and type(active) is int:
+            key: tuple[Any, ...] = (x.layout_id, idx.layout_id, -1 if out is None else out.layout_id, top_k, mode,
+                                    active)
+        else:  # NumPy integers, or what the checks refuse: the types go in the key too
+            key = (x.layout_id, idx.layout_id, -1 if out is None else out.layout_id, type(top_k), top_k, type(mode),
+                   mode, type(active), active)
         geo = _validated.get(key)
         if geo is None:
             geo = _check_layout(key, x, idx, top_k, mode, active, out)
-        xlo, xhi = x.span()
-        ilo, ihi = idx.span()
+        xlo, xhi = x.span
+        ilo, ihi = idx.span
         if out is None:
             out = empty((geo.tokens, geo.hidden), x.dtype, dev)
             oa = out.allocation("out")
-            key = (*key[:-1], out.layout_id)
-            olo = out.span()[0]
+            key = (key[0], key[1], out.layout_id, *key[3:])
+            olo = out.span[0]
         else:
-            olo, ohi = out.span()
+            olo, ohi = out.span
             if (olo <= xhi and xlo <= ohi) or (olo <= ihi and ilo <= ohi):
                 check_no_overlap(SPEC, {"grad_expanded_x": x, "expanded_row_idx": idx, "out": out})
         if workspace is not None and may_overlap(workspace, out):

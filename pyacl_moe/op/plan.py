@@ -29,7 +29,7 @@ from .._cann.errcheck import check, recent_message
 from ..array import Allocation, DeviceArray, may_overlap
 from ..device import Device
 from ..errors import ClosedError, InvalidArgument
-from ..pool import WORKSPACE, workspace_for
+from ..pool import workspace_for
 from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
 from .executor import Executor, build, launch, mark_uses
@@ -333,7 +333,8 @@ class Plan:
 
 class _Cached:
     """A repeatable executor for one layout on one stream, the addresses it is bound to now,
-    and its launch with every argument bound (for the stream's current workspace)."""
+    and its launch with every argument bound, with the workspace it was bound with (kept alive
+    here: the stream may have taken another since, and this one is still good)."""
 
     __slots__ = ("core", "tensors", "offsets", "bound", "call", "call_ws", "size")
 
@@ -347,20 +348,23 @@ class _Cached:
         self.core = core
         self.size = core.workspace_size
         self.offsets = [a.offset * a.itemsize for a in arrays]
-        self.bound = [a.address for a in arrays]
+        self.bound = tuple(a.span[0] for a in arrays)  # first-element addresses bound now
         self.call: Any = None
         self.call_ws: Any = None
 
-    def rebind_one(self, spec: OpSpec, i: int, addr: int) -> None:
-        """Point tensor ``i`` (``spec.tensors`` order) at a view whose first element is at
-        ``addr`` (the stream's lock held)."""
-        kind, index = spec.slot(spec.tensors[i])
-        setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
-        setter(self.core.handle, index, self.tensors[i].handle, addr - self.offsets[i])
-        self.bound[i] = addr
+    def rebind(self, spec: OpSpec, firsts: tuple[int, ...]) -> None:
+        """Point the executor at views whose first elements are at ``firsts`` (the stream's
+        lock held)."""
+        bound = self.bound
+        for i, addr in enumerate(firsts):
+            if addr != bound[i]:
+                kind, index = spec.slot(spec.tensors[i])
+                setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
+                setter(self.core.handle, index, self.tensors[i].handle, addr - self.offsets[i])
+        self.bound = firsts
 
     def bind(self, spec: OpSpec, block: Allocation | None, state: StreamState) -> Any:
-        """The launch with every argument bound, for the stream's workspace ``block``."""
+        """The launch with every argument bound, for the workspace ``block``."""
         self.call = aclnn.bound_launch(spec.api, block.ptr if block is not None else 0, self.size, self.core.handle,
                                        state.handle)
         self.call_ws = block
@@ -392,75 +396,85 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs:
     addresses of their first elements, checked by the caller) through the stream's cached
     executor for ``key`` (layout and attribute values, in ``spec.attrs`` order), made on a
     miss."""
-    if workspace is None:
-        ws_slot = state.caches.get(WORKSPACE)
-        block = ws_slot.block if ws_slot is not None else None
-    else:
-        block = workspace.allocation("workspace")
-    # Host writes to these arrays wait for this stream from now on.
+    # Host writes to these arrays wait for this stream from now on; reading back waits for it
+    # where it writes.
     for alloc in allocs:
         if state not in alloc.users:
             alloc.users[state] = None
     for i in spec.output_positions:
         if state not in allocs[i].writers:
             allocs[i].writers[state] = None
-    with state.lock:
-        if state.closing or state.device.closed:
-            state.check_open()
+    if workspace is None:
+        with state.lock:
+            if state.closing or state.device.closed:
+                state.check_open()
+            cache = state.caches.get(spec.api)
+            entry = cache.entries.get(key) if cache is not None else None
+            if entry is not None and entry.call is not None:
+                # The steady state: one bound foreign call. With one device open, the thread's
+                # context is not checked first: a launch without one fails cleanly, and the
+                # context is made current for the retry.
+                if acl.contexts_open != 1 and _thread.context is not state.context:
+                    state.device.activate()
+                if firsts != entry.bound:
+                    entry.rebind(spec, firsts)
+                ledger = state.ledger
+                ledger.count += 1
+                ledger.holds.append((ledger.count, entry.call_ws, allocs))
+                st = entry.call()
+                if st:
+                    if _thread.context is state.context:
+                        check(st, spec.api)
+                    recent_message()
+                    state.device.activate()
+                    check(entry.call(), spec.api)
+                done = ledger.after_enqueue() if ledger.count >= ledger.next_fence else None
+                return
+    # A miss (a new layout, a user's workspace, a stream without a workspace yet): the first
+    # phase and the workspace are made outside the lock, then the launch under it. An entry
+    # is only ever used under the lock: another thread may evict (and destroy) it meanwhile.
+    built: _Cached | None = None
+    while True:
         cache = state.caches.get(spec.api)
         entry = cache.entries.get(key) if cache is not None else None
-        if entry is not None and (block is not None and block.nbytes >= entry.size or not entry.size):
+        if entry is None:
+            if built is None:
+                built = _Cached(spec, state.device, arrays, dict(zip(spec.attrs, attrs)))
+            entry = built
+        size = entry.size
+        if workspace is None:
+            block = workspace_for(state, size) if size else None
+        else:
+            block = workspace.allocation("workspace")
+            if workspace.nbytes < size:
+                raise InvalidArgument("workspace", f"must hold at least {size} bytes, got {workspace.nbytes}")
+        with state.lock:
+            state.check_open()
+            cache = state.caches.get(spec.api)
+            if cache is None:
+                cache = state.caches[spec.api] = _ExecutorCache()
+            current = cache.entries.get(key)
+            if current is None:
+                if built is None:
+                    continue  # evicted since it was looked up: make one
+                cache.entries[key] = entry = built
+                while len(cache.entries) > _ExecutorCache.SIZE:
+                    cache.entries.popitem(last=False)[1].core.destroy()
+            else:
+                entry = current  # ours, if made, goes
+            if entry.size > size:
+                continue  # another thread's entry needs more workspace than was fetched
             if _thread.context is not state.context:
                 state.device.activate()
-            bound = entry.bound
-            for i, addr in enumerate(firsts):
-                if addr != bound[i]:
-                    entry.rebind_one(spec, i, addr)
-            ledger = state.ledger
-            ledger.count += 1
-            ledger.holds.append((ledger.count, (block, allocs)))
+            if firsts != entry.bound:
+                entry.rebind(spec, firsts)
+            state.ledger.hold((block, allocs))
             if workspace is None:
-                call = entry.call
-                if call is None or entry.call_ws is not block:
-                    call = entry.bind(spec, block, state)
-                st = call()
+                st = entry.bind(spec, block, state)()
                 if st:
                     check(st, spec.api)
             else:
                 aclnn.launch(spec.api, workspace.address, entry.size, entry.core.handle, state.handle, False)
-            done = ledger.after_enqueue() if ledger.count - ledger.last_fence >= ledger.FENCE_EVERY else None
-            return
-    # A miss (a new layout, no workspace yet, a workspace too small): the first phase and the
-    # workspace are made outside the lock, then the launch as above.
-    entry = _Cached(spec, state.device, arrays, dict(zip(spec.attrs, attrs)))
-    size = entry.size
-    if workspace is None:
-        block = workspace_for(state, size) if size else None
-    elif workspace.nbytes < size:
-        raise InvalidArgument("workspace", f"must hold at least {size} bytes, got {workspace.nbytes}")
-    with state.lock:
-        state.check_open()
-        cache = state.caches.get(spec.api)
-        if cache is None:
-            cache = state.caches[spec.api] = _ExecutorCache()
-        current = cache.entries.get(key)
-        if current is None:
-            cache.entries[key] = entry
-            while len(cache.entries) > _ExecutorCache.SIZE:
-                cache.entries.popitem(last=False)[1].core.destroy()
-        else:
-            entry = current  # another thread made one meanwhile; ours goes
-        if _thread.context is not state.context:
-            state.device.activate()
-        for i, addr in enumerate(firsts):
-            if addr != entry.bound[i]:
-                entry.rebind_one(spec, i, addr)
-        state.ledger.hold((block, allocs))
-        if workspace is None:
-            st = entry.bind(spec, block, state)()
-            if st:
-                check(st, spec.api)
-        else:
-            aclnn.launch(spec.api, workspace.address, entry.size, entry.core.handle, state.handle, False)
-        done = state.ledger.after_enqueue()
-    del done
+            done = state.ledger.after_enqueue()
+        del done
+        return
