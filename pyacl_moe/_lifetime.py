@@ -39,8 +39,8 @@ from ._cann import acl
 from ._cann.errcheck import check
 from ._cann.handles import process_forked
 
-__all__ = ["Holder", "Ledger", "close_core", "collect", "forked", "quiesce", "release", "release_where", "retiring",
-           "track", "while_releases_wait"]
+__all__ = ["Holder", "Ledger", "Owner", "close_core", "collect", "forked", "quiesce", "release", "release_where",
+           "retiring", "track", "while_releases_wait"]
 
 
 class Holder(Protocol):
@@ -93,6 +93,37 @@ def close_core(token: weakref.ref[Any], api: str) -> None:
     if token() is None:
         check(release(token), api)
     collect()
+
+
+class Owner:
+    """The public face of one core (an object that owns a CANN handle through :func:`track`):
+    ``close()``, safe twice and from any thread, and the context manager. Subclasses keep the
+    core in ``_core`` and name the CANN call that releases it in ``RELEASE_API``."""
+
+    __slots__ = ()
+    RELEASE_API = ""
+    _core: Any
+
+    def _dropped(self) -> None:
+        """Drop references of the owner's own besides the core (a hook)."""
+
+    def close(self) -> None:
+        """Release the handle: at once, unless queued work (or another object built from it)
+        still needs it, then when that is done. Safe twice."""
+        core = self._core
+        if core is None:
+            return
+        token = core.token
+        self._core = None
+        self._dropped()
+        del core
+        close_core(token, self.RELEASE_API)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def retiring(poller: Any) -> None:

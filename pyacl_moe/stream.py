@@ -408,10 +408,12 @@ class _EventCore:
         acl.create_event(self.handle)
 
 
-class Event:
-    """A CANN event: a marker recorded on a stream, for ordering and timing."""
+class Event(_lifetime.Owner):
+    """A CANN event: a marker recorded on a stream, for ordering and timing. ``close()``
+    destroys it, at once unless queued work still records or waits on it."""
 
     __slots__ = ("_core", "_device", "__weakref__")
+    RELEASE_API = "aclrtDestroyEvent"
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
@@ -478,19 +480,3 @@ class Event:
         """``end - start``: milliseconds between two completed events."""
         return _args.instance("start", start, Event, "an Event").elapsed_ms(self)
 
-    def close(self) -> None:
-        """Destroy the event, at once unless queued work still records or waits on it. Safe
-        twice."""
-        core = self._core
-        if core is None:
-            return
-        token = core.token
-        self._core = None
-        del core
-        _lifetime.close_core(token, "aclrtDestroyEvent")
-
-    def __enter__(self) -> Event:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -8,8 +8,6 @@ view becomes a strided aclTensor, never a hidden copy. The handle is destroyed b
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import _args, _lifetime
 from ._cann import aclnn, declare
 from .array import Allocation, DeviceArray
@@ -33,12 +31,14 @@ class TensorCore:
         aclnn.create_tensor(self.handle, array.tensor_desc(), alloc.ptr, fmt)
 
 
-class AclTensor:
+class AclTensor(_lifetime.Owner):
     """An aclTensor describing ``array`` (which it keeps alive while the handle lives).
 
-    ``fmt`` is an aclFormat code (default ND)."""
+    ``fmt`` is an aclFormat code (default ND). ``close()`` is aclDestroyTensor, at once unless
+    an executor or queued work still uses it."""
 
     __slots__ = ("_core", "_array", "__weakref__")
+    RELEASE_API = "aclDestroyTensor"
 
     def __init__(self, array: DeviceArray, fmt: int | None = None) -> None:
         _args.instance("array", array, DeviceArray, "a DeviceArray")
@@ -114,22 +114,6 @@ class AclTensor:
         rebind)."""
         self._array = array
 
-    def close(self) -> None:
-        """aclDestroyTensor, at once unless an executor or queued work still uses it. Safe
-        twice."""
-        core = self._core
-        if core is None:
-            return
-        token = core.token
-        self._core = None
-        del core
-        _lifetime.close_core(token, "aclDestroyTensor")
-
-    def __enter__(self) -> AclTensor:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         a = self._array

@@ -18,10 +18,16 @@ import pyacl_moe as pm
 from pyacl_moe.tools.cases import make_case
 
 SECONDS = float(os.environ.get("PYACL_MOE_STRESS_SECONDS", "3"))
+LONG_SECONDS = float(os.environ.get("PYACL_MOE_STRESS_LONG_SECONDS", "20"))
 THREADS = 8
 
+# Every stress test runs SECONDS in the default run and LONG_SECONDS under -m slow.
+duration = pytest.mark.parametrize(
+    "seconds", [SECONDS, pytest.param(LONG_SECONDS, marks=pytest.mark.slow)], ids=["short", "long"]
+)
 
-def hammer(workers, seconds: float = SECONDS) -> list[BaseException]:
+
+def hammer(workers, seconds: float) -> list[BaseException]:
     """Run each ``worker(stop, i)`` on its own thread for ``seconds``; return what they raised."""
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -54,7 +60,8 @@ def case():
     return c, pm.moe_init_routing_v2_grad(*c.args())  # the kernel is deterministic: bit-exact
 
 
-def test_a_shared_stream(device, no_leaks, case):
+@duration
+def test_a_shared_stream(device, no_leaks, case, seconds):
     c, expected = case
     shared = pm.Stream(device)
 
@@ -77,12 +84,13 @@ def test_a_shared_stream(device, no_leaks, case):
             elif i == 1:
                 shared.query()
 
-    errors = hammer([worker] * THREADS)
+    errors = hammer([worker] * THREADS, seconds)
     shared.close()
     assert not errors, errors[0]
 
 
-def test_a_shared_plan(device, no_leaks, case):
+@duration
+def test_a_shared_plan(device, no_leaks, case, seconds):
     c, expected = case
     x, idx = pm.to_device(c.grad_expanded_x), pm.to_device(c.expanded_row_idx)
     current = [pm.MoeInitRoutingV2Grad(x, idx, 4)]
@@ -118,13 +126,14 @@ def test_a_shared_plan(device, no_leaks, case):
                 old, current[0] = current[0], pm.MoeInitRoutingV2Grad(x, idx, 4)
             old.close()
 
-    errors = hammer([launcher] * (THREADS - 2) + [rebinder, replacer])
+    errors = hammer([launcher] * (THREADS - 2) + [rebinder, replacer], seconds)
     current[0].close()
     assert not errors, errors[0]
     assert closed_seen, "no launch met a closed plan: the test did not exercise closing"
 
 
-def test_a_shared_array(device, no_leaks, case):
+@duration
+def test_a_shared_array(device, no_leaks, case, seconds):
     c, expected = case
     x = pm.to_device(c.grad_expanded_x)
     idx = pm.to_device(c.expanded_row_idx)
@@ -143,11 +152,12 @@ def test_a_shared_array(device, no_leaks, case):
                 # for (or be ordered after) the kernels that read x.
                 x.copy_from_host(c.grad_expanded_x, stream=own if i % 2 else None)
 
-    errors = hammer([reader] * (THREADS - 2) + [writer] * 2)
+    errors = hammer([reader] * (THREADS - 2) + [writer] * 2, seconds)
     assert not errors, errors[0]
 
 
-def test_the_pool_and_empty_cache(device, no_leaks, case):
+@duration
+def test_the_pool_and_empty_cache(device, no_leaks, case, seconds):
     c, expected = case
 
     def launcher(stop, i):
@@ -171,11 +181,12 @@ def test_the_pool_and_empty_cache(device, no_leaks, case):
             pm.memory_stats()
             time.sleep(0.002)
 
-    errors = hammer([launcher] * (THREADS - 3) + [dropper, emptier, emptier])
+    errors = hammer([launcher] * (THREADS - 3) + [dropper, emptier, emptier], seconds)
     assert not errors, errors[0]
 
 
-def test_the_executor_cache(device, no_leaks):
+@duration
+def test_the_executor_cache(device, no_leaks, seconds):
     # More layouts than a stream caches, on one stream: entries are evicted while others launch.
     cases = [make_case(8, 2, 8 + 8 * i, "float32", "dropless", seed=i) for i in range(12)]
     data = [(pm.to_device(k.grad_expanded_x), pm.to_device(k.expanded_row_idx), pm.moe_init_routing_v2_grad(*k.args()))
@@ -190,18 +201,20 @@ def test_the_executor_cache(device, no_leaks):
             assert np.array_equal(out.to_host(shared), expected)
             n += 3
 
-    errors = hammer([worker] * THREADS)
+    errors = hammer([worker] * THREADS, seconds)
     shared.close()
     assert not errors, errors[0]
 
 
-def test_closing_the_device_under_load(isolated):
+@duration
+def test_closing_the_device_under_load(isolated, seconds):
+    rounds = max(5, int(seconds / 0.6))
     r = isolated(f"""
 import sys, threading, time, numpy as np, pyacl_moe as pm
 pm.use_emulator()
 sys.setswitchinterval(1e-6)
 x = np.ones((32, 16), np.float32); idx = np.arange(32, dtype=np.int32)
-for round_ in range(5):
+for round_ in range({rounds}):
     dev = pm.Device(0)
     dx, di = pm.to_device(x), pm.to_device(idx)
     plan = pm.MoeInitRoutingV2Grad(dx, di, 4)
@@ -219,7 +232,7 @@ for round_ in range(5):
                 unexpected.append(repr(e))
     ts = [threading.Thread(target=work, args=(i,)) for i in range({THREADS})]
     [t.start() for t in ts]
-    time.sleep(0.3)
+    time.sleep(0.55)
     dev.close()
     time.sleep(0.05)
     stop.set(); [t.join() for t in ts]
@@ -229,6 +242,6 @@ for d in pm.device.open_devices():   # the NumPy path may have opened device 0 a
 st = pm.emulator.stats()
 assert st['device_allocations'] == 0 and st['streams'] == 0 and st['events'] == 0, st
 print('ok')
-""", timeout=300)
+""", timeout=300 + 2 * seconds)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok")

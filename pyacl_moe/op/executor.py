@@ -24,7 +24,7 @@ from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
-__all__ = ["Executor", "ExecutorCore", "build", "execute", "launch"]
+__all__ = ["Executor", "ExecutorCore", "build", "checked_workspace", "execute", "launch", "mark_uses"]
 
 
 class ExecutorCore:
@@ -86,6 +86,18 @@ def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None]
     return core
 
 
+def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> Allocation:
+    """A caller's workspace: a DeviceArray of at least ``size`` bytes on ``device`` (where
+    ``user``, the executor or the plan, is). Its allocation, to hold during the launch."""
+    ws = _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
+    alloc = ws.allocation("workspace")
+    if ws.nbytes < size:
+        raise InvalidArgument("workspace", f"holds {ws.nbytes} bytes, less than the {size} the launch needs")
+    if alloc.device is not device:
+        raise InvalidArgument("workspace", f"is on device {alloc.device.device_id}, the {user} on {device.device_id}")
+    return alloc
+
+
 def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, hold: tuple[Any, ...]) -> None:
     """The second phase on ``state``'s stream. ``hold`` is what the kernel reads and writes
     (allocations, the workspace), kept on the stream until the kernel has run. The executor
@@ -115,15 +127,17 @@ def mark_uses(core: ExecutorCore, state: StreamState) -> None:
             t.alloc.used_on(state, write=name in core.spec.outputs)
 
 
-class Executor:
+class Executor(_lifetime.Owner):
     """An aclOpExecutor from the first phase.
 
     A one-shot executor is consumed by its launch (CANN frees it); call
-    :meth:`set_repeatable` before launching to reuse it, and :meth:`close` to destroy it. It
-    keeps the aclTensors it was built from alive until it is consumed or closed.
+    :meth:`set_repeatable` before launching to reuse it, and :meth:`close` to destroy it
+    (aclDestroyAclOpExecutor, unless a launch consumed it). It keeps the aclTensors it was
+    built from alive until it is consumed or closed.
     """
 
     __slots__ = ("_core", "_tensors", "__weakref__")
+    RELEASE_API = "aclDestroyAclOpExecutor"
 
     def __init__(self, core: ExecutorCore, tensors: tuple[AclTensor, ...]) -> None:
         self._core: ExecutorCore | None = core
@@ -193,23 +207,8 @@ class Executor:
         """aclSetOutputTensorAddr: the storage base of output ``index``."""
         self._set_address("output", index, tensor, address)
 
-    def close(self) -> None:
-        """aclDestroyAclOpExecutor (unless a launch consumed it), at once unless queued work
-        still holds it. Safe twice."""
-        core = self._core
-        if core is None:
-            return
-        token = core.token
-        self._core = None
+    def _dropped(self) -> None:
         self._tensors = ()
-        del core
-        _lifetime.close_core(token, "aclDestroyAclOpExecutor")
-
-    def __enter__(self) -> Executor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         c = self._core
@@ -233,12 +232,7 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
                               f"must be at least the executor's {core.workspace_size} bytes, got {size}")
     ws_alloc: Allocation | None = None
     if isinstance(workspace, DeviceArray):
-        ws_alloc = workspace.allocation("workspace")
-        if workspace.nbytes < size:
-            raise InvalidArgument("workspace", f"holds {workspace.nbytes} bytes, less than workspace_size = {size}")
-        if ws_alloc.device is not core.device:
-            raise InvalidArgument("workspace", f"is on device {ws_alloc.device.device_id}, the executor on "
-                                               f"{core.device.device_id}")
+        ws_alloc = checked_workspace(workspace, size, core.device, "executor")
         ws = workspace.address
     elif workspace is None:
         ws = 0

@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import _args, _lifetime
+from .. import _lifetime
 from .._cann import acl, aclnn, declare
 from .._cann.errcheck import check, recent_message
 from ..array import Allocation, DeviceArray, may_overlap
@@ -32,7 +32,7 @@ from ..errors import ClosedError, InvalidArgument
 from ..pool import workspace_for
 from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
-from .executor import Executor, build, launch, mark_uses
+from .executor import Executor, build, checked_workspace, launch, mark_uses
 from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "launch_cached"]
@@ -184,14 +184,8 @@ class Plan:
         state = resolve_stream(stream, self._device)
         size = self._core.workspace_size
         if workspace is not None:
-            ws = _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
-            ws_alloc = ws.allocation("workspace")
-            if ws.nbytes < size:
-                raise InvalidArgument("workspace", f"must hold at least {size} bytes, got {ws.nbytes}")
-            if ws_alloc.device is not self._device:
-                raise InvalidArgument("workspace", f"is on device {ws_alloc.device.device_id}, the plan on "
-                                                   f"{self._device.device_id}")
-            return self._launch_held(state, ws.address, size, ws_alloc)
+            ws_alloc = checked_workspace(workspace, size, self._device, "plan")
+            return self._launch_held(state, workspace.address, size, ws_alloc)
         if not self._repeatable:
             block = workspace_for(state, size) if size else None
             return self._launch_held(state, block.ptr if block is not None else 0, size, block)
@@ -445,9 +439,7 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs:
         if workspace is None:
             block = workspace_for(state, size) if size else None
         else:
-            block = workspace.allocation("workspace")
-            if workspace.nbytes < size:
-                raise InvalidArgument("workspace", f"must hold at least {size} bytes, got {workspace.nbytes}")
+            block = checked_workspace(workspace, size, state.device, "stream")
         with state.lock:
             state.check_open()
             cache = state.caches.get(spec.api)

@@ -4,7 +4,7 @@ A catalogue of cases, each run through the binding and judged:
 
 - positive: every dtype x scenario over shape families, index patterns, non-contiguous device
   views and values built to stress accumulation; the result must match the golden reference
-  under the dtype's precision standard (:mod:`pyacl_moe.cases`);
+  under the dtype's precision standard (:mod:`pyacl_moe.tools.cases`);
 - negative: inputs the vendor must refuse, passed untouched (``validate=False`` semantics) so
   CANN's own first phase answers; its status must be the documented one;
 - determinism: the same launch twice must give bit-identical results.
