@@ -208,10 +208,10 @@ class StreamState:
         the destruction reports, after releasing everything)."""
         if self.closed:
             return
-        caches = self._shut()
-        if self.device.closed:
-            self.closed = True
+        if self.device.closed:  # its device closed it (or this is a fork() child): nothing left
+            self.closing = self.closed = True
             return
+        caches = self._shut()
         try:
             acl.use_context(self.context)
             acl.synchronize_stream(self.handle)

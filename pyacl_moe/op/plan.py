@@ -18,8 +18,12 @@ Lock order: a plan's lock, an executor's lock, a stream's lock, a pool's lock.
 from __future__ import annotations
 
 import collections
+import functools
+import os
+import sys
 import threading
 import time
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,31 +47,66 @@ _thread = acl.thread_state  # the calling thread's current context (read only)
 class _Slot:
     """A plan's steady state on one stream (see the module docstring).
 
-    ``inflight`` counts launches in progress through the slot: incremented and decremented
-    with ``+=`` under the GIL (no thread switch and no asynchronous exception can fall inside
-    one), the decrement in a ``finally``, so it always returns to zero. ``detach()`` sets
-    ``dead`` before reading ``inflight`` and a launch increments ``inflight`` before reading
-    ``dead``, so every launch either sees the slot dead or is waited for."""
+    Launching through a slot takes no lock and counts nothing: a launch loads ``launch`` (a
+    ``functools.partial`` of the foreign function) onto its own stack and calls it, and that
+    load is a reference, which CPython takes and drops around the call. ``detach()`` swaps in
+    a launch that reaches no CANN (it answers -1; no CANN status is negative), then waits
+    until no thread can still be calling the old one: its reference count is back to ours, or
+    else (a reference kept by something else, a traceback say) no thread is inside a launch
+    through this slot. A read-copy-update whose grace period costs the steady state nothing.
+    Only ``slot.launch`` ever holds the partial (never a local variable)."""
 
-    __slots__ = ("stream", "state", "context", "launch", "keep", "result", "inflight", "dead", "__weakref__")
+    __slots__ = ("stream", "state", "context", "launch", "keep", "result", "dead", "__weakref__")
 
-    def __init__(self, stream: Stream | None, state: StreamState, bound: Any, keep: tuple[Any, ...],
-                 result: Any) -> None:
+    def __init__(self, stream: Any, state: Any, bound: Any, keep: tuple[Any, ...], result: Any) -> None:
         self.stream = stream  # the argument the plan was called with (None: the default stream)
-        self.state = state
-        self.context = state.context
+        self.state: StreamState = state  # (None only in _NO_SLOT, which is never launched through)
+        self.context = state.context if state is not None else None
         self.launch = bound
         self.keep = keep  # what the bound arguments point at: the workspace, the allocations
         self.result = result  # what the plan returns
-        self.inflight = 0
         self.dead = False
 
     def detach(self) -> None:
         """Stop the slot and wait for the launches in flight through it (they are short: one
-        foreign call each)."""
-        self.dead = True
-        while self.inflight:
-            time.sleep(0.0001)
+        foreign call each). Safe twice and from several threads (the plan, its stream, its
+        device may each stop it): the first does it, the others wait for it under the lock."""
+        with _DETACH_LOCK:
+            if self.dead:
+                return
+            old = self.launch
+            self.launch = _DETACHED
+            # Two references are ours: `old`, and getrefcount's own argument.
+            while sys.getrefcount(old) > 2 and _in_a_launch(self):
+                time.sleep(0.0001)
+            self.dead = True
+
+
+def _in_a_launch(slot: _Slot) -> bool:
+    """Whether some thread is inside a launch through ``slot`` (a frame of the plan's launch
+    code holding it). Only asked when another reference to its launch exists."""
+    for top in sys._current_frames().values():
+        frame: types.FrameType | None = top
+        while frame is not None:
+            if frame.f_code in _LAUNCH_CODES and frame.f_locals.get("slot") is slot:
+                return True
+            frame = frame.f_back
+    return False
+
+
+_DETACHED = functools.partial(int, -1)  # a detached slot's launch: reaches no CANN
+_DETACH_LOCK = threading.Lock()  # one detach at a time (launches never take it)
+
+
+def _after_fork_in_child() -> None:
+    global _DETACH_LOCK
+    _DETACH_LOCK = threading.Lock()  # a parent thread may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+_NO_STREAM = object()  # matches no stream argument (not even None)
+_NO_SLOT = _Slot(_NO_STREAM, None, _DETACHED, (), None)  # a plan's slot before its first launch
+_NO_SLOT.dead = True
 
 
 class _Slots:
@@ -125,7 +164,7 @@ class Plan:
     def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
                  repeatable: bool) -> None:
         self._lock = threading.Lock()  # guards _slots, _closed, _spent, _arrays, the executor's addresses
-        self._slot: _Slot | None = None  # the slot launched through last (the steady state's)
+        self._slot = _NO_SLOT  # the slot launched through last (the steady state's)
         # The slots, by stream. Their holder hands what they keep to their streams when the plan
         # goes without close(): launches it queued may not have run.
         holder = _Slots()
@@ -194,17 +233,12 @@ class Plan:
             if slot is None or slot.dead:
                 slot = self._make_slot(stream, state)
             self._slot = slot
-            try:
-                slot.inflight += 1
-                if not slot.dead:
-                    if _thread.context is not slot.context:
-                        slot.state.device.activate()
-                    st = slot.launch()
-                    if st:
-                        check(st, self._spec.api)
-                    return slot.result  # the outputs this slot's executor writes, whatever rebinds since
-            finally:
-                slot.inflight -= 1
+            if _thread.context is not slot.context:
+                slot.state.device.activate()
+            st = slot.launch()
+            if st >= 0:  # -1: detached between being made and launched
+                check(st, self._spec.api)
+                return slot.result  # the outputs this slot's executor writes, whatever rebinds since
             # The slot died between being made and launched: a rebind (look again), or a close.
             self._usable()
             state.check_open()
@@ -234,9 +268,9 @@ class Plan:
             if slot is not None and not slot.dead:
                 return slot
             keep = (block, *(a.allocation(n) for n, a in self._arrays.items()))
-            bound = aclnn.bound_launch(self._spec.api, block.ptr if block is not None else 0, size, core.handle,
-                                       state.handle)
-            slot = _Slot(stream, state, bound, keep, self._result())
+            slot = _Slot(stream, state, _DETACHED, keep, self._result())
+            slot.launch = aclnn.bound_launch(self._spec.api, block.ptr if block is not None else 0, size, core.handle,
+                                             state.handle)  # held by the slot alone (see _Slot)
             mark_uses(core, state)
             state.add_launcher(slot)
             self._slots[state] = slot
@@ -247,21 +281,18 @@ class Plan:
         output(s). ``workspace``: your own DeviceArray of at least ``workspace_size`` bytes; by
         default the stream's workspace from the device's pool."""
         slot = self._slot
-        if slot is not None and slot.stream is stream and workspace is None:
+        if slot.stream is stream and workspace is None and (
+                acl.contexts_open == 1 or _thread.context is slot.context):
             # The steady state, inlined (a call here is a measurable share of a launch): one
             # foreign call, no lock (see _Slot). With one device open, the thread's context is
             # not checked first: a launch without it fails cleanly and goes the slow way.
-            try:
-                slot.inflight += 1
-                if not slot.dead and (acl.contexts_open == 1 or _thread.context is slot.context):
-                    st = slot.launch()
-                    if not st:
-                        return slot.result
-                    if _thread.context is slot.context:
-                        check(st, self._spec.api)  # a real failure: the context was right
-                    recent_message()  # no context on this thread yet: drop the message, retry below
-            finally:
-                slot.inflight -= 1
+            st = slot.launch()
+            if not st:
+                return slot.result
+            if st > 0:  # -1: detached meanwhile; the slow way says why
+                if _thread.context is slot.context:
+                    check(st, self._spec.api)  # a real failure: the context was right
+                recent_message()  # no context on this thread yet: drop the message, retry
         return self._launch(stream, workspace)
 
     def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
@@ -278,7 +309,7 @@ class Plan:
 
     def _detach_all(self) -> None:
         """Stop every slot (lock held) and hand what they kept to their streams."""
-        self._slot = None
+        self._slot = _NO_SLOT
         _Slots.detach(self._slots)
 
     def _rebind(self, changes: Mapping[str, DeviceArray]) -> None:
@@ -321,6 +352,10 @@ class Plan:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The code objects of the launches that hold a slot while they call it.
+_LAUNCH_CODES = (Plan.__call__.__code__, Plan._launch.__code__)
 
 
 # ---------------------------------------------------------------------------- the executor cache

@@ -92,7 +92,7 @@ def _host_costs(calls: int, batches: int) -> dict[str, float]:
     dev = current_device()
     fn, arg = acl.call_probe()
     case = make_case(1, 1, 1, "float32", "dropless", seed=0)  # the kernel is not what is timed
-    times: dict[str, list[float]] = {k: [] for k in ("ffi", "raw", "plan", "oneshot", "uncached")}
+    times: dict[str, list[float]] = {k: [] for k in ("ffi", "raw", "overhead", "oneshot", "uncached")}
     lazy = library_info().backend == EMULATOR
     if lazy:
         emulator.set_stream_mode("lazy")
@@ -112,12 +112,17 @@ def _host_costs(calls: int, batches: int) -> dict[str, float]:
                 # validate=False: three aclCreateTensor, the first phase, the launch, three
                 # aclDestroyTensor on every call (no executor cache). A text-only figure.
                 uncached = functools.partial(moe_init_routing_v2_grad, x, idx, 1, out=out, stream=s, validate=False)
+                small = max(calls // 10, 20)
                 for _ in range(batches):
                     # The unit is measured right before and right after the launches it is
-                    # compared with, so a change of clock speed hits both sides alike.
+                    # compared with, so a change of clock speed hits both sides alike. Raw and
+                    # plan launches alternate in small batches: the plan's overhead is the
+                    # median of their paired differences, taken on the same machine state.
                     before = _per_call_ns(bare, calls, 1)
-                    times["raw"].append(_per_call_ns(raw, calls, 1, s.synchronize))
-                    times["plan"].append(_per_call_ns(relaunch, calls, 1, s.synchronize))
+                    for _ in range(10):
+                        r = _per_call_ns(raw, small, 1, s.synchronize)
+                        times["raw"].append(r)
+                        times["overhead"].append(_per_call_ns(relaunch, small, 1, s.synchronize) - r)
                     times["ffi"].append((before + _per_call_ns(bare, calls, 1)) / 2)
                     times["oneshot"].append(_per_call_ns(one, max(calls // 5, 100), 1, s.synchronize))
                     times["uncached"].append(_per_call_ns(uncached, max(calls // 20, 50), 1, s.synchronize))
@@ -125,7 +130,9 @@ def _host_costs(calls: int, batches: int) -> dict[str, float]:
     finally:
         if lazy:
             emulator.set_stream_mode("async")
-    return {k: statistics.median(v) for k, v in times.items()}
+    res = {k: statistics.median(v) for k, v in times.items()}
+    res["plan"] = res["raw"] + res["overhead"]
+    return res
 
 
 def _numpy_path(batches: int) -> tuple[float, float]:
