@@ -42,7 +42,22 @@ _initialized_here = [False]  # aclInit was called in this process (by anyone we 
 # can have current is that one or none (a launch then fails cleanly and is retried after
 # use_context), which lets a launch skip checking the thread's context first.
 contexts_open = 0
+only_context: Context | None = None  # the one open context while contexts_open == 1, else None
 _contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # every Context opened, for fork
+
+
+_watchers: list[Callable[[], None]] = []
+
+
+def watch_contexts(fn: Callable[[], None]) -> None:
+    """Call ``fn`` whenever a context opens while another is open (after contexts_open grew):
+    whoever skipped a thread's context check because one device was open must stop."""
+    _watchers.append(fn)
+
+
+def _counted() -> None:
+    global only_context
+    only_context = next((c for c in list(_contexts) if c.alive), None) if contexts_open == 1 else None
 
 
 def _void(address: int) -> Any:
@@ -118,10 +133,16 @@ def open_device(device_id: int) -> Context:
     ctx.alive = True
     _contexts.add(ctx)
     contexts_open += 1
+    _counted()
+    if contexts_open > 1:
+        for fn in _watchers:
+            fn()
     try:
         check(lib.aclrtGetCurrentContext(ctx._slot), "aclrtGetCurrentContext")
     except BaseException:
         ctx.alive = False
+        contexts_open -= 1
+        _counted()
         lib.aclrtResetDevice(device_id)
         raise
     thread_state.context = ctx
@@ -134,6 +155,7 @@ def reset_device(ctx: Context) -> None:
     if ctx.alive:
         contexts_open -= 1
     ctx.alive = False
+    _counted()
     if thread_state.context is ctx:
         thread_state.context = None
     check(loader.libs().acl.aclrtResetDevice(ctx.device_id), "aclrtResetDevice")
@@ -303,6 +325,7 @@ def _after_fork_in_child() -> None:
         for ctx in list(_contexts):
             ctx.alive = False
         contexts_open = 0
+        _counted()
     thread_state.__dict__.clear()
 
 

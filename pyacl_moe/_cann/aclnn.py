@@ -17,8 +17,8 @@ from .acl import StreamHandle
 from .errcheck import check, null_result
 
 __all__ = [
-    "ExecutorHandle", "TensorDesc", "TensorHandle", "bound_launch", "create_tensor", "destroy_status",
-    "get_workspace_size", "launch", "launch_probe", "set_input_addr", "set_output_addr", "set_repeatable",
+    "ExecutorHandle", "TensorDesc", "TensorHandle", "bound_call", "bound_launch", "create_tensor",
+    "destroy_status", "get_workspace_size", "launch", "set_input_addr", "set_output_addr", "set_repeatable",
     "tensor_data_type",
     "tensor_format", "tensor_raw_addr", "tensor_storage_shape", "tensor_view_offset", "tensor_view_shape",
     "tensor_view_strides",
@@ -184,17 +184,16 @@ def launch(api: str, workspace: int, size: int, executor: ExecutorHandle, stream
     check(fn(ws, size, ex, st), api)
 
 
+def bound_call(api: str, workspace: int, size: int, executor: ExecutorHandle,
+               stream: StreamHandle | None) -> tuple[Callable[..., int], tuple[Any, ...]]:
+    """The second phase's function and its converted arguments: ``fn(*args)`` is one foreign
+    call that returns the raw status (the caller checks it, and keeps the executor, stream
+    and workspace alive as long as it may make the call)."""
+    return getattr(loader.libs().op, api), (_void(workspace), size, executor._slot[0], _stream(stream))
+
+
 def bound_launch(api: str, workspace: int, size: int, executor: ExecutorHandle,
                  stream: StreamHandle | None) -> Callable[[], int]:
-    """The second phase with every argument bound: calling it is one foreign call and returns
-    the raw status (a prepared plan's steady state; the caller checks it and keeps the
-    executor, stream and workspace alive as long as it may call it)."""
-    fn = getattr(loader.libs().op, api)
-    return functools.partial(fn, _void(workspace), size, executor._slot[0], _stream(stream))
-
-
-def launch_probe(api: str, workspace: int, size: int, executor: ExecutorHandle,
-                 stream: StreamHandle | None) -> tuple[Callable[..., int], tuple[Any, ...]]:
-    """The second phase's function and its converted arguments, for timing one bare foreign
-    call of it (the floor under any launch path)."""
-    return getattr(loader.libs().op, api), (_void(workspace), size, executor._slot[0], _stream(stream))
+    """:func:`bound_call` as one callable of no arguments."""
+    fn, args = bound_call(api, workspace, size, executor, stream)
+    return functools.partial(fn, *args)

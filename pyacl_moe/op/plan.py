@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,27 +46,40 @@ _thread = acl.thread_state  # the calling thread's current context (read only)
 
 
 class _Slot:
-    """A plan's steady state on one stream (see the module docstring).
+    """A plan's launch on one stream: the second phase's function and its bound arguments,
+    and what those arguments point at (see the module docstring).
 
-    Launching through a slot takes no lock and counts nothing: a launch loads ``launch`` (a
-    ``functools.partial`` of the foreign function) onto its own stack and calls it, and that
-    load is a reference, which CPython takes and drops around the call. ``detach()`` swaps in
-    a launch that reaches no CANN (it answers -1; no CANN status is negative), then waits
-    until no thread can still be calling the old one: its reference count is back to ours, or
-    else (a reference kept by something else, a traceback say) no thread is inside a launch
-    through this slot. A read-copy-update whose grace period costs the steady state nothing.
-    Only ``slot.launch`` ever holds the partial (never a local variable)."""
+    The steady state launches with no lock and no counter: it unpacks the function and its
+    argument tuple from the plan's published ``_now`` into local variables and calls
+    ``fn(*args)``. ``detach()`` swaps in a call that reaches no CANN (it answers -1; no CANN
+    status is negative), unpublishes ``_now``, then waits until no thread can still be
+    making the old call: the reference count of its argument tuple is back to ours, or else
+    (a reference kept by something else, a traceback say) no frame of the launch code holds
+    it in ``args``. A read-copy-update whose grace period costs the steady state nothing.
+    Launch code deletes its local ``args`` before anything that may wait."""
 
-    __slots__ = ("stream", "state", "context", "launch", "keep", "result", "dead", "__weakref__")
+    __slots__ = ("state", "context", "call", "keep", "result", "dead", "plan", "__weakref__")
 
-    def __init__(self, stream: Any, state: Any, bound: Any, keep: tuple[Any, ...], result: Any) -> None:
-        self.stream = stream  # the argument the plan was called with (None: the default stream)
-        self.state: StreamState = state  # (None only in _NO_SLOT, which is never launched through)
-        self.context = state.context if state is not None else None
-        self.launch = bound
+    def __init__(self, state: StreamState, keep: tuple[Any, ...], result: Any, plan: Plan) -> None:
+        self.state = state
+        self.context = state.context
+        self.call: tuple[Any, tuple[Any, ...]] = _DETACHED  # bound once the slot is registered
         self.keep = keep  # what the bound arguments point at: the workspace, the allocations
         self.result = result  # what the plan returns
         self.dead = False
+        self.plan = weakref.ref(plan)  # whose _now may publish this slot (the plan holds us)
+
+    def publish(self, stream: Stream | None) -> None:
+        """Make this slot the plan's steady state for calls with this ``stream`` argument,
+        unless it was detached meanwhile. With one device open the launch skips the thread's
+        context check (None); opening a second device unpublishes every plan (see
+        :func:`_unpublish_all`)."""
+        with _DETACH_LOCK:
+            plan = self.plan()
+            if not self.dead and plan is not None:
+                fn, args = self.call
+                context = None if acl.contexts_open == 1 else self.context
+                plan._now = (stream, fn, args, self.result, context)
 
     def detach(self) -> None:
         """Stop the slot and wait for the launches in flight through it (they are short: one
@@ -74,39 +88,61 @@ class _Slot:
         with _DETACH_LOCK:
             if self.dead:
                 return
-            old = self.launch
-            self.launch = _DETACHED
+            old = self.call[1]
+            self.call = _DETACHED
+            plan = self.plan()
+            if plan is not None and plan._now[2] is old:
+                plan._now = _NOT_STEADY
+            del plan
             # Two references are ours: `old`, and getrefcount's own argument.
-            while sys.getrefcount(old) > 2 and _in_a_launch(self):
+            while sys.getrefcount(old) > 2 and _in_a_launch(old):
                 time.sleep(0.0001)
             self.dead = True
 
 
-def _in_a_launch(slot: _Slot) -> bool:
-    """Whether some thread is inside a launch through ``slot`` (a frame of the plan's launch
-    code holding it). Only asked when another reference to its launch exists."""
+def _in_a_launch(args: tuple[Any, ...]) -> bool:
+    """Whether some thread is inside a launch with this argument tuple (a frame of the launch
+    code holding it). Only asked when another reference to it exists."""
     for top in sys._current_frames().values():
         frame: types.FrameType | None = top
         while frame is not None:
-            if frame.f_code in _LAUNCH_CODES and frame.f_locals.get("slot") is slot:
+            if frame.f_code in _LAUNCH_CODES and frame.f_locals.get("args") is args:
                 return True
             frame = frame.f_back
     return False
 
 
-_DETACHED = functools.partial(int, -1)  # a detached slot's launch: reaches no CANN
-_DETACH_LOCK = threading.Lock()  # one detach at a time (launches never take it)
+_DETACHED: tuple[Any, tuple[Any, ...]] = (functools.partial(int, -1), ())  # reaches no CANN
+_DETACH_LOCK = threading.Lock()  # one detach or publish at a time (launches never take it)
+_NO_STREAM = object()  # matches no stream argument (not even None)
+# A plan's _now before a launch and after its slot is detached: (stream argument, function,
+# arguments, result, context to check or None).
+_NOT_STEADY = (_NO_STREAM, *_DETACHED, None, None)
+_plans: weakref.WeakSet[Plan] = weakref.WeakSet()  # every plan, to unpublish
+
+
+def _unpublish_all() -> None:
+    """A second device opened: published launches that skip the context check must go (the
+    next launch of each plan publishes again, with the check)."""
+    with _DETACH_LOCK:
+        for plan in list(_plans):
+            if plan._now[4] is None:
+                plan._now = _NOT_STEADY
+
+
+acl.watch_contexts(_unpublish_all)
 
 
 def _after_fork_in_child() -> None:
     global _DETACH_LOCK
     _DETACH_LOCK = threading.Lock()  # a parent thread may have held it
+    # Inherited CANN objects are dead here: no launch may reach them without the slow way's
+    # checks.
+    for plan in list(_plans):
+        plan._now = _NOT_STEADY
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-_NO_STREAM = object()  # matches no stream argument (not even None)
-_NO_SLOT = _Slot(_NO_STREAM, None, _DETACHED, (), None)  # a plan's slot before its first launch
-_NO_SLOT.dead = True
 
 
 class _Slots:
@@ -160,11 +196,12 @@ class Plan:
     """
 
     _spec: OpSpec
+    _now: tuple[Any, Any, tuple[Any, ...], Any, Any] = _NOT_STEADY  # the steady state (see _Slot)
 
     def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
                  repeatable: bool) -> None:
         self._lock = threading.Lock()  # guards _slots, _closed, _spent, _arrays, the executor's addresses
-        self._slot = _NO_SLOT  # the slot launched through last (the steady state's)
+        _plans.add(self)
         # The slots, by stream. Their holder hands what they keep to their streams when the plan
         # goes without close(): launches it queued may not have run.
         holder = _Slots()
@@ -231,13 +268,15 @@ class Plan:
         while True:
             slot = self._slots.get(state)
             if slot is None or slot.dead:
-                slot = self._make_slot(stream, state)
-            self._slot = slot
+                slot = self._make_slot(state)
             if _thread.context is not slot.context:
                 slot.state.device.activate()
-            st = slot.launch()
+            fn, args = slot.call
+            st = fn(*args)
+            del args  # before anything that may wait (see _Slot)
             if st >= 0:  # -1: detached between being made and launched
                 check(st, self._spec.api)
+                slot.publish(stream)
                 return slot.result  # the outputs this slot's executor writes, whatever rebinds since
             # The slot died between being made and launched: a rebind (look again), or a close.
             self._usable()
@@ -258,7 +297,7 @@ class Plan:
             launch(core, state, ws, size, (ws_alloc, *allocs))
         return result
 
-    def _make_slot(self, stream: Stream | None, state: StreamState) -> _Slot:
+    def _make_slot(self, state: StreamState) -> _Slot:
         core = self._core
         size = core.workspace_size
         block = workspace_for(state, size) if size else None
@@ -268,9 +307,9 @@ class Plan:
             if slot is not None and not slot.dead:
                 return slot
             keep = (block, *(a.allocation(n) for n, a in self._arrays.items()))
-            slot = _Slot(stream, state, _DETACHED, keep, self._result())
-            slot.launch = aclnn.bound_launch(self._spec.api, block.ptr if block is not None else 0, size, core.handle,
-                                             state.handle)  # held by the slot alone (see _Slot)
+            slot = _Slot(state, keep, self._result(), self)
+            slot.call = aclnn.bound_call(self._spec.api, block.ptr if block is not None else 0, size, core.handle,
+                                         state.handle)
             mark_uses(core, state)
             state.add_launcher(slot)
             self._slots[state] = slot
@@ -280,19 +319,22 @@ class Plan:
         """Queue the kernel on ``stream`` (default: the device's default stream) and return the
         output(s). ``workspace``: your own DeviceArray of at least ``workspace_size`` bytes; by
         default the stream's workspace from the device's pool."""
-        slot = self._slot
-        if slot.stream is stream and workspace is None and (
-                acl.contexts_open == 1 or _thread.context is slot.context):
-            # The steady state, inlined (a call here is a measurable share of a launch): one
-            # foreign call, no lock (see _Slot). With one device open, the thread's context is
-            # not checked first: a launch without it fails cleanly and goes the slow way.
-            st = slot.launch()
+        # The steady state, inlined (a call here is a measurable share of a launch): one
+        # foreign call with the tuple of arguments as it is, no lock (see _Slot). ``context``
+        # is None while one device is open: a launch on a thread without its context then
+        # fails cleanly and goes the slow way, which makes it current.
+        s, fn, args, result, context = self._now
+        if s is stream and workspace is None and (context is None or _thread.context is context):
+            st = fn(*args)
             if not st:
-                return slot.result
+                return result
+            del args  # before anything that may wait (see _Slot)
             if st > 0:  # -1: detached meanwhile; the slow way says why
-                if _thread.context is slot.context:
+                if _thread.context is (context or acl.only_context):
                     check(st, self._spec.api)  # a real failure: the context was right
                 recent_message()  # no context on this thread yet: drop the message, retry
+        else:
+            del args
         return self._launch(stream, workspace)
 
     def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
@@ -302,14 +344,14 @@ class Plan:
         self(stream)
         slot = self._slots[resolve_stream(stream, self._device)]
         block = slot.keep[0]
-        return aclnn.launch_probe(self._spec.api, block.ptr if block is not None else 0, self._core.workspace_size,
-                                  self._core.handle, slot.state.handle)
+        fn, args = aclnn.bound_call(self._spec.api, block.ptr if block is not None else 0, self._core.workspace_size,
+                                    self._core.handle, slot.state.handle)
+        return fn, args
 
     # -- rebinding and release
 
     def _detach_all(self) -> None:
         """Stop every slot (lock held) and hand what they kept to their streams."""
-        self._slot = _NO_SLOT
         _Slots.detach(self._slots)
 
     def _rebind(self, changes: Mapping[str, DeviceArray]) -> None:
@@ -443,7 +485,7 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs:
                 # The steady state: one bound foreign call. With one device open, the thread's
                 # context is not checked first: a launch without one fails cleanly, and the
                 # context is made current for the retry.
-                if acl.contexts_open != 1 and _thread.context is not state.context:
+                if acl.only_context is not state.context and _thread.context is not state.context:
                     state.device.activate()
                 if firsts != entry.bound:
                     entry.rebind(spec, firsts)
