@@ -21,9 +21,11 @@ from .errors import InvalidArgument
 __all__ = ["moe_init_routing_v2_grad"]
 
 # Tokens are processed in chunks whose float32 working set (accumulator and one term) stays
-# around 512 KiB, inside a core's L2 cache: main memory then sees the input once and the
-# output once, like a copy, and the extra memory is tiny whatever the input size.
-_WORKING_SET_BYTES = 512 * 1024
+# around 2 MiB, within a core's L2 and its share of L3: main memory then sees the input once
+# and the output once, like a copy, and the extra memory is small whatever the input size.
+# Smaller chunks pay NumPy's per-call cost too often (at 512 KiB and H=4096, 16 rows a chunk,
+# the reference took 1.6 times as long on a 2-core EPYC).
+_WORKING_SET_BYTES = 2 * 1024 * 1024
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -80,7 +82,7 @@ def moe_init_routing_v2_grad(
 
     chunk = max(1, min(n, _WORKING_SET_BYTES // (8 * h)))
     is_bf16 = rows.dtype == _BF16
-    # bfloat16 is the top half of a float32: widen by shifting the bits, no float conversion.
+    # bfloat16 rows are gathered as their bits, then widened to float32 without rounding.
     src = rows.view(np.uint16) if is_bf16 else rows
     with np.errstate(over="ignore"):  # sums beyond the dtype's range are inf, as on the device
         _accumulate(src, ids, skip_all, out, n, k, chunk, h, is_bf16)
@@ -99,7 +101,10 @@ def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, o
         for t in range(k):
             np.take(src, ids[start:stop, t], axis=0, out=g)
             if is_bf16:
-                np.left_shift(g, 16, out=tm.view(np.uint32), dtype=np.uint32)
+                # ml_dtypes widens by moving the bits (exact for all 65536 patterns, NaN
+                # payloads included: tests/test_reference.py checks it), twice as fast here
+                # as a shift into a uint32 view.
+                np.copyto(tm, g.view(_BF16), casting="unsafe")
             elif src.dtype != np.float32:
                 np.copyto(tm, g, casting="unsafe")
             else:

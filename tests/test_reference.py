@@ -61,3 +61,14 @@ def test_reference_chunks_large_inputs_with_little_memory():
     tracemalloc.stop()
     assert peak - out.nbytes < 4 << 20  # a few chunk buffers, not a copy of the 8 MiB input
     assert np.array_equal(out, pm.reference.moe_init_routing_v2_grad(*case.args()))
+
+
+def test_bfloat16_widening_moves_the_bits_for_every_pattern():
+    # The reference widens bfloat16 with ml_dtypes' cast; it must be the exact bit move (the
+    # top half of a float32), NaN payloads and infinities included, as the kernel's is.
+    import ml_dtypes
+
+    bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    widened = np.empty(bits.shape, np.float32)
+    np.copyto(widened, bits.view(ml_dtypes.bfloat16), casting="unsafe")
+    assert np.array_equal(widened.view(np.uint32), bits.astype(np.uint32) << 16)
