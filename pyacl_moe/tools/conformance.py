@@ -39,6 +39,11 @@ __all__ = ["CaseResult", "Report", "catalogue", "run"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 SCENARIOS = ("dropless", "active", "drop-pad")
+# Where a case's expectation comes from: "op", the vendor op's own files (docs, tiling,
+# kernel); "nnopbase", CANN's generic aclnn layer as read from the public opbase source
+# (inferred: newer than some releases, so a mismatch on hardware means CANN differs from the
+# inferred rule); "binding", pyacl_moe's own contract.
+SOURCES = ("op", "nnopbase", "binding")
 
 
 @dataclass
@@ -57,6 +62,7 @@ class CaseResult:
     expected_status: int | None = None
     status: int | None = None
     detail: str = ""
+    source: str = "op"  # one of SOURCES
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -70,6 +76,7 @@ class Case:
     scenario: str
     shape: str
     body: Callable[[Context], CaseResult]
+    source: str = "op"  # one of SOURCES: where the expectation comes from
 
 
 @dataclass
