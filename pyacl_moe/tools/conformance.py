@@ -555,7 +555,8 @@ class Report:
         props = ET.SubElement(suite, "properties")
         for key in ("backend", "cann_version", "runtime_version", "soc", "devices", "profile", "seed", "exact",
                     "strict", "pyacl_moe", "ascend_home", "max_memory"):
-            ET.SubElement(props, "property", name=key, value=str(getattr(self, key)))
+            value = getattr(self, key)
+            ET.SubElement(props, "property", name=key, value="" if value is None else str(value))
         for lib, where in self.libraries.items():
             ET.SubElement(props, "property", name=f"lib{lib}", value=where)
         for c in self.cases:
