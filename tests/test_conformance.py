@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -220,7 +221,7 @@ def test_json_report_describes_the_run(device, tmp_path):
         assert key in data, key
     assert data["runtime_version"] == "1.13.0" and data["seed"] == 5 and data["devices"] == [0]
     assert set(data["libraries"]) == {"ascendcl", "nnopbase", "opapi"} and data["pyacl_moe"] == pm.__version__
-    assert data["timestamp"].endswith("+00:00")
+    assert data["timestamp"].endswith("+00:00") and data["host"] == socket.gethostname()
     for case in data["cases"]:
         assert case["source"] in conformance.SOURCES and case["seconds"] > 0 and case["device"] == 0
         if case["kind"] != "negative":
