@@ -145,6 +145,13 @@ def test_positive_and_determinism_cases_come_from_the_op():
 
 # ---------------------------------------------------------------------------- exact mode
 
+def test_quick_profile_passes_bit_for_bit_and_strict(device):
+    # The reference models the kernel's summation order, so every result matches its bits.
+    report = conformance.run("quick", progress=None, exact=True, strict=True)
+    assert report.ok, report.table()
+    assert all(c.mismatches == 0 for c in report.cases if c.kind == "positive")
+
+
 def test_exact_mode_passes_where_any_summation_order_gives_the_same_bits(device):
     # top_k <= 2: a sum of at most two terms has one rounding whatever the order.
     report = conformance.run(cases=[c for c in conformance.catalogue("quick")
