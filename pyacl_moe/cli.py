@@ -170,9 +170,11 @@ def _conformance(args: argparse.Namespace) -> int:
 
 
 def _list_cases(selected: list[Any]) -> None:
+    from .tools.conformance import size_text
+
     rows = [("case", "kind", "dtype", "scenario", "shape", "source", "memory")]
     for c in selected:
-        mem = f"{c.nbytes / 2**20:.3g} MiB" if c.nbytes >= 2**20 else f"{c.nbytes} B" if c.nbytes else "-"
+        mem = size_text(c.nbytes) if c.nbytes else "-"
         rows.append((c.name, c.kind, c.dtype, c.scenario, c.shape or "-", c.source, mem))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -355,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     except (PyaclMoeError, EmulatorBuildError, UsageError) as exc:
         print(f"pyacl-moe: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader left (``| head``): nothing more to say, and no traceback at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

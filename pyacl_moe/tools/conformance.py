@@ -707,7 +707,7 @@ def _run_case(case: Case, ctx: Context, device: int, max_memory: int | None) -> 
     t0 = time.perf_counter()
     if max_memory is not None and case.nbytes > max_memory:
         result = CaseResult(case.name, case.kind, case.dtype, case.scenario, case.shape, True,
-                            detail=f"needs {_size_text(case.nbytes)}, over --max-memory {_size_text(max_memory)}")
+                            detail=f"needs {size_text(case.nbytes)}, over --max-memory {size_text(max_memory)}")
         result.outcome = "skipped"
     else:
         try:
@@ -733,7 +733,7 @@ def _run_case(case: Case, ctx: Context, device: int, max_memory: int | None) -> 
     return result
 
 
-def _size_text(n: int) -> str:
+def size_text(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.4g} {unit}"
