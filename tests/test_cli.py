@@ -180,6 +180,23 @@ def test_list_needs_no_cann(tmp_path):
                                 "12", "B"]
 
 
+def test_no_cann_is_one_line_before_any_case(tmp_path):
+    r = run_cli("conformance", "--report", str(tmp_path / "r.json"),
+                env={"PYACL_MOE_EMULATOR": "", "ASCEND_HOME_PATH": str(tmp_path), "ASCEND_TOOLKIT_HOME": "",
+                     "LD_LIBRARY_PATH": ""})
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"pyacl-moe: error: no CANN found (looked at $ASCEND_HOME_PATH = {tmp_path};")
+    assert "--ascend-home PATH, or use --emulator" in r.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_device_picks_the_device(tmp_path):
+    r = run_cli("--emulator", "conformance", "--device", "1", "--filter=-tiny", "--report", str(tmp_path / "r.json"),
+                env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["devices"] == [1] and {c["device"] for c in data["cases"]} == {1} and "device 1)" in r.stdout
+
+
 def test_negative_seed_in_a_process_of_its_own():
     r = run_cli("--emulator", "conformance", "--seed", "-1")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
