@@ -112,6 +112,8 @@ def _conformance(args: argparse.Namespace) -> int:
         raise UsageError(f"--seed must be a non-negative integer, got {args.seed}")
     rtol, atol = _tolerances("--rtol", args.rtol), _tolerances("--atol", args.atol)
     max_memory = _size("--max-memory", args.max_memory) if args.max_memory is not None else None
+    if args.exact and (rtol or atol):
+        raise UsageError("--rtol and --atol do not apply with --exact, which allows no difference at all")
     devices = _device_list(args)
     if args.ascend_home is not None and args.emulator:
         raise UsageError("--ascend-home and --emulator choose different CANNs; give one")

@@ -142,6 +142,7 @@ def no_case_may_run(monkeypatch):
     (["--rtol", "float8=0.1"], "the dtype must be one of float32, float16, bfloat16"),
     (["--atol", "bfloat16=-1"], "--atol bfloat16=-1: the value must be a finite number >= 0"),
     (["--max-memory", "lots"], "--max-memory lots: give a size"),
+    (["--exact", "--rtol", "0.1"], "--rtol and --atol do not apply with --exact"),
     (["--max-memory", "1", "--filter", "dropless-float32"], "leaves no case to run"),
     (["--baseline", "{tmp}/none.json"], "cannot read it"),
     (["--ascend-home", "{tmp}/none"], "--ascend-home and --emulator choose different CANNs"),

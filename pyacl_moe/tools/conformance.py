@@ -837,7 +837,7 @@ def _worker(device: int, names: list[str], opts: dict[str, Any], backend: str, h
 
             use_emulator()
         else:
-            load(ascend_home=home)
+            load(ascend_home=home, emulator=False)
         wanted = set(names)
         mine = [c for c in catalogue(opts["profile"]) if c.name in wanted]
         stds = standards(opts["rtol"], opts["atol"])
