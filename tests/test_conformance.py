@@ -302,6 +302,8 @@ def test_baseline_of_the_same_build_changes_nothing_and_a_wrong_kernel_is_named(
     again = conformance.run("quick", name_filter="dropless-float32", progress=None, baseline=old)
     assert again.baseline["changed"] == [] and again.baseline["regressed"] == []
     assert again.baseline["compared"] == len(again.cases)
+    with_negatives = conformance.run("quick", name_filter="null", progress=None, baseline=old)
+    assert with_negatives.baseline["compared"] == 0 and with_negatives.baseline["new"]
     pm.emulator.set_mutation("fp16-accumulate")
     wrong = conformance.run("quick", name_filter="dropless-float32", progress=None, baseline=old)
     changed = set(wrong.baseline["changed"])

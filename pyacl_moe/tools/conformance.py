@@ -616,7 +616,7 @@ class Report:
                              + ("" if self.strict else " [not a failure without --strict]"))
         if self.baseline is not None:
             b = self.baseline
-            lines.append(f"baseline {b['path']}: {len(b['changed'])} of {b['compared']} cases changed bits, "
+            lines.append(f"baseline {b['path']}: {len(b['changed'])} of {b['compared']} outputs changed bits, "
                          f"{len(b['regressed'])} went from pass to fail")
             lines += [f"CHANGED {n}" for n in b["changed"]]
             lines += [f"REGRESSED {n}" for n in b["regressed"]]
@@ -646,17 +646,19 @@ def load_baseline(path: str) -> dict[str, Any]:
 
 
 def compare_baseline(report: Report, baseline: dict[str, Any], path: str = "") -> dict[str, Any]:
-    """Which cases' output bits changed since the baseline and which went from pass to fail.
-    Cases present in one report only are listed, not compared."""
+    """Which cases' output bits changed since the baseline (``compared``: the cases with an
+    output digest in both) and which went from pass to fail. Cases present in one report only
+    are listed, not compared."""
     old = {c["name"]: c for c in baseline["cases"]}
     changed, regressed, fixed, compared = [], [], [], 0
     for c in report.cases:
         b = old.get(c.name)
         if b is None or c.outcome == "skipped" or b.get("outcome") == "skipped":
             continue
-        compared += 1
-        if c.digest and b.get("digest") and c.digest != b["digest"]:
-            changed.append(c.name)
+        if c.digest and b.get("digest"):
+            compared += 1
+            if c.digest != b["digest"]:
+                changed.append(c.name)
         was = b.get("outcome") or ("pass" if b.get("passed") else "fail")
         if was in ("pass", "differs") and c.outcome in ("fail", "error"):
             regressed.append(c.name)
