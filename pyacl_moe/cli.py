@@ -156,7 +156,7 @@ def _conformance(args: argparse.Namespace) -> int:
                          f"PATH, or use --emulator") from None
     except RuntimeError as exc:
         raise UsageError(f"--ascend-home {args.ascend_home}: {exc}") from None
-    unknown = [d for d in devices if d >= count] if devices else []
+    unknown = [d for d in devices if not 0 <= d < count] if devices else []
     if unknown:
         raise UsageError(f"device {unknown[0]} does not exist: CANN sees {count} device(s), ids 0 to {count - 1}")
 

@@ -137,6 +137,7 @@ def no_case_may_run(monkeypatch):
     (["--junit", "{tmp}"], "not writable"),
     (["--filter", "nomatch"], "--filter 'nomatch' matches no case"),
     (["--device", "5"], "device 5 does not exist: CANN sees 1 device(s)"),
+    (["--device=-1"], "device -1 does not exist"),
     (["--devices", "0,1"], "device 1 does not exist"),
     (["--devices", "0,0"], "--devices 0,0: give distinct non-negative device ids"),
     (["--rtol", "float8=0.1"], "the dtype must be one of float32, float16, bfloat16"),
