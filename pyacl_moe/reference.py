@@ -4,8 +4,8 @@ device kernel.
 ``gradX[i] = sum over t < top_k of grad_expanded_x[expanded_row_idx[i*top_k + t]]``, skipping
 -1 in drop/pad mode and indices >= active_num in active mode. The terms are widened to
 float32 exactly, added in float32 in the kernel's own order, and the sum is rounded once to
-the output dtype, to nearest even. Only the order of the additions is the kernel's, so the
-result is the device's bit for bit (NaN payloads aside), not merely close to it.
+the output dtype, to nearest even. With the kernel's order the result is the device's bit
+for bit (NaN payloads aside; subnormals are kept, as IEEE has them), not merely close to it.
 
 The kernel's order, as read from the vendor's source (github:repo-mirror-test/ops-transformer,
 moe/moe_init_routing_v2_grad/op_host/moe_init_routing_v2_grad_tiling.cpp for the buffer count,
@@ -35,7 +35,8 @@ token's K slots, not the row it names):
   the same as adding +0.0 (-0.0 + +0.0 is +0.0). A token whose every slot is skipped gives
   +0.0. Nothing else is skipped: a negative index in active mode, or any index below -1 in
   drop/pad mode, is read by the kernel from outside the input (validation refuses them here;
-  with ``validate=False`` NumPy's indexing decides).
+  with ``validate=False`` a negative index counts from the end, and one beyond the rows
+  raises IndexError).
 
 The split of the hidden dimension into copies that fit the kernel's local buffer, the split
 of tokens across cores and the token groups do not change any element's order, so the model
@@ -60,10 +61,10 @@ from .errors import InvalidArgument
 
 __all__ = ["moe_init_routing_v2_grad"]
 
-# Tiles of tokens (and columns) are sized so that their working set (the float32 buffers, the
-# widened terms and the gathered rows) stays around 2 MiB, within a core's L2 and its share of
-# L3: main memory then sees the input once and the output once, like a copy, and the extra
-# memory is small whatever the input size. Smaller tiles pay NumPy's per-call cost too often.
+# Tiles of tokens (and columns) are sized so that their working set (the float32 buffers and
+# the gathered rows) stays around 2 MiB, within a core's L2 and its share of L3: main memory
+# then sees the input once and the output once, like a copy, and the extra memory is small
+# whatever the input size. Smaller tiles pay NumPy's per-call cost too often.
 _WORKING_SET_BYTES = 2 * 1024 * 1024
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
