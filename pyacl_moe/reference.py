@@ -4,8 +4,8 @@ device kernel.
 ``gradX[i] = sum over t < top_k of grad_expanded_x[expanded_row_idx[i*top_k + t]]``, skipping
 -1 in drop/pad mode and indices >= active_num in active mode. The terms are widened to
 float32 exactly, added in float32 in the kernel's own order, and the sum is rounded once to
-the output dtype, to nearest even. Only the order of the additions is the kernel's, so the
-result is the device's bit for bit (NaN payloads aside), not merely close to it.
+the output dtype, to nearest even. With the kernel's order the result is the device's bit
+for bit (NaN payloads aside; subnormals are kept, as IEEE has them), not merely close to it.
 
 The kernel's order, as read from the vendor's source (github:repo-mirror-test/ops-transformer,
 moe/moe_init_routing_v2_grad/op_host/moe_init_routing_v2_grad_tiling.cpp for the buffer count,
@@ -35,7 +35,8 @@ token's K slots, not the row it names):
   the same as adding +0.0 (-0.0 + +0.0 is +0.0). A token whose every slot is skipped gives
   +0.0. Nothing else is skipped: a negative index in active mode, or any index below -1 in
   drop/pad mode, is read by the kernel from outside the input (validation refuses them here;
-  with ``validate=False`` NumPy's indexing decides).
+  with ``validate=False`` a negative index counts from the end, and one beyond the rows
+  raises IndexError).
 
 The split of the hidden dimension into copies that fit the kernel's local buffer, the split
 of tokens across cores and the token groups do not change any element's order, so the model
@@ -60,10 +61,10 @@ from .errors import InvalidArgument
 
 __all__ = ["moe_init_routing_v2_grad"]
 
-# Tiles of tokens (and columns) are sized so that their working set (the float32 buffers, the
-# widened terms and the gathered rows) stays around 2 MiB, within a core's L2 and its share of
-# L3: main memory then sees the input once and the output once, like a copy, and the extra
-# memory is small whatever the input size. Smaller tiles pay NumPy's per-call cost too often.
+# Tiles of tokens (and columns) are sized so that their working set (the float32 buffers and
+# the gathered rows) stays around 2 MiB, within a core's L2 and its share of L3: main memory
+# then sees the input once and the output once, like a copy, and the extra memory is small
+# whatever the input size. Smaller tiles pay NumPy's per-call cost too often.
 _WORKING_SET_BYTES = 2 * 1024 * 1024
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -164,12 +165,15 @@ def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, o
                 k: int, is_bf16: bool) -> None:
     n, h = out.shape
     b, rounds = _schedule(k)
-    widen = src.dtype != np.float32
-    # Per element of a token's row: b float32 buffers, up to b widened terms, up to b gathered.
-    per_element = b * (4 + 4 + (src.dtype.itemsize if widen else 0))
+    values = _BF16 if is_bf16 else src.dtype  # what the gathered bits mean
+    widen = values != np.float32
+    # A term that adds nothing, not even to the sign of a zero: -0.0, as the gathered bits.
+    nothing = np.array(-0.0, np.float32).astype(values).view(src.dtype)
+    # Per element of a token's row: b float32 buffers and up to b gathered terms.
+    per_element = b * (4 + src.dtype.itemsize)
     cols = max(1, min(h, _WORKING_SET_BYTES // per_element))
     tokens = max(1, min(n, _WORKING_SET_BYTES // (per_element * cols)))
-    tiles: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+    tiles: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     for c0 in range(0, h, cols):
         c1 = min(h, c0 + cols)
         part = src if (c0, c1) == (0, h) else src[:, c0:c1]
@@ -177,37 +181,36 @@ def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, o
             t1 = min(n, t0 + tokens)
             shape = (t1 - t0, c1 - c0)
             if shape not in tiles:  # the full tile, and at most a few smaller ones at the edges
-                tiles[shape] = (
-                    np.empty((b, *shape), np.float32),
-                    np.empty((b, *shape), np.float32),
-                    np.empty((b, *shape), src.dtype) if widen else None,
-                )
-            acc, term, gathered = tiles[shape]
+                tiles[shape] = (np.empty((b, *shape), np.float32), np.empty((b, *shape), src.dtype))
+            acc, gathered = tiles[shape]
             tile_ids = ids[t0:t1]
             tile_skip = None if skip_all is None else skip_all[t0:t1]
             for slots, first in rounds:
                 nb = slots.size
-                sel = tile_ids[:, slots].T  # (nb, tokens): round r, buffer j, token i
-                dst = acc[:nb] if first else term[:nb]
+                sel = tile_ids[:, slots].T  # (nb, tokens): buffer j of the round, token i
+                skip = None if tile_skip is None else tile_skip[:, slots].T
+                if skip is not None and not skip.any():
+                    skip = None
                 # mode="wrap" writes straight into the buffer ("raise" gathers into a temporary
                 # and copies it, half again the time); every index is known to be in range.
-                if widen:
-                    g = gathered[:nb]  # type: ignore[index]
-                    np.take(part, sel, axis=0, out=g, mode="wrap")
-                    # ml_dtypes widens bfloat16 by moving the bits (exact for all 65536
-                    # patterns, NaN payloads included: tests/test_reference.py checks it).
-                    np.copyto(dst, g.view(_BF16) if is_bf16 else g, casting="unsafe")
+                if first and not widen:
+                    np.take(part, sel, axis=0, out=acc[:nb], mode="wrap")
                 else:
-                    np.take(part, sel, axis=0, out=dst, mode="wrap")
-                if tile_skip is not None:
-                    skip = tile_skip[:, slots].T
-                    if skip.any():
-                        # +0.0 is what the kernel writes into a buffer for a skipped first
-                        # slot; -0.0 is the one term whose addition changes nothing, not
-                        # even the sign of a zero, like the kernel's skipped addition.
-                        dst[skip] = 0.0 if first else -0.0
-                if not first:
-                    np.add(acc[:nb], dst, out=acc[:nb])
+                    g = gathered[:nb]
+                    np.take(part, sel, axis=0, out=g, mode="wrap")
+                if first:
+                    if widen:
+                        # ml_dtypes widens bfloat16 by moving the bits (exact for all 65536
+                        # patterns, NaN payloads included: tests/test_reference.py checks it).
+                        np.copyto(acc[:nb], g.view(values), casting="unsafe")
+                    if skip is not None:
+                        acc[:nb][skip] = 0.0  # what the kernel writes for a skipped first slot
+                else:
+                    if skip is not None:
+                        g[skip] = nothing  # the kernel adds nothing for a skipped slot
+                    # Widened inside the addition (exactly, in NumPy's small cast buffers):
+                    # no float32 copy of the terms goes through memory.
+                    np.add(acc[:nb], g.view(values), out=acc[:nb], dtype=np.float32)
             stride = 1
             while stride < b:
                 step = 2 * stride
