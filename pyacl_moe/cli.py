@@ -147,15 +147,16 @@ def _conformance(args: argparse.Namespace) -> int:
         if args.ascend_home is not None:
             if not os.path.isdir(args.ascend_home):
                 raise UsageError(f"--ascend-home {args.ascend_home}: no such folder")
-            pm.load(ascend_home=args.ascend_home, emulator=False)
+            try:
+                pm.load(ascend_home=args.ascend_home, emulator=False)
+            except RuntimeError as exc:  # another CANN is loaded already (a library caller)
+                raise UsageError(f"--ascend-home {args.ascend_home}: {exc}") from None
         count = pm.device_count()
     except pm.CannNotFoundError as exc:
         # One line for a CI log: where it looked, and the three ways out.
         places = "; ".join(t.split(":")[0] for t in exc.tried)
         raise UsageError(f"no CANN found (looked at {places}): source <toolkit>/set_env.sh, pass --ascend-home "
                          f"PATH, or use --emulator") from None
-    except RuntimeError as exc:
-        raise UsageError(f"--ascend-home {args.ascend_home}: {exc}") from None
     unknown = [d for d in devices if not 0 <= d < count] if devices else []
     if unknown:
         raise UsageError(f"device {unknown[0]} does not exist: CANN sees {count} device(s), ids 0 to {count - 1}")
