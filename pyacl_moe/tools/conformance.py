@@ -282,6 +282,8 @@ def _negative(name: str, status: int, spec: Neg, why: str, source: str = "op") -
         shape = f"x{list(spec.x) if spec.x else None}"
         if spec.binding:
             # The binding's refusal happens on the host, before any CANN call: no status.
+            if x is None or idx is None:
+                raise ValueError(f"{name}: a binding case needs gradExpandedX and expandedRowIdx")
             try:
                 moe_init_routing_v2_grad(x, idx, spec.top_k, spec.mode, spec.active, out=out, stream=ctx.stream)
                 ctx.stream.synchronize()
