@@ -18,8 +18,6 @@ from pyacl_moe import reference
 from pyacl_moe.tools import conformance
 from pyacl_moe.tools.cases import DTYPES, make_case
 
-from .conftest import BACKEND
-
 SCENARIOS = ("dropless", "active", "drop-pad")
 # Every branch of the schedule: one buffer (K = 1..3, the second and third steps alone), each
 # buffer count's first K, its last, and one that leaves a partial round; the fixed 64 buffers
@@ -173,8 +171,8 @@ def test_skipped_slots_as_the_kernel_treats_them(ids, values, want_negative_zero
 
 
 # ---------------------------------------------------------------------------- the emulator's kernel
+# With PYACL_MOE_TEST_BACKEND=cann the same tests hold the device to the model.
 
-@pytest.mark.skipif(BACKEND != "emulator", reason="the emulator's kernel; on CANN see the conformance tool")
 def test_emulator_and_model_agree_bit_for_bit_over_k():
     assert sweep_mismatches() == []
 
@@ -218,13 +216,11 @@ def catalogue_mismatches(profile: str, monkeypatch) -> list[str]:
     return failing
 
 
-@pytest.mark.skipif(BACKEND != "emulator", reason="the emulator's kernel; on CANN see the conformance tool")
 def test_emulator_and_model_agree_bit_for_bit_on_the_quick_catalogue(device, monkeypatch):
     assert catalogue_mismatches("quick", monkeypatch) == []
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(BACKEND != "emulator", reason="the emulator's kernel; on CANN see the conformance tool")
 def test_emulator_and_model_agree_bit_for_bit_on_the_full_catalogue(device, monkeypatch):
     assert catalogue_mismatches("full", monkeypatch) == []
 
