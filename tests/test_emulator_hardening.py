@@ -1,0 +1,90 @@
+"""The emulator under hostile use: concurrent writes to what a kernel reads, addresses that are
+not device memory, deep chains of stream waits, devices set and reset from racing threads, calls
+before aclInit, repeated device faults, and a malformed environment.
+
+Each test names the misuse it survives. Tests that could take the interpreter down with them
+(a segfault, a stack overflow) run in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+from .test_emulator import (
+    ACL_ERROR_INVALID_PARAM,
+    ACL_ERROR_UNINITIALIZE,
+    ACL_FLOAT,
+    D2H,
+    H2D,
+    RT_AICORE_EXCEPTION,
+    RT_PARAM_INVALID,
+    launch,
+    op_on,
+    res,  # noqa: F401  (fixture)
+)
+
+# A fresh interpreter with direct access to the emulated libraries (tests/emu_raw.py).
+RAW = """
+import json, sys, threading, time
+import numpy as np
+from tests.emu_raw import Emu
+emu = Emu()
+acl, nn, op, ffi = emu.acl, emu.nn, emu.op, emu.ffi
+"""
+
+
+def run_raw(isolated, body: str, env=None, timeout: float = 120) -> dict:
+    """Run RAW + body in a fresh interpreter; the body prints one JSON object last."""
+    proc = isolated(RAW + textwrap.dedent(body), env=env, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ============================================================================ indices read once
+
+def test_index_written_while_the_kernel_runs_is_a_fault_or_ignored_never_a_crash(isolated):
+    # The kernel checks the indices before computing; a synchronous copy (which waits for no
+    # stream) overwrites the last token's index with one far outside gradExpandedX while the
+    # kernel runs. Checked and used from one snapshot, each launch either faults (507015, the
+    # write came first) or computes with the old index; re-read from device memory after the
+    # check, the bad index reaches the row arithmetic and the process dies.
+    r = run_raw(isolated, """
+        n, k, h = 64, 8, 8192
+        rng = np.random.default_rng(7)
+        x = rng.standard_normal((n * k, h)).astype(np.float32)
+        idx = rng.permutation(n * k).astype(np.int32)
+        acl.aclInit(ffi.NULL)
+        emu.ok(acl.aclrtSetDevice(0))
+        xp, ip, op_ = emu.malloc(x.nbytes), emu.malloc(idx.nbytes), emu.malloc(n * h * 4)
+        emu.h2d(xp, x.tobytes())
+        xt = emu.tensor(x.shape, 0, xp)
+        it = emu.tensor(idx.shape, 3, ip)
+        ot = emu.tensor((n, h), 0, op_)
+        ws = emu.malloc(16 << 20)
+        s = ffi.new("aclrtStream *")
+        emu.ok(acl.aclrtCreateStream(s))
+        bad = np.array([0x7FFFFF00], np.int32).tobytes()
+        last = ffi.cast("char *", ip) + (n * k - 1) * 4
+        want = x[idx.reshape(n, k)].sum(axis=1, dtype=np.float32)
+        seen = {0: 0, 507015: 0}
+        for i in range(40):
+            emu.h2d(ip, idx.tobytes())
+            wsz, ex = ffi.new("uint64_t *"), ffi.new("aclOpExecutor **")
+            emu.ok(op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(xt, it, k, 0, 0, ot, wsz, ex))
+            emu.ok(op.aclnnMoeInitRoutingV2Grad(ws, wsz[0], ex[0], s[0]))
+            time.sleep(0.0005 * (i % 8))
+            emu.h2d(last, bad)
+            st = acl.aclrtSynchronizeStream(s[0])
+            emu.msg()
+            seen[st] = seen.get(st, 0) + 1
+            if st == 0:
+                got = np.frombuffer(emu.d2h(op_, n * h * 4), np.float32).reshape(n, h)
+                assert np.allclose(got, want, rtol=1e-4, atol=1e-3)
+        print(json.dumps({str(a): b for a, b in seen.items()}))
+    """, env={"PYACL_MOE_EMU_THREADS": "1"})
+    assert set(r) <= {"0", str(RT_AICORE_EXCEPTION)}, r
+    assert sum(r.values()) == 40
