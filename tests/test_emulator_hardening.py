@@ -88,3 +88,54 @@ def test_index_written_while_the_kernel_runs_is_a_fault_or_ignored_never_a_crash
     """, env={"PYACL_MOE_EMU_THREADS": "1"})
     assert set(r) <= {"0", str(RT_AICORE_EXCEPTION)}, r
     assert sum(r.values()) == 40
+
+
+# ============================================================================ addresses
+
+def test_memset_and_copies_refuse_addresses_that_are_not_memory(isolated):
+    # A made-up address (here a small integer, never mapped) used to be memset or copied as
+    # host memory and crashed the process. Every such call now returns 107000 with a message
+    # naming the argument; memory of the right kind still works.
+    r = run_raw(isolated, """
+        acl.aclInit(ffi.NULL)
+        emu.ok(acl.aclrtSetDevice(0))
+        dev = emu.malloc(256)
+        hp = ffi.new("void **")
+        emu.ok(acl.aclrtMallocHost(hp, 256))
+        bogus = ffi.cast("void *", 0x1000)
+        plain = ffi.new("char[256]")        # host memory, but not from aclrtMallocHost
+        s = ffi.new("aclrtStream *")
+        emu.ok(acl.aclrtCreateStream(s))
+        calls = {
+            "memset": lambda: acl.aclrtMemset(bogus, 64, 0, 64),
+            "memset_plain_host": lambda: acl.aclrtMemset(plain, 64, 0, 64),
+            "memset_async": lambda: acl.aclrtMemsetAsync(bogus, 64, 0, 64, s[0]),
+            "d2h": lambda: acl.aclrtMemcpy(bogus, 64, dev, 64, 2),
+            "h2d": lambda: acl.aclrtMemcpy(dev, 64, bogus, 64, 1),
+            "h2h": lambda: acl.aclrtMemcpy(plain, 64, bogus, 64, 0),
+            "default": lambda: acl.aclrtMemcpy(bogus, 64, dev, 64, 4),
+            "d2h_async": lambda: acl.aclrtMemcpyAsync(bogus, 64, dev, 64, 2, s[0]),
+            "h2d_async": lambda: acl.aclrtMemcpyAsync(dev, 64, bogus, 64, 1, s[0]),
+        }
+        out = {}
+        for name, call in calls.items():
+            st = call()
+            out[name] = [st, emu.msg()]
+        out["memset_host_block"] = acl.aclrtMemset(hp[0], 256, 7, 256)
+        out["memset_device"] = acl.aclrtMemset(dev, 256, 7, 256)
+        out["h2d_plain"] = acl.aclrtMemcpy(dev, 256, plain, 256, 1)
+        out["sync"] = acl.aclrtSynchronizeStream(s[0])
+        emu.ok(acl.aclrtDestroyStream(s[0]))
+        emu.ok(acl.aclrtFreeHost(hp[0]))
+        emu.ok(acl.aclrtFree(dev))
+        print(json.dumps(out))
+    """)
+    for name in ("memset", "memset_plain_host", "memset_async", "d2h", "h2d", "h2h", "default",
+                 "d2h_async", "h2d_async"):
+        st, msg = r[name]
+        assert st == RT_PARAM_INVALID, (name, r[name])
+        assert "0x1000" in msg or "devPtr" in msg, (name, msg)
+    assert "aclrtMallocHost" in r["memset_plain_host"][1]
+    assert "neither device memory nor mapped host memory" in r["h2d"][1]
+    assert r["memset_host_block"] == 0 and r["memset_device"] == 0 and r["h2d_plain"] == 0
+    assert r["sync"] == 0
