@@ -139,3 +139,52 @@ def test_memset_and_copies_refuse_addresses_that_are_not_memory(isolated):
     assert "neither device memory nor mapped host memory" in r["h2d"][1]
     assert r["memset_host_block"] == 0 and r["memset_device"] == 0 and r["h2d_plain"] == 0
     assert r["sync"] == 0
+
+
+# ============================================================================ chains of waits
+
+@pytest.mark.parametrize("mode", ["lazy", "async"])
+def test_a_chain_of_8000_stream_waits_resolves_without_recursion(isolated, mode):
+    # Stream i waits for an event recorded on stream i+1, 8,000 deep, all queued in lazy mode
+    # so nothing has run. Lazy: stream 0, the far end of the chain, is synchronized; resolved by
+    # recursion, each link costs C stack and the thread overflows its stack. Async: the engine
+    # is handed every stream and runs the chain alone (the test only polls), meeting blocked
+    # streams first. Either way the chain must run in order: the last memset after the first.
+    r = run_raw(isolated, """
+        n = 8000
+        acl.aclInit(ffi.NULL)
+        emu.ok(acl.aclrtSetDevice(0))
+        assert acl.aclemuSetStreamMode(b"lazy") == 0
+        buf = emu.malloc(1 << 20)
+        streams, events = [], []
+        for i in range(n):
+            s, e = ffi.new("aclrtStream *"), ffi.new("aclrtEvent *")
+            emu.ok(acl.aclrtCreateStream(s))
+            emu.ok(acl.aclrtCreateEvent(e))
+            streams.append(s[0])
+            events.append(e[0])
+        for _ in range(70):  # more than the engine takes in one batch: the chain's origin is slow
+            emu.ok(acl.aclrtMemsetAsync(buf, 1 << 20, 3, 1 << 20, streams[-1]))
+        emu.ok(acl.aclrtMemsetAsync(buf, 1 << 20, 1, 1 << 20, streams[-1]))
+        for i in reversed(range(n)):
+            if i < n - 1:
+                emu.ok(acl.aclrtStreamWaitEvent(streams[i], events[i + 1]))
+            emu.ok(acl.aclrtRecordEvent(events[i], streams[i]))
+        emu.ok(acl.aclrtMemsetAsync(buf, 1 << 20, 2, 4, streams[0]))
+        assert acl.aclemuSetStreamMode(MODE.encode()) == 0
+        if MODE == "async":
+            q = ffi.new("aclrtStreamStatus *")
+            while True:
+                emu.ok(acl.aclrtStreamQuery(streams[0], q))
+                if q[0] == 0:  # ACL_STREAM_STATUS_COMPLETE
+                    break
+        st = acl.aclrtSynchronizeStream(streams[0])
+        head = emu.d2h(buf, 8)
+        for s in streams:
+            emu.ok(acl.aclrtDestroyStream(s))
+        for e in events:
+            emu.ok(acl.aclrtDestroyEvent(e))
+        emu.ok(acl.aclrtFree(buf))
+        print(json.dumps({"sync": st, "head": list(head), "pending": emu.stats()["pending_tasks"]}))
+    """.replace("MODE", repr(mode)))
+    assert r == {"sync": 0, "head": [2, 2, 2, 2, 1, 1, 1, 1], "pending": 0}

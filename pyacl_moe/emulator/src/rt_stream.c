@@ -12,10 +12,12 @@
  *  - lazy: no engine; tasks run only on threads that wait for them, so a test sees queued work
  *    deterministically. No bound on the queue.
  *
- * A task that waits for an event (aclrtStreamWaitEvent) runs the recorded stream up to the
- * record on the thread that reaches it, or waits for the thread running that stream. Waits
- * only name records queued before them, so the tasks form a DAG in queue order and the helpers
- * cannot deadlock.
+ * A task that waits for an event (aclrtStreamWaitEvent) is never run before the record it
+ * names has run: a stream whose head is such a wait is blocked. A thread that needs a blocked
+ * stream to progress walks the chain of waits iteratively, with a path on the heap (never by
+ * recursion on the C stack: a chain of thousands of streams is legal), runs the first task it
+ * finds that can run, and walks again. Waits only name records queued before them, so the
+ * tasks form a DAG in queue order and the helpers cannot deadlock.
  *
  * Launch cost: the engine is signalled only when it sleeps for good; a busy or napping engine
  * finds new work on the ready list at its next pick, with no system call on the launching
@@ -126,7 +128,30 @@ static void run_head_locked(emu_stream *s) {
     if (g_waiters) pthread_cond_broadcast(&g_cond);
 }
 
-static int wait_run(void *p, char *msg, size_t len);
+typedef struct wait_payload {
+    emu_stream *target;
+    uint64_t seq;
+} wait_payload;
+
+/* A wait task does nothing when run: it runs only once the record it names has run. */
+static int wait_run(void *p, char *msg, size_t len) {
+    (void)p;
+    (void)msg;
+    (void)len;
+    return 0;
+}
+
+/* The stream (and position in it) that s's head task waits for, or NULL when the head can run. */
+static emu_stream *blocked_on_locked(const emu_stream *s, uint64_t *seq) {
+    const emu_task *t = s->head;
+    if (!t || t->run != wait_run) return NULL;
+    const wait_payload *w = t->payload;
+    if (w->target->done_seq >= w->seq) return NULL;
+    *seq = w->seq;
+    return w->target;
+}
+
+static int drain_held_locked(emu_stream *s, uint64_t upto, double deadline_ms);
 
 /* The engine runs up to this many tasks of a stream per pick, taking the lock once for all of
  * them: with a launch loop feeding it, one lock hand-off per task would cost more than a
@@ -209,8 +234,16 @@ static void *engine_main(void *arg) {
         naps = 0;
         /* A helper may have taken the stream since it was listed; it hands it back when done. */
         if (s->head && !s->running) {
+            uint64_t seq = 0;
+            emu_stream *dep = blocked_on_locked(s, &seq);
             g_engine_busy = 1;
-            run_batch_locked(s);
+            if (dep) { /* run what the wait needs first (iteratively; see drain_held_locked) */
+                dep->refs++;
+                drain_held_locked(dep, seq, 0);
+                stream_unref_locked(dep);
+            } else {
+                run_batch_locked(s);
+            }
             g_engine_busy = 0;
             settle_locked(s); /* round robin: back to the tail if it has more */
         }
@@ -274,27 +307,72 @@ static int wait_locked(double deadline_ms) {
     return passed;
 }
 
-/* drain_locked for a caller that holds a reference on s. */
+/* drain_locked for a caller that holds a reference on s. A stream blocked by a wait needs the
+ * waited-for stream to progress first, which may itself be blocked: the chain is followed with
+ * an explicit path (frame i+1 is what frame i waits for), each frame holding a reference. */
+typedef struct drain_frame {
+    emu_stream *s;
+    uint64_t upto;
+} drain_frame;
+
 static int drain_held_locked(emu_stream *s, uint64_t upto, double deadline_ms) {
+    drain_frame local[8];
+    drain_frame *path = local;
+    size_t depth = 1, cap = sizeof local / sizeof local[0];
+    path[0] = (drain_frame){s, upto};
     int timed_out = 0;
     int ran = 0;
-    while (s->done_seq < upto) {
-        if (s->running) { /* another thread runs it: wait for that task */
+    while (depth) {
+        emu_stream *c = path[depth - 1].s;
+        if (c->done_seq >= path[depth - 1].upto || (!c->head && !c->running)) {
+            if (--depth) { /* a dependency is satisfied: back to the stream that needed it */
+                settle_locked(c);
+                stream_unref_locked(c);
+            }
+            continue;
+        }
+        if (c->running) { /* another thread runs it: wait for that task */
             if (wait_locked(deadline_ms)) {
                 timed_out = s->done_seq < upto;
                 break;
             }
             continue;
         }
-        if (!s->head) break;
+        uint64_t seq = 0;
+        emu_stream *dep = blocked_on_locked(c, &seq);
+        if (dep) {
+            if (depth == cap) {
+                drain_frame *bigger = malloc(2 * cap * sizeof *bigger);
+                if (!bigger) { /* cannot follow the chain: let other threads (the engine) do it */
+                    if (wait_locked(deadline_ms)) {
+                        timed_out = s->done_seq < upto;
+                        break;
+                    }
+                    continue;
+                }
+                memcpy(bigger, path, depth * sizeof *path);
+                if (path != local) free(path);
+                path = bigger;
+                cap *= 2;
+            }
+            dep->refs++;
+            path[depth++] = (drain_frame){dep, seq};
+            continue;
+        }
         /* A poll with a deadline runs at least one task first, so it always makes progress. */
         if (deadline_ms > 0 && ran && now_ms() >= deadline_ms) {
             timed_out = 1;
             break;
         }
-        run_head_locked(s);
+        run_head_locked(c);
         ran = 1;
     }
+    while (depth > 1) { /* stopped early (deadline): give back the frames still held */
+        emu_stream *c = path[--depth].s;
+        settle_locked(c);
+        stream_unref_locked(c);
+    }
+    if (path != local) free(path);
     settle_locked(s); /* work left behind goes (back) to the engine */
     return timed_out;
 }
@@ -664,21 +742,6 @@ EMU_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
     pthread_mutex_unlock(&g_lock);
     if (busy) poll_backoff();
     return st;
-}
-
-typedef struct wait_payload {
-    emu_stream *target;
-    uint64_t seq;
-} wait_payload;
-
-static int wait_run(void *p, char *msg, size_t len) {
-    (void)msg;
-    (void)len;
-    wait_payload *w = p;
-    pthread_mutex_lock(&g_lock);
-    drain_locked(w->target, w->seq, 0);
-    pthread_mutex_unlock(&g_lock);
-    return 0;
 }
 
 static void wait_release(void *p) { /* lock held */
