@@ -188,3 +188,45 @@ def test_a_chain_of_8000_stream_waits_resolves_without_recursion(isolated, mode)
         print(json.dumps({"sync": st, "head": list(head), "pending": emu.stats()["pending_tasks"]}))
     """.replace("MODE", repr(mode)))
     assert r == {"sync": 0, "head": [2, 2, 2, 2, 1, 1, 1, 1], "pending": 0}
+
+
+# ============================================================================ set and reset racing
+
+def test_set_device_racing_the_last_reset_keeps_its_context_and_stream(isolated):
+    # Two threads set and reset device 0 over and over, each queueing work on the default
+    # stream in between, so the last reset often drains work with the lock released. An
+    # aclrtSetDevice arriving then must wait for the release to finish and open the device
+    # anew: before, it reopened it at once and the finishing teardown freed the new context and
+    # default stream under it (its next calls: 107002, or a use after free).
+    r = run_raw(isolated, """
+        acl.aclInit(ffi.NULL)
+        errors, lock = [], threading.Lock()
+
+        def worker(rounds):
+            p = ffi.new("void **")
+            for i in range(rounds):
+                calls = []
+                calls.append(("set", acl.aclrtSetDevice(0)))
+                calls.append(("malloc", acl.aclrtMalloc(p, 1 << 22, 0)))
+                for _ in range(3):
+                    calls.append(("memset", acl.aclrtMemsetAsync(p[0], 1 << 22, i & 0xFF, 1 << 22, ffi.NULL)))
+                if i % 2:
+                    calls.append(("sync", acl.aclrtSynchronizeStream(ffi.NULL)))
+                    calls.append(("free", acl.aclrtFree(p[0])))
+                calls.append(("reset", acl.aclrtResetDevice(0)))
+                bad = [(name, st) for name, st in calls if st]
+                if bad:
+                    with lock:
+                        errors.append((i, bad, emu.msg()))
+                    return
+
+        threads = [threading.Thread(target=worker, args=(60,)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        s = emu.stats()
+        print(json.dumps({"errors": errors[:5], "devices_set": s["devices_set"],
+                          "streams": s["streams"], "allocations": s["device_allocations"]}))
+    """)
+    assert r == {"errors": [], "devices_set": 0, "streams": 0, "allocations": 0}

@@ -51,6 +51,9 @@ EMU_API int aclemuRequireDevice(const char *api, int32_t *device) {
  * the device's last reference goes. Queued work runs first, as the hardware would finish it. */
 void device_teardown_locked(int32_t d) {
     emu_device *dev = &g_devices[d];
+    /* Draining releases the lock: an aclrtSetDevice meanwhile must not open the device anew
+     * only to have this teardown free its fresh context and default stream. */
+    dev->closing = 1;
     drain_device_locked(d);
     event_release_all_of_device_locked(d);
     stream_release_all_of_device_locked(d);
@@ -66,6 +69,8 @@ void device_teardown_locked(int32_t d) {
     }
     release_device_blocks_locked(d);
     dev->used = 0; /* va_bump is kept: old pointers must not alias new blocks */
+    dev->closing = 0;
+    if (g_waiters) pthread_cond_broadcast(&g_cond); /* an aclrtSetDevice waiting for it */
 }
 
 EMU_API aclError aclrtGetDeviceCount(uint32_t *count) {
@@ -105,10 +110,18 @@ static int device_open_locked(const char *api, int32_t d) {
 EMU_API aclError aclrtSetDevice(int32_t deviceId) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
-    if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
-        st = ACL_ERROR_RT_INVALID_DEVICEID;
-        aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId, g_device_count);
+    int st;
+    for (;;) { /* a device being released by its last reset is opened only once that is done */
+        st = require_init_locked(api);
+        if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
+            st = ACL_ERROR_RT_INVALID_DEVICEID;
+            aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId,
+                            g_device_count);
+        }
+        if (st || !g_devices[deviceId].closing) break;
+        g_waiters++;
+        pthread_cond_wait(&g_cond, &g_lock);
+        g_waiters--;
     }
     if (!st && g_devices[deviceId].refcount == 0) st = device_open_locked(api, deviceId);
     if (!st) {

@@ -85,6 +85,7 @@ typedef struct emu_block {
 
 typedef struct emu_device {
     int refcount;
+    int closing; /* its last reset is releasing it (the lock is dropped while work drains) */
     emu_stream *default_stream;
     emu_context *context; /* the default context, while refcount > 0 */
     unsigned char *va_base;
