@@ -230,3 +230,39 @@ def test_set_device_racing_the_last_reset_keeps_its_context_and_stream(isolated)
                           "streams": s["streams"], "allocations": s["device_allocations"]}))
     """)
     assert r == {"errors": [], "devices_set": 0, "streams": 0, "allocations": 0}
+
+
+# ============================================================================ before aclInit
+
+def test_memory_and_stream_calls_before_aclinit_touch_nothing(isolated):
+    # Before aclInit there is no device: each call returns 100001 with a message naming
+    # aclInit, leaves its output untouched and allocates nothing (the sanitizer step of CI
+    # runs this too, which would report a read of device state through an unset index).
+    r = run_raw(isolated, """
+        p = ffi.new("void **", ffi.cast("void *", 0x5A5A))
+        f, t = ffi.new("size_t *", 7), ffi.new("size_t *", 7)
+        host = bytearray(64)
+        hb = ffi.from_buffer(host)
+        s, e = ffi.new("aclrtStream *"), ffi.new("aclrtEvent *")
+        out = {
+            "malloc": [acl.aclrtMalloc(p, 64, 0), emu.msg()],
+            "malloc_host": [acl.aclrtMallocHost(p, 64), emu.msg()],
+            "mem_info": [acl.aclrtGetMemInfo(1, f, t), emu.msg()],
+            "memcpy": [acl.aclrtMemcpy(hb, 64, hb, 64, 0), emu.msg()],
+            "memcpy_async": [acl.aclrtMemcpyAsync(hb, 64, hb, 64, 0, ffi.NULL), emu.msg()],
+            "memset_async": [acl.aclrtMemsetAsync(hb, 64, 0, 64, ffi.NULL), emu.msg()],
+            "create_stream": [acl.aclrtCreateStream(s), emu.msg()],
+            "create_event": [acl.aclrtCreateEvent(e), emu.msg()],
+            "sync_stream": [acl.aclrtSynchronizeStream(ffi.NULL), emu.msg()],
+        }
+        out["untouched"] = [int(ffi.cast("uintptr_t", p[0])), f[0], t[0]]
+        out["stats"] = {k: v for k, v in emu.stats().items() if k in ("device_allocations", "host_allocations",
+                                                                     "mallocs_total", "streams", "events")}
+        print(json.dumps(out))
+    """)
+    for name in ("malloc", "malloc_host", "mem_info", "memcpy", "memcpy_async", "memset_async",
+                 "create_stream", "create_event", "sync_stream"):
+        st, msg = r[name]
+        assert st == ACL_ERROR_UNINITIALIZE and "aclInit" in msg, (name, r[name])
+    assert r["untouched"] == [0x5A5A, 7, 7]
+    assert set(r["stats"].values()) == {0}, r["stats"]

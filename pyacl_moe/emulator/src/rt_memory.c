@@ -206,14 +206,15 @@ EMU_API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy po
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
+    int32_t d = -1;
     int st = require_device_locked(api, &d);
     /* CANN rounds every block up to 32 bytes and adds 32 more. */
     size_t padded = ((size + 31) & ~(size_t)31) + 32;
-    emu_device *dev = &g_devices[d];
+    /* No device state is looked at before there is a device (before aclInit, d is not one). */
+    emu_device *dev = st ? NULL : &g_devices[d];
     uintptr_t addr = 0;
     emu_block *b = NULL;
-    if (!st && (size > g_capacity || padded > g_capacity - dev->used)) {
+    if (!st && (size > g_capacity || padded < size || padded > g_capacity - dev->used)) {
         st = ACL_ERROR_RT_MEMORY_ALLOCATION;
         aclemuSetErrMsg(api, st, "cannot allocate %zu bytes: device %d has %zu of %zu bytes free",
                         size, (int)d, g_capacity - dev->used, g_capacity);
