@@ -266,3 +266,43 @@ def test_memory_and_stream_calls_before_aclinit_touch_nothing(isolated):
         assert st == ACL_ERROR_UNINITIALIZE and "aclInit" in msg, (name, r[name])
     assert r["untouched"] == [0x5A5A, 7, 7]
     assert set(r["stats"].values()) == {0}, r["stats"]
+
+
+# ============================================================================ every fault reported
+
+def _faulting_kernel(emu, res, bad, stream):
+    """Queue a kernel whose index at position 5 addresses no row of its 6-row input."""
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    idx = np.array([0, 1, 2, 3, 4, bad], np.int32)
+    xt, it, ot, _ = op_on(emu, res, x, idx, 2, 0, 0, ACL_FLOAT)
+    launch(emu, res, xt, it, 2, 0, 0, ot, stream=stream, sync=False)
+
+
+@pytest.mark.parametrize("stream_mode", ["lazy", "async"])
+def test_every_faulting_kernel_is_reported_and_sticky_until_a_synchronize(emu, res, stream_mode):
+    previous = emu.ffi.string(emu.acl.aclemuGetStreamMode())
+    assert emu.acl.aclemuSetStreamMode(stream_mode.encode()) == 0
+    try:
+        s = res.stream()
+        faults = emu.stats()["device_faults"]
+        _faulting_kernel(emu, res, 99, s)
+        _faulting_kernel(emu, res, 77, s)
+        q = emu.ffi.new("aclrtStreamStatus *")
+        emu.ok(emu.acl.aclrtStreamQuery(s, q))  # a query observes nothing
+        assert emu.acl.aclrtSynchronizeStream(s) == RT_AICORE_EXCEPTION
+        m = emu.msg()
+        assert "2 tasks faulted" in m and "expandedRowIdx[5] = 99" in m and "expandedRowIdx[5] = 77" in m, m
+        assert m.index("= 99") < m.index("= 77")  # oldest first
+        assert emu.stats()["device_faults"] == faults + 2
+        emu.ok(emu.acl.aclrtSynchronizeStream(s))  # observed: reported once
+        # A later fault is reported by the next synchronize, even of the whole device, which
+        # observes every stream at once.
+        _faulting_kernel(emu, res, 55, s)
+        _faulting_kernel(emu, res, 44, emu.NULL)
+        assert emu.acl.aclrtSynchronizeDevice() == RT_AICORE_EXCEPTION
+        m = emu.msg()
+        assert "expandedRowIdx[5] = 55" in m and "expandedRowIdx[5] = 44" in m, m
+        emu.ok(emu.acl.aclrtSynchronizeStream(s))
+        emu.ok(emu.acl.aclrtSynchronizeStream(emu.NULL))
+    finally:
+        assert emu.acl.aclemuSetStreamMode(previous) == 0

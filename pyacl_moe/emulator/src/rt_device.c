@@ -171,14 +171,22 @@ EMU_API aclError aclrtSynchronizeDevice(void) {
     int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     if (!st) {
-        char msg[EMU_MSG_LEN];
+        /* Every stream of the device is observed: each one's faults are reported, the oldest
+         * stream's status first, and none is left for a later call. */
+        char msg[EMU_MSG_LEN], one[EMU_MSG_LEN];
         emu_stream *def = g_devices[d].default_stream;
         def->refs++;
         drain_device_locked(d);
         st = take_pending_locked(def, msg, sizeof msg);
-        for (uint32_t i = 0; !st && i < g_streams.n; i++) {
+        for (uint32_t i = 0; i < g_streams.n; i++) {
             emu_stream *s = emu_ht_at(&g_streams, i);
-            if (s && s->device == d) st = take_pending_locked(s, msg, sizeof msg);
+            if (!s || s->device != d) continue;
+            int sst = take_pending_locked(s, one, sizeof one);
+            if (!sst) continue;
+            size_t used = st ? strlen(msg) : 0;
+            if (!st) st = sst;
+            if (used + 4 < sizeof msg)
+                snprintf(msg + used, sizeof msg - used, "%s%s", used ? " | " : "", one);
         }
         stream_unref_locked(def);
         if (st) aclemuSetErrMsg(api, st, "%s", msg);

@@ -52,7 +52,10 @@ typedef struct emu_stream {
     int running;       /* a thread (the engine or a helper) is running the head task */
     int in_ready;      /* on the engine's ready list */
     struct emu_stream *ready_next;
-    int pending_status; /* latched device fault, reported once by a synchronize */
+    /* Device faults latched since a synchronize last reported them (sticky until observed):
+     * the oldest one's status, how many, and their messages joined, oldest first. */
+    int pending_status;
+    int64_t pending_faults;
     char pending_msg[EMU_MSG_LEN];
 } emu_stream;
 
@@ -162,6 +165,7 @@ int drain_locked(emu_stream *s, uint64_t upto, double deadline_ms);
  * the stream was destroyed while the caller waited for room. */
 int enqueue_status(const char *api, int r);
 void drain_device_locked(int32_t d);
+/* Report (and clear) s's latched faults: their status (0: none) and a message naming each. */
 int take_pending_locked(emu_stream *s, char *msg, size_t len);
 /* Stop the engine (aclFinalize): called with the lock held, returns with it held. */
 void engine_stop_locked(void);

@@ -100,6 +100,19 @@ static void settle_locked(emu_stream *s) {
     engine_kick_locked();
 }
 
+/* Latch a task's fault on its stream. Every fault is kept until a synchronize reports it:
+ * an earlier one not yet observed does not hide a later one. */
+static void latch_fault_locked(emu_stream *s, int status, const char *msg) {
+    count_add(EMU_C_DEVICE_FAULTS, 1);
+    size_t used = strlen(s->pending_msg);
+    if (s->pending_faults++ == 0) {
+        s->pending_status = status;
+        snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
+    } else if (used + 4 < sizeof s->pending_msg) {
+        snprintf(s->pending_msg + used, sizeof s->pending_msg - used, " | %s", msg);
+    }
+}
+
 /* Run s's head task on this thread. Lock held on entry and exit, released while the task
  * runs; the caller holds a reference on s and has checked that s has a head and is not
  * running. */
@@ -116,13 +129,7 @@ static void run_head_locked(emu_stream *s) {
     s->running = 0;
     s->done_seq = t->seq;
     count_add(EMU_C_PENDING_TASKS, -1);
-    if (st) {
-        count_add(EMU_C_DEVICE_FAULTS, 1);
-        if (!s->pending_status) { /* the first fault is the one reported */
-            s->pending_status = st;
-            snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
-        }
-    }
+    if (st) latch_fault_locked(s, st, msg);
     if (t->release) t->release(t->payload);
     free(t);
     if (g_waiters) pthread_cond_broadcast(&g_cond);
@@ -177,13 +184,13 @@ static void run_batch_locked(emu_stream *s) {
     s->running = 1;
     pthread_mutex_unlock(&g_lock);
     int status[EMU_ENGINE_BATCH];
-    char msg[EMU_MSG_LEN], scratch[EMU_MSG_LEN];
-    msg[0] = 0;
-    int i = 0, faulted = 0;
+    char *fault_msg[EMU_ENGINE_BATCH]; /* each faulting task's message (rare: on the heap) */
+    char msg[EMU_MSG_LEN];
+    int i = 0;
     for (emu_task *t = first; t; t = t->next, i++) {
-        /* Only the first fault's message is kept: it is the one a synchronize reports. */
-        status[i] = t->run ? t->run(t->payload, faulted ? scratch : msg, EMU_MSG_LEN) : 0;
-        if (status[i]) faulted = 1;
+        msg[0] = 0;
+        status[i] = t->run ? t->run(t->payload, msg, sizeof msg) : 0;
+        fault_msg[i] = status[i] ? strdup(msg) : NULL;
     }
     pthread_mutex_lock(&g_lock);
     s->running = 0;
@@ -193,11 +200,8 @@ static void run_batch_locked(emu_stream *s) {
     for (emu_task *t = first, *next; t; t = next, i++) {
         next = t->next;
         if (status[i]) {
-            count_add(EMU_C_DEVICE_FAULTS, 1);
-            if (!s->pending_status) {
-                s->pending_status = status[i];
-                snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
-            }
+            latch_fault_locked(s, status[i], fault_msg[i] ? fault_msg[i] : "device fault");
+            free(fault_msg[i]);
         }
         if (t->release) t->release(t->payload);
         free(t);
@@ -411,14 +415,16 @@ void drain_device_locked(int32_t d) {
     if (def) stream_unref_locked(def);
 }
 
-/* The device-side failure a synchronize reports, once. */
 int take_pending_locked(emu_stream *s, char *msg, size_t len) {
     int st = s->pending_status;
-    if (st) {
+    if (s->pending_faults == 1)
         snprintf(msg, len, "%s", s->pending_msg);
-        s->pending_status = 0;
-        s->pending_msg[0] = 0;
-    }
+    else if (s->pending_faults > 1)
+        snprintf(msg, len, "%lld tasks faulted since the stream's faults were last reported, oldest "
+                 "first: %s", (long long)s->pending_faults, s->pending_msg);
+    s->pending_status = 0;
+    s->pending_faults = 0;
+    s->pending_msg[0] = 0;
     return st;
 }
 
