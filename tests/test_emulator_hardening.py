@@ -306,3 +306,104 @@ def test_every_faulting_kernel_is_reported_and_sticky_until_a_synchronize(emu, r
         emu.ok(emu.acl.aclrtSynchronizeStream(emu.NULL))
     finally:
         assert emu.acl.aclemuSetStreamMode(previous) == 0
+
+
+# ============================================================================ the environment
+
+# (variable, value, accepted): what the emulated libascendcl and the Python check both decide.
+ENV_CASES = [
+    ("PYACL_MOE_EMU_MEMORY", "-1", False),
+    ("PYACL_MOE_EMU_MEMORY", "garbage", False),
+    ("PYACL_MOE_EMU_MEMORY", "1e30", False),
+    ("PYACL_MOE_EMU_MEMORY", "nan", False),
+    ("PYACL_MOE_EMU_MEMORY", "2T", False),
+    ("PYACL_MOE_EMU_MEMORY", "8GB", False),
+    ("PYACL_MOE_EMU_MEMORY", "1.5M", True),
+    ("PYACL_MOE_EMU_MEMORY", "4096", True),
+    ("PYACL_MOE_EMU_DEVICES", "abc", False),
+    ("PYACL_MOE_EMU_DEVICES", "1000", False),
+    ("PYACL_MOE_EMU_DEVICES", " 2", False),
+    ("PYACL_MOE_EMU_DEVICES", "0", True),
+    ("PYACL_MOE_EMU_MUTATION", "garbage", False),
+    ("PYACL_MOE_EMU_MUTATION", "none", True),
+    ("PYACL_MOE_EMU_STREAMS", "sync", False),
+    ("PYACL_MOE_EMU_STREAMS", "lazy", True),
+    ("PYACL_MOE_EMU_QUEUE_DEPTH", "0", False),
+    ("PYACL_MOE_EMU_QUEUE_DEPTH", "16777217", False),
+    ("PYACL_MOE_EMU_THREADS", "four", False),
+    ("PYACL_MOE_EMU_THREADS", "0", False),
+    ("PYACL_MOE_EMU_THREADS", "64", True),
+    ("PYACL_MOE_EMU_SOC", "Ascend 910", False),
+    ("PYACL_MOE_EMU_SOC", "Ascend910B4", True),
+]
+
+# The C library alone, through ctypes: the Python check must not run first.
+C_DRIVER = """
+import ctypes, json, sys
+acl = ctypes.CDLL(sys.argv[1] + "/lib64/libascendcl.so")
+acl.aclGetRecentErrMsg.restype = ctypes.c_char_p
+count = ctypes.c_uint32()
+out = {"count": acl.aclrtGetDeviceCount(ctypes.byref(count))}
+out["init"] = acl.aclInit(None)
+out["msg"] = (acl.aclGetRecentErrMsg() or b"").decode()
+out["set"] = acl.aclrtSetDevice(0)
+out["set_msg"] = (acl.aclGetRecentErrMsg() or b"").decode()
+print(json.dumps(out))
+"""
+
+
+def _c_config(name: str, value: str) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    from pyacl_moe import emulator
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYACL_MOE_EMU_")}
+    env[name] = value
+    proc = subprocess.run([sys.executable, "-c", C_DRIVER, emulator.build()], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize(("name", "value", "accepted"), ENV_CASES, ids=[f"{n[14:]}={v}" for n, v, _ in ENV_CASES])
+def test_malformed_environment_fails_aclinit_with_a_message_naming_the_variable(name, value, accepted):
+    r = _c_config(name, value)
+    if accepted:
+        assert r["count"] == 0 and r["init"] == 0, r
+        return
+    # A raw C user: aclInit fails with ACL_ERROR_INVALID_PARAM, and so does every call that reads
+    # the configuration, each saying which variable and what it accepts.
+    assert r["init"] == ACL_ERROR_INVALID_PARAM, r
+    assert name in r["msg"] and f'"{value}"' in r["msg"] and "use " in r["msg"], r["msg"]
+    assert r["count"] == ACL_ERROR_INVALID_PARAM
+    assert r["set"] == ACL_ERROR_INVALID_PARAM and name in r["set_msg"]
+
+
+@pytest.mark.parametrize(("name", "value", "accepted"), ENV_CASES, ids=[f"{n[14:]}={v}" for n, v, _ in ENV_CASES])
+def test_python_checks_the_environment_as_the_library_does(name, value, accepted):
+    from pyacl_moe.emulator import EmulatorConfigError, check_environment
+
+    if accepted:
+        check_environment({name: value})
+        return
+    with pytest.raises(EmulatorConfigError, match=name) as info:
+        check_environment({name: value})
+    assert repr(value) in str(info.value) and "use " in str(info.value)
+
+
+def test_selecting_or_building_the_emulator_with_a_malformed_variable_raises_first(monkeypatch):
+    # A Python user learns it before any library is loaded or built, from use_emulator() (or
+    # the build the loader asks for), with the same message.
+    from pyacl_moe import emulator
+
+    monkeypatch.setenv("PYACL_MOE_EMU_MEMORY", "lots")
+    with pytest.raises(emulator.EmulatorConfigError, match="PYACL_MOE_EMU_MEMORY='lots' is malformed"):
+        emulator.use_emulator()
+    with pytest.raises(emulator.EmulatorBuildError, match="PYACL_MOE_EMU_MEMORY"):
+        emulator.build()
+    monkeypatch.delenv("PYACL_MOE_EMU_MEMORY")
+    monkeypatch.setenv("PYACL_MOE_EMU_MEMROY", "8G")  # a typo is not ignored silently
+    with pytest.warns(UserWarning, match="PYACL_MOE_EMU_MEMROY"):
+        emulator.check_environment()

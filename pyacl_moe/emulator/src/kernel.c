@@ -346,11 +346,16 @@ static void *token_worker_main(void *p) {
     return NULL;
 }
 
-/* Host threads the kernel may use: the CPUs online (at most 16), or PYACL_MOE_EMU_THREADS.
+/* Host threads the kernel may use: the CPUs online (at most 16), or PYACL_MOE_EMU_THREADS
+ * (read at each run, so a test can change it; its form, digits for 1 to 1024, is enforced by
+ * aclInit and by the Python layer, and anything else here means the CPU count).
  * Tokens are independent, so the result does not depend on the split. */
 static int kernel_threads(void) {
     const char *env = getenv("PYACL_MOE_EMU_THREADS");
-    long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
+    long n = 0;
+    for (const char *c = env; c && *c && n <= 1024; c++)
+        n = *c >= '0' && *c <= '9' ? n * 10 + (*c - '0') : 1025;
+    if (n < 1 || n > 1024) n = sysconf(_SC_NPROCESSORS_ONLN);
     return n < 1 ? 1 : n > 16 ? 16 : (int)n;
 }
 

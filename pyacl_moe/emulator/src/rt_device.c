@@ -25,7 +25,8 @@ int32_t current_device_locked(void) {
 }
 
 int require_device_locked(const char *api, int32_t *device) {
-    config_locked();
+    int st = config_error_locked(api);
+    if (st) return st;
     if (!g_initialized) {
         aclemuSetErrMsg(api, ACL_ERROR_UNINITIALIZE, "aclInit has not been called");
         return ACL_ERROR_UNINITIALIZE;
@@ -80,10 +81,10 @@ EMU_API aclError aclrtGetDeviceCount(uint32_t *count) {
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    config_locked();
-    *count = (uint32_t)g_device_count;
+    int st = config_error_locked(api);
+    if (!st) *count = (uint32_t)g_device_count;
     pthread_mutex_unlock(&g_lock);
-    return ACL_SUCCESS;
+    return st;
 }
 
 /* The device's default context and stream, created when its count goes 0 -> 1. */

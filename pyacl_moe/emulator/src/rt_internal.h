@@ -138,8 +138,11 @@ static inline void count_set(int slot, int64_t value) {
 
 double now_ms(void);
 int grow(void **arr, size_t *cap, size_t need, size_t elem);
-/* Read the environment once (device count, capacity, SoC name, mutation, stream mode). */
-void config_locked(void);
+/* Read the environment once (device count, capacity, SoC name, mutation, stream mode, queue
+ * depth, and the kernel thread count's form). 0, or ACL_ERROR_INVALID_PARAM while a variable is
+ * malformed; config_error_locked also sets the calling thread's message saying which. */
+int config_locked(void);
+int config_error_locked(const char *api);
 int require_init_locked(const char *api);
 
 /* ------------------------------------------------------------------ devices (rt_device.c) */
