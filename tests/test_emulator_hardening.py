@@ -14,17 +14,15 @@ import textwrap
 import numpy as np
 import pytest
 
-from .test_emulator import (
+from .test_emulator import (  # noqa: F401  (res is a fixture)
     ACL_ERROR_INVALID_PARAM,
     ACL_ERROR_UNINITIALIZE,
     ACL_FLOAT,
-    D2H,
-    H2D,
     RT_AICORE_EXCEPTION,
     RT_PARAM_INVALID,
     launch,
     op_on,
-    res,  # noqa: F401  (fixture)
+    res,
 )
 
 # A fresh interpreter with direct access to the emulated libraries (tests/emu_raw.py).
