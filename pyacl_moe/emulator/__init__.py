@@ -15,6 +15,7 @@ from __future__ import annotations
 from .. import _lifetime
 from .._cann import aclemu, loader
 from ._build import SRC_DIR, EmulatorBuildError, build, cache_root
+from ._env import EmulatorConfigError, check_environment
 
 MUTATIONS: tuple[str, ...] = ("skip-last-k", "fp16-accumulate", "off-by-one-row")
 STREAM_MODES: tuple[str, ...] = ("async", "lazy")
@@ -28,8 +29,10 @@ __all__ = [
     "SKIP_CHECKS",
     "STREAM_MODES",
     "EmulatorBuildError",
+    "EmulatorConfigError",
     "build",
     "cache_root",
+    "check_environment",
     "check_guards",
     "clear_faults",
     "corrupt_guard",
@@ -57,7 +60,9 @@ def use_emulator() -> None:
     """Bind this process to the bundled emulator (built on first use) instead of a CANN install.
 
     Call before anything loads CANN; once the real libraries are loaded the choice is final.
+    Raises EmulatorConfigError at once when a PYACL_MOE_EMU_* variable is malformed.
     """
+    check_environment()
     loader.select_provider(loader.EMULATOR)
 
 

@@ -346,11 +346,16 @@ static void *token_worker_main(void *p) {
     return NULL;
 }
 
-/* Host threads the kernel may use: the CPUs online (at most 16), or PYACL_MOE_EMU_THREADS.
+/* Host threads the kernel may use: the CPUs online (at most 16), or PYACL_MOE_EMU_THREADS
+ * (read at each run, so a test can change it; its form, digits for 1 to 1024, is enforced by
+ * aclInit and by the Python layer, and anything else here means the CPU count).
  * Tokens are independent, so the result does not depend on the split. */
 static int kernel_threads(void) {
     const char *env = getenv("PYACL_MOE_EMU_THREADS");
-    long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
+    long n = 0;
+    for (const char *c = env; c && *c && n <= 1024; c++)
+        n = *c >= '0' && *c <= '9' ? n * 10 + (*c - '0') : 1025;
+    if (n < 1 || n > 1024) n = sysconf(_SC_NPROCESSORS_ONLN);
     return n < 1 ? 1 : n > 16 ? 16 : (int)n;
 }
 
@@ -430,17 +435,18 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
     for (int i = 0; i < n; i++)
         if (which[i] < 3) views[which[i]]->host = pins[i].host;
 
-    /* The first bsk indices in row-major order of the index view. */
-    const int32_t *ids;
+    /* The first bsk indices in row-major order of the index view, copied once: they are checked
+     * and used from this snapshot, never re-read from device memory, so a concurrent write (a
+     * copy on another stream, another thread) cannot slip an unchecked index past the check. */
+    ids_buf = malloc((size_t)(bsk ? bsk : 1) * sizeof(int32_t));
+    if (!ids_buf) {
+        snprintf(msg, len, "emulator out of host memory");
+        status = ACL_ERROR_RT_INTERNAL_ERROR;
+        goto done;
+    }
     if (a->idx.ndim == 1 && a->idx.strides[0] == 1) {
-        ids = (const int32_t *)(mi.host + (a->idx.offset - mi.lo) * 4);
+        if (bsk) memcpy(ids_buf, mi.host + (a->idx.offset - mi.lo) * 4, (size_t)bsk * sizeof(int32_t));
     } else {
-        ids_buf = malloc((size_t)(bsk ? bsk : 1) * sizeof(int32_t));
-        if (!ids_buf) {
-            snprintf(msg, len, "emulator out of host memory");
-            status = ACL_ERROR_RT_INTERNAL_ERROR;
-            goto done;
-        }
         int64_t pos[EMU_OP_MAX_DIMS] = {0};
         for (int64_t j = 0; j < bsk; j++) {
             int64_t off = a->idx.offset;
@@ -451,8 +457,8 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
                 pos[d] = 0;
             }
         }
-        ids = ids_buf;
     }
+    const int32_t *ids = ids_buf;
 
     /* Which terms count, and whether every counted one addresses a row that exists. */
     const int droppad = a->drop_pad_mode == 1, active = !droppad && a->active_num > 0;

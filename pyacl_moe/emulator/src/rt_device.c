@@ -25,7 +25,8 @@ int32_t current_device_locked(void) {
 }
 
 int require_device_locked(const char *api, int32_t *device) {
-    config_locked();
+    int st = config_error_locked(api);
+    if (st) return st;
     if (!g_initialized) {
         aclemuSetErrMsg(api, ACL_ERROR_UNINITIALIZE, "aclInit has not been called");
         return ACL_ERROR_UNINITIALIZE;
@@ -51,6 +52,9 @@ EMU_API int aclemuRequireDevice(const char *api, int32_t *device) {
  * the device's last reference goes. Queued work runs first, as the hardware would finish it. */
 void device_teardown_locked(int32_t d) {
     emu_device *dev = &g_devices[d];
+    /* Draining releases the lock: an aclrtSetDevice meanwhile must not open the device anew
+     * only to have this teardown free its fresh context and default stream. */
+    dev->closing = 1;
     drain_device_locked(d);
     event_release_all_of_device_locked(d);
     stream_release_all_of_device_locked(d);
@@ -66,6 +70,8 @@ void device_teardown_locked(int32_t d) {
     }
     release_device_blocks_locked(d);
     dev->used = 0; /* va_bump is kept: old pointers must not alias new blocks */
+    dev->closing = 0;
+    if (g_waiters) pthread_cond_broadcast(&g_cond); /* an aclrtSetDevice waiting for it */
 }
 
 EMU_API aclError aclrtGetDeviceCount(uint32_t *count) {
@@ -75,10 +81,10 @@ EMU_API aclError aclrtGetDeviceCount(uint32_t *count) {
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    config_locked();
-    *count = (uint32_t)g_device_count;
+    int st = config_error_locked(api);
+    if (!st) *count = (uint32_t)g_device_count;
     pthread_mutex_unlock(&g_lock);
-    return ACL_SUCCESS;
+    return st;
 }
 
 /* The device's default context and stream, created when its count goes 0 -> 1. */
@@ -105,10 +111,18 @@ static int device_open_locked(const char *api, int32_t d) {
 EMU_API aclError aclrtSetDevice(int32_t deviceId) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
-    if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
-        st = ACL_ERROR_RT_INVALID_DEVICEID;
-        aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId, g_device_count);
+    int st;
+    for (;;) { /* a device being released by its last reset is opened only once that is done */
+        st = require_init_locked(api);
+        if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
+            st = ACL_ERROR_RT_INVALID_DEVICEID;
+            aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId,
+                            g_device_count);
+        }
+        if (st || !g_devices[deviceId].closing) break;
+        g_waiters++;
+        pthread_cond_wait(&g_cond, &g_lock);
+        g_waiters--;
     }
     if (!st && g_devices[deviceId].refcount == 0) st = device_open_locked(api, deviceId);
     if (!st) {
@@ -158,14 +172,22 @@ EMU_API aclError aclrtSynchronizeDevice(void) {
     int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     if (!st) {
-        char msg[EMU_MSG_LEN];
+        /* Every stream of the device is observed: each one's faults are reported, the oldest
+         * stream's status first, and none is left for a later call. */
+        char msg[EMU_MSG_LEN], one[EMU_MSG_LEN];
         emu_stream *def = g_devices[d].default_stream;
         def->refs++;
         drain_device_locked(d);
         st = take_pending_locked(def, msg, sizeof msg);
-        for (uint32_t i = 0; !st && i < g_streams.n; i++) {
+        for (uint32_t i = 0; i < g_streams.n; i++) {
             emu_stream *s = emu_ht_at(&g_streams, i);
-            if (s && s->device == d) st = take_pending_locked(s, msg, sizeof msg);
+            if (!s || s->device != d) continue;
+            int sst = take_pending_locked(s, one, sizeof one);
+            if (!sst) continue;
+            size_t used = st ? strlen(msg) : 0;
+            if (!st) st = sst;
+            if (used + 4 < sizeof msg)
+                snprintf(msg + used, sizeof msg - used, "%s%s", used ? " | " : "", one);
         }
         stream_unref_locked(def);
         if (st) aclemuSetErrMsg(api, st, "%s", msg);

@@ -52,7 +52,10 @@ typedef struct emu_stream {
     int running;       /* a thread (the engine or a helper) is running the head task */
     int in_ready;      /* on the engine's ready list */
     struct emu_stream *ready_next;
-    int pending_status; /* latched device fault, reported once by a synchronize */
+    /* Device faults latched since a synchronize last reported them (sticky until observed):
+     * the oldest one's status, how many, and their messages joined, oldest first. */
+    int pending_status;
+    int64_t pending_faults;
     char pending_msg[EMU_MSG_LEN];
 } emu_stream;
 
@@ -85,6 +88,7 @@ typedef struct emu_block {
 
 typedef struct emu_device {
     int refcount;
+    int closing; /* its last reset is releasing it (the lock is dropped while work drains) */
     emu_stream *default_stream;
     emu_context *context; /* the default context, while refcount > 0 */
     unsigned char *va_base;
@@ -134,8 +138,11 @@ static inline void count_set(int slot, int64_t value) {
 
 double now_ms(void);
 int grow(void **arr, size_t *cap, size_t need, size_t elem);
-/* Read the environment once (device count, capacity, SoC name, mutation, stream mode). */
-void config_locked(void);
+/* Read the environment once (device count, capacity, SoC name, mutation, stream mode, queue
+ * depth, and the kernel thread count's form). 0, or ACL_ERROR_INVALID_PARAM while a variable is
+ * malformed; config_error_locked also sets the calling thread's message saying which. */
+int config_locked(void);
+int config_error_locked(const char *api);
 int require_init_locked(const char *api);
 
 /* ------------------------------------------------------------------ devices (rt_device.c) */
@@ -161,6 +168,7 @@ int drain_locked(emu_stream *s, uint64_t upto, double deadline_ms);
  * the stream was destroyed while the caller waited for room. */
 int enqueue_status(const char *api, int r);
 void drain_device_locked(int32_t d);
+/* Report (and clear) s's latched faults: their status (0: none) and a message naming each. */
 int take_pending_locked(emu_stream *s, char *msg, size_t len);
 /* Stop the engine (aclFinalize): called with the lock held, returns with it held. */
 void engine_stop_locked(void);

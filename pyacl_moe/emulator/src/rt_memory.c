@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "rt_internal.h"
 
@@ -37,6 +38,28 @@ static int in_device_va_locked(uintptr_t p) {
             return 1;
     }
     return 0;
+}
+
+/* Whether [p, p + n) is mapped in this process. A host address the caller made up (a small
+ * integer, a freed mapping) would otherwise take the process down inside memmove; msync with
+ * MS_ASYNC does no I/O and fails with ENOMEM exactly when part of the range is unmapped. It
+ * cannot see protections: a read-only page passed as a destination still faults, as it would
+ * under CANN. */
+static int host_range_mapped(uintptr_t p, size_t n) {
+    if (n == 0) return 1;
+    if (p + n < p) return 0;
+    static size_t page;
+    if (!page) page = (size_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = p & ~(uintptr_t)(page - 1);
+    return msync((void *)lo, p + n - lo, MS_ASYNC) == 0;
+}
+
+static emu_host_block *find_host_block_locked(uintptr_t p, size_t n) {
+    for (size_t i = 0; i < g_nhost; i++) {
+        uintptr_t a = (uintptr_t)g_host[i].ptr;
+        if (p >= a && p - a <= g_host[i].size && n <= g_host[i].size - (p - a)) return &g_host[i];
+    }
+    return NULL;
 }
 
 static int guards_ok(const emu_block *b) {
@@ -183,14 +206,15 @@ EMU_API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy po
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
+    int32_t d = -1;
     int st = require_device_locked(api, &d);
     /* CANN rounds every block up to 32 bytes and adds 32 more. */
     size_t padded = ((size + 31) & ~(size_t)31) + 32;
-    emu_device *dev = &g_devices[d];
+    /* No device state is looked at before there is a device (before aclInit, d is not one). */
+    emu_device *dev = st ? NULL : &g_devices[d];
     uintptr_t addr = 0;
     emu_block *b = NULL;
-    if (!st && (size > g_capacity || padded > g_capacity - dev->used)) {
+    if (!st && (size > g_capacity || padded < size || padded > g_capacity - dev->used)) {
         st = ACL_ERROR_RT_MEMORY_ALLOCATION;
         aclemuSetErrMsg(api, st, "cannot allocate %zu bytes: device %d has %zu of %zu bytes free",
                         size, (int)d, g_capacity - dev->used, g_capacity);
@@ -340,6 +364,11 @@ static int check_side_locked(const char *api, const char *what, uintptr_t p, siz
         aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID,
                         "%s %p is device memory but the copy kind says host", what, (void *)p);
         return ACL_ERROR_RT_PARAM_INVALID;
+    } else if (!host_range_mapped(p, count)) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID,
+                        "%s [%p, +%zu) is neither device memory nor mapped host memory", what,
+                        (void *)p, count);
+        return ACL_ERROR_RT_PARAM_INVALID;
     }
     return 0;
 }
@@ -440,6 +469,20 @@ static int copy_run(void *p, char *msg, size_t len) {
     pthread_mutex_lock(&g_lock);
     int bad = pin_copy_locked(c->dst, c->src, c->count, &c->plan, &pd, &ps, &hd, &hs);
     pthread_mutex_unlock(&g_lock);
+    /* Host memory is touched when the stream runs the task: it may have been unmapped since
+     * the call was checked. */
+    if (!bad && ((!c->plan.dst_dev && !host_range_mapped(c->dst, c->count)) ||
+                 (!c->is_set && !c->plan.src_dev && !host_range_mapped(c->src, c->count)))) {
+        pthread_mutex_lock(&g_lock);
+        unpin_locked(&pd);
+        unpin_locked(&ps);
+        pthread_mutex_unlock(&g_lock);
+        snprintf(msg, len,
+                 "device fault: an asynchronous %s of %zu bytes found its host memory unmapped "
+                 "when the stream ran it",
+                 c->is_set ? "memset" : "memcpy", c->count);
+        return ACL_ERROR_RT_SYS_DMA;
+    }
     if (bad) {
         snprintf(msg, len,
                  "device fault: an asynchronous %s of %zu bytes touched device memory that was "
@@ -494,10 +537,18 @@ static int plan_set_locked(const char *api, void *devPtr, size_t maxCount, size_
                         maxCount);
         return ACL_ERROR_INVALID_PARAM;
     }
-    /* The runtime decides host or device from the address. */
+    /* The runtime decides host or device from the address. Host memory must be a block of
+     * aclrtMallocHost: any other address is refused, as a made-up one would crash the host. */
     plan->dst_dev = in_device_va_locked((uintptr_t)devPtr);
     plan->src_dev = 0;
     if (count == 0) return 0;
+    if (!plan->dst_dev && !find_host_block_locked((uintptr_t)devPtr, count)) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID,
+                        "devPtr [%p, +%zu) is not device memory (nor host memory from "
+                        "aclrtMallocHost)",
+                        devPtr, count);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
     return check_side_locked(api, "devPtr", (uintptr_t)devPtr, count, plan->dst_dev);
 }
 

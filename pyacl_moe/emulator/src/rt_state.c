@@ -77,46 +77,152 @@ int grow(void **arr, size_t *cap, size_t need, size_t elem) {
     return 0;
 }
 
-static size_t parse_size(const char *s, size_t dflt) {
-    if (!s || !*s) return dflt;
-    char *end = NULL;
-    double v = strtod(s, &end);
-    if (end == s || v <= 0) return dflt;
-    switch (*end) {
-    case 'k': case 'K': v *= 1024.0; break;
-    case 'm': case 'M': v *= 1024.0 * 1024.0; break;
-    case 'g': case 'G': v *= 1024.0 * 1024.0 * 1024.0; break;
-    case 't': case 'T': v *= 1024.0 * 1024.0 * 1024.0 * 1024.0; break;
-    default: break;
+/* ------------------------------------------------------------------ configuration */
+
+/* The environment is parsed strictly (pyacl_moe/emulator/_env.py applies the same rules from
+ * Python, before the libraries are loaded): a malformed value is an error naming the variable
+ * and the accepted forms, never a silent default. Empty means unset. It is read once; while it
+ * is malformed every call that needs aclInit fails with ACL_ERROR_INVALID_PARAM and says why. */
+static int g_config_read;
+static int g_config_status;
+static char g_config_error[EMU_MSG_LEN];
+
+static int config_fail(const char *name, const char *value, const char *forms) {
+    if (!g_config_status) {
+        g_config_status = ACL_ERROR_INVALID_PARAM;
+        snprintf(g_config_error, sizeof g_config_error,
+                 "environment variable %s=\"%s\" is malformed: %s", name, value, forms);
     }
-    return (size_t)v;
+    return -1;
 }
 
-void config_locked(void) {
-    if (g_device_count >= 0) return;
-    const char *n = getenv("PYACL_MOE_EMU_DEVICES");
-    int count = n && *n ? atoi(n) : 1;
-    if (count < 0) count = 0;
-    if (count > EMU_MAX_DEVICES) count = EMU_MAX_DEVICES;
-    g_device_count = count;
-    g_capacity = parse_size(getenv("PYACL_MOE_EMU_MEMORY"), (size_t)32 << 30);
-    const char *soc = getenv("PYACL_MOE_EMU_SOC");
-    snprintf(g_soc, sizeof g_soc, "%s", soc && *soc ? soc : "Ascend910B3");
-    if (g_mutation < 0) {
-        g_mutation = EMU_MUT_NONE;
-        const char *m = getenv("PYACL_MOE_EMU_MUTATION");
-        for (int i = 1; m && i < 4; i++)
-            if (strcmp(m, g_mutation_names[i]) == 0) g_mutation = i;
+static const char *env_value(const char *name) {
+    const char *v = getenv(name);
+    return v && *v ? v : NULL;
+}
+
+/* A decimal integer in [lo, hi], digits only (no sign, blanks or exponent). */
+static int env_int(const char *name, long long lo, long long hi, long long dflt, long long *out,
+                   const char *forms) {
+    const char *v = env_value(name);
+    *out = dflt;
+    if (!v) return 0;
+    long long x = 0;
+    for (const char *c = v; *c; c++) {
+        if (*c < '0' || *c > '9' || x > hi) return config_fail(name, v, forms);
+        x = x * 10 + (*c - '0');
     }
-    const char *mode = getenv("PYACL_MOE_EMU_STREAMS");
-    g_async = !(mode && strcmp(mode, "lazy") == 0);
-    const char *depth = getenv("PYACL_MOE_EMU_QUEUE_DEPTH");
-    long d = depth && *depth ? strtol(depth, NULL, 10) : EMU_DEFAULT_QUEUE_DEPTH;
-    g_queue_depth = d < 1 ? 1 : d > (1L << 24) ? (1 << 24) : (int)d;
+    if (x < lo || x > hi) return config_fail(name, v, forms);
+    *out = x;
+    return 0;
+}
+
+#define EMU_MAX_CAPACITY ((size_t)1 << 40) /* the largest device address range reserved */
+
+/* A byte count: digits, an optional fraction, an optional K/M/G/T suffix (powers of 1024). */
+static int env_size(const char *name, size_t dflt, size_t *out) {
+    static const char forms[] =
+        "use a positive number of bytes, optionally with a fraction and one of the suffixes "
+        "K, M, G, T (powers of 1024), e.g. 8G or 1.5M, at most 1T";
+    const char *v = env_value(name);
+    *out = dflt;
+    if (!v) return 0;
+    double x = 0, scale = 1;
+    int digits = 0, fraction = 0;
+    const char *c = v;
+    for (; *c; c++) {
+        if (*c >= '0' && *c <= '9') {
+            if (++digits > 20) return config_fail(name, v, forms);
+            if (fraction) x += (*c - '0') * (scale /= 10);
+            else x = x * 10 + (*c - '0');
+        } else if (*c == '.' && !fraction && digits) {
+            fraction = 1;
+        } else {
+            break;
+        }
+    }
+    if (!digits || (fraction && c[-1] == '.')) return config_fail(name, v, forms);
+    double unit = 1;
+    if (*c) {
+        switch (*c) {
+        case 'k': case 'K': unit = 1024.0; break;
+        case 'm': case 'M': unit = 1024.0 * 1024.0; break;
+        case 'g': case 'G': unit = 1024.0 * 1024.0 * 1024.0; break;
+        case 't': case 'T': unit = 1024.0 * 1024.0 * 1024.0 * 1024.0; break;
+        default: return config_fail(name, v, forms);
+        }
+        if (c[1]) return config_fail(name, v, forms);
+    }
+    x *= unit;
+    if (x < 1 || x > (double)EMU_MAX_CAPACITY) return config_fail(name, v, forms);
+    *out = (size_t)x;
+    return 0;
+}
+
+/* One of `names` (NULL-terminated); its index, or dflt when unset. */
+static int env_choice(const char *name, const char *const *names, int dflt, int *out,
+                      const char *forms) {
+    const char *v = env_value(name);
+    *out = dflt;
+    if (!v) return 0;
+    for (int i = 0; names[i]; i++)
+        if (strcmp(v, names[i]) == 0) {
+            *out = i;
+            return 0;
+        }
+    return config_fail(name, v, forms);
+}
+
+/* The kernel's thread count, as env_int parses it (kernel.c reads it at each run). */
+#define EMU_MAX_THREADS_SETTING 1024
+
+int config_locked(void) {
+    if (g_config_read) return g_config_status;
+    g_config_read = 1;
+    long long count, depth, threads;
+    env_int("PYACL_MOE_EMU_DEVICES", 0, EMU_MAX_DEVICES, 1, &count,
+            "use a whole number of devices from 0 to 64");
+    g_device_count = (int)count;
+    env_size("PYACL_MOE_EMU_MEMORY", (size_t)32 << 30, &g_capacity);
+    const char *soc = env_value("PYACL_MOE_EMU_SOC");
+    int soc_ok = 1;
+    for (const char *c = soc; c && *c; c++)
+        if (!((*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') || (*c >= '0' && *c <= '9') ||
+              *c == '_' || *c == '-' || *c == '.'))
+            soc_ok = 0;
+    if (soc && (!soc_ok || strlen(soc) >= sizeof g_soc)) {
+        config_fail("PYACL_MOE_EMU_SOC", soc,
+                    "use a SoC name of 1 to 63 letters, digits, '_', '-' or '.', e.g. Ascend910B3");
+        soc = NULL;
+    }
+    snprintf(g_soc, sizeof g_soc, "%s", soc ? soc : "Ascend910B3");
+    static const char *const mutations[] = {"none", "skip-last-k", "fp16-accumulate",
+                                            "off-by-one-row", NULL};
+    int mutation = EMU_MUT_NONE;
+    env_choice("PYACL_MOE_EMU_MUTATION", mutations, EMU_MUT_NONE, &mutation,
+               "use none, skip-last-k, fp16-accumulate or off-by-one-row");
+    if (g_mutation < 0) g_mutation = mutation; /* aclemuSetMutation may have come first */
+    static const char *const modes[] = {"lazy", "async", NULL};
+    int async = 1;
+    env_choice("PYACL_MOE_EMU_STREAMS", modes, 1, &async, "use async or lazy");
+    g_async = async;
+    env_int("PYACL_MOE_EMU_QUEUE_DEPTH", 1, 1 << 24, EMU_DEFAULT_QUEUE_DEPTH, &depth,
+            "use a whole number of tasks from 1 to 16777216");
+    g_queue_depth = (int)depth;
+    env_int("PYACL_MOE_EMU_THREADS", 1, EMU_MAX_THREADS_SETTING, 1, &threads,
+            "use a whole number of kernel threads from 1 to 1024 (at most 16 are used)");
+    return g_config_status;
+}
+
+int config_error_locked(const char *api) {
+    int st = config_locked();
+    if (st) aclemuSetErrMsg(api, st, "%s", g_config_error);
+    return st;
 }
 
 int require_init_locked(const char *api) {
-    config_locked();
+    int st = config_error_locked(api);
+    if (st) return st;
     if (!g_initialized) {
         aclemuSetErrMsg(api, ACL_ERROR_UNINITIALIZE, "aclInit has not been called");
         return ACL_ERROR_UNINITIALIZE;
@@ -247,17 +353,16 @@ EMU_API aclError aclInit(const char *configPath) {
     EMU_ENTRY(ACL_ERROR_INTERNAL_ERROR);
     (void)configPath; /* no configuration items are emulated */
     pthread_mutex_lock(&g_lock);
-    config_locked();
-    int st = 0;
-    if (g_initialized) {
+    int st = config_error_locked(api); /* a malformed PYACL_MOE_EMU_* variable */
+    if (!st && g_initialized) {
         st = ACL_ERROR_REPEAT_INITIALIZE;
         aclemuSetErrMsg(api, st, "aclInit was already called in this process");
-    } else if (g_finalized) {
+    } else if (!st && g_finalized) {
         st = ACL_ERROR_REPEAT_INITIALIZE;
         aclemuSetErrMsg(api, st,
                         "aclFinalize was already called in this process: aclInit can be called "
                         "only once per process, and CANN cannot be used after aclFinalize");
-    } else {
+    } else if (!st) {
         g_initialized = 1;
         count_set(EMU_C_INITIALIZED, 1);
     }

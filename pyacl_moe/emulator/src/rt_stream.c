@@ -12,10 +12,12 @@
  *  - lazy: no engine; tasks run only on threads that wait for them, so a test sees queued work
  *    deterministically. No bound on the queue.
  *
- * A task that waits for an event (aclrtStreamWaitEvent) runs the recorded stream up to the
- * record on the thread that reaches it, or waits for the thread running that stream. Waits
- * only name records queued before them, so the tasks form a DAG in queue order and the helpers
- * cannot deadlock.
+ * A task that waits for an event (aclrtStreamWaitEvent) is never run before the record it
+ * names has run: a stream whose head is such a wait is blocked. A thread that needs a blocked
+ * stream to progress walks the chain of waits iteratively, with a path on the heap (never by
+ * recursion on the C stack: a chain of thousands of streams is legal), runs the first task it
+ * finds that can run, and walks again. Waits only name records queued before them, so the
+ * tasks form a DAG in queue order and the helpers cannot deadlock.
  *
  * Launch cost: the engine is signalled only when it sleeps for good; a busy or napping engine
  * finds new work on the ready list at its next pick, with no system call on the launching
@@ -98,6 +100,19 @@ static void settle_locked(emu_stream *s) {
     engine_kick_locked();
 }
 
+/* Latch a task's fault on its stream. Every fault is kept until a synchronize reports it:
+ * an earlier one not yet observed does not hide a later one. */
+static void latch_fault_locked(emu_stream *s, int status, const char *msg) {
+    count_add(EMU_C_DEVICE_FAULTS, 1);
+    size_t used = strlen(s->pending_msg);
+    if (s->pending_faults++ == 0) {
+        s->pending_status = status;
+        snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
+    } else if (used + 4 < sizeof s->pending_msg) {
+        snprintf(s->pending_msg + used, sizeof s->pending_msg - used, " | %s", msg);
+    }
+}
+
 /* Run s's head task on this thread. Lock held on entry and exit, released while the task
  * runs; the caller holds a reference on s and has checked that s has a head and is not
  * running. */
@@ -114,19 +129,36 @@ static void run_head_locked(emu_stream *s) {
     s->running = 0;
     s->done_seq = t->seq;
     count_add(EMU_C_PENDING_TASKS, -1);
-    if (st) {
-        count_add(EMU_C_DEVICE_FAULTS, 1);
-        if (!s->pending_status) { /* the first fault is the one reported */
-            s->pending_status = st;
-            snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
-        }
-    }
+    if (st) latch_fault_locked(s, st, msg);
     if (t->release) t->release(t->payload);
     free(t);
     if (g_waiters) pthread_cond_broadcast(&g_cond);
 }
 
-static int wait_run(void *p, char *msg, size_t len);
+typedef struct wait_payload {
+    emu_stream *target;
+    uint64_t seq;
+} wait_payload;
+
+/* A wait task does nothing when run: it runs only once the record it names has run. */
+static int wait_run(void *p, char *msg, size_t len) {
+    (void)p;
+    (void)msg;
+    (void)len;
+    return 0;
+}
+
+/* The stream (and position in it) that s's head task waits for, or NULL when the head can run. */
+static emu_stream *blocked_on_locked(const emu_stream *s, uint64_t *seq) {
+    const emu_task *t = s->head;
+    if (!t || t->run != wait_run) return NULL;
+    const wait_payload *w = t->payload;
+    if (w->target->done_seq >= w->seq) return NULL;
+    *seq = w->seq;
+    return w->target;
+}
+
+static int drain_held_locked(emu_stream *s, uint64_t upto, double deadline_ms);
 
 /* The engine runs up to this many tasks of a stream per pick, taking the lock once for all of
  * them: with a launch loop feeding it, one lock hand-off per task would cost more than a
@@ -152,13 +184,13 @@ static void run_batch_locked(emu_stream *s) {
     s->running = 1;
     pthread_mutex_unlock(&g_lock);
     int status[EMU_ENGINE_BATCH];
-    char msg[EMU_MSG_LEN], scratch[EMU_MSG_LEN];
-    msg[0] = 0;
-    int i = 0, faulted = 0;
+    char *fault_msg[EMU_ENGINE_BATCH]; /* each faulting task's message (rare: on the heap) */
+    char msg[EMU_MSG_LEN];
+    int i = 0;
     for (emu_task *t = first; t; t = t->next, i++) {
-        /* Only the first fault's message is kept: it is the one a synchronize reports. */
-        status[i] = t->run ? t->run(t->payload, faulted ? scratch : msg, EMU_MSG_LEN) : 0;
-        if (status[i]) faulted = 1;
+        msg[0] = 0;
+        status[i] = t->run ? t->run(t->payload, msg, sizeof msg) : 0;
+        fault_msg[i] = status[i] ? strdup(msg) : NULL;
     }
     pthread_mutex_lock(&g_lock);
     s->running = 0;
@@ -168,11 +200,8 @@ static void run_batch_locked(emu_stream *s) {
     for (emu_task *t = first, *next; t; t = next, i++) {
         next = t->next;
         if (status[i]) {
-            count_add(EMU_C_DEVICE_FAULTS, 1);
-            if (!s->pending_status) {
-                s->pending_status = status[i];
-                snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
-            }
+            latch_fault_locked(s, status[i], fault_msg[i] ? fault_msg[i] : "device fault");
+            free(fault_msg[i]);
         }
         if (t->release) t->release(t->payload);
         free(t);
@@ -209,8 +238,16 @@ static void *engine_main(void *arg) {
         naps = 0;
         /* A helper may have taken the stream since it was listed; it hands it back when done. */
         if (s->head && !s->running) {
+            uint64_t seq = 0;
+            emu_stream *dep = blocked_on_locked(s, &seq);
             g_engine_busy = 1;
-            run_batch_locked(s);
+            if (dep) { /* run what the wait needs first (iteratively; see drain_held_locked) */
+                dep->refs++;
+                drain_held_locked(dep, seq, 0);
+                stream_unref_locked(dep);
+            } else {
+                run_batch_locked(s);
+            }
             g_engine_busy = 0;
             settle_locked(s); /* round robin: back to the tail if it has more */
         }
@@ -274,27 +311,72 @@ static int wait_locked(double deadline_ms) {
     return passed;
 }
 
-/* drain_locked for a caller that holds a reference on s. */
+/* drain_locked for a caller that holds a reference on s. A stream blocked by a wait needs the
+ * waited-for stream to progress first, which may itself be blocked: the chain is followed with
+ * an explicit path (frame i+1 is what frame i waits for), each frame holding a reference. */
+typedef struct drain_frame {
+    emu_stream *s;
+    uint64_t upto;
+} drain_frame;
+
 static int drain_held_locked(emu_stream *s, uint64_t upto, double deadline_ms) {
+    drain_frame local[8];
+    drain_frame *path = local;
+    size_t depth = 1, cap = sizeof local / sizeof local[0];
+    path[0] = (drain_frame){s, upto};
     int timed_out = 0;
     int ran = 0;
-    while (s->done_seq < upto) {
-        if (s->running) { /* another thread runs it: wait for that task */
+    while (depth) {
+        emu_stream *c = path[depth - 1].s;
+        if (c->done_seq >= path[depth - 1].upto || (!c->head && !c->running)) {
+            if (--depth) { /* a dependency is satisfied: back to the stream that needed it */
+                settle_locked(c);
+                stream_unref_locked(c);
+            }
+            continue;
+        }
+        if (c->running) { /* another thread runs it: wait for that task */
             if (wait_locked(deadline_ms)) {
                 timed_out = s->done_seq < upto;
                 break;
             }
             continue;
         }
-        if (!s->head) break;
+        uint64_t seq = 0;
+        emu_stream *dep = blocked_on_locked(c, &seq);
+        if (dep) {
+            if (depth == cap) {
+                drain_frame *bigger = malloc(2 * cap * sizeof *bigger);
+                if (!bigger) { /* cannot follow the chain: let other threads (the engine) do it */
+                    if (wait_locked(deadline_ms)) {
+                        timed_out = s->done_seq < upto;
+                        break;
+                    }
+                    continue;
+                }
+                memcpy(bigger, path, depth * sizeof *path);
+                if (path != local) free(path);
+                path = bigger;
+                cap *= 2;
+            }
+            dep->refs++;
+            path[depth++] = (drain_frame){dep, seq};
+            continue;
+        }
         /* A poll with a deadline runs at least one task first, so it always makes progress. */
         if (deadline_ms > 0 && ran && now_ms() >= deadline_ms) {
             timed_out = 1;
             break;
         }
-        run_head_locked(s);
+        run_head_locked(c);
         ran = 1;
     }
+    while (depth > 1) { /* stopped early (deadline): give back the frames still held */
+        emu_stream *c = path[--depth].s;
+        settle_locked(c);
+        stream_unref_locked(c);
+    }
+    if (path != local) free(path);
     settle_locked(s); /* work left behind goes (back) to the engine */
     return timed_out;
 }
@@ -333,14 +415,16 @@ void drain_device_locked(int32_t d) {
     if (def) stream_unref_locked(def);
 }
 
-/* The device-side failure a synchronize reports, once. */
 int take_pending_locked(emu_stream *s, char *msg, size_t len) {
     int st = s->pending_status;
-    if (st) {
+    if (s->pending_faults == 1)
         snprintf(msg, len, "%s", s->pending_msg);
-        s->pending_status = 0;
-        s->pending_msg[0] = 0;
-    }
+    else if (s->pending_faults > 1)
+        snprintf(msg, len, "%lld tasks faulted since the stream's faults were last reported, oldest "
+                 "first: %s", (long long)s->pending_faults, s->pending_msg);
+    s->pending_status = 0;
+    s->pending_faults = 0;
+    s->pending_msg[0] = 0;
     return st;
 }
 
@@ -666,21 +750,6 @@ EMU_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
     pthread_mutex_unlock(&g_lock);
     if (busy) poll_backoff();
     return st;
-}
-
-typedef struct wait_payload {
-    emu_stream *target;
-    uint64_t seq;
-} wait_payload;
-
-static int wait_run(void *p, char *msg, size_t len) {
-    (void)msg;
-    (void)len;
-    wait_payload *w = p;
-    pthread_mutex_lock(&g_lock);
-    drain_locked(w->target, w->seq, 0);
-    pthread_mutex_unlock(&g_lock);
-    return 0;
 }
 
 static void wait_release(void *p) { /* lock held */
