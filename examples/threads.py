@@ -9,6 +9,7 @@ Run with an installed CANN, or on the bundled emulator:
 """
 
 import threading
+from contextlib import closing
 
 import numpy as np
 
@@ -27,7 +28,7 @@ results = {}
 
 def worker(i: int) -> None:
     # Each thread: its own stream and its own plan (a plan writes one `out`), the same inputs.
-    with pm.Stream(dev) as own, pm.MoeInitRoutingV2Grad(x, idx, top_k) as plan:
+    with closing(pm.Stream(dev)) as own, pm.MoeInitRoutingV2Grad(x, idx, top_k) as plan:
         for _ in range(20):
             plan(own)
         results[i] = plan.out.to_host(own)

@@ -28,7 +28,7 @@ from .errors import (
 from .op.executor import Executor, execute
 from .op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, get_workspace_size, moe_init_routing_v2_grad
 from .pool import empty_cache, memory_stats
-from .stream import Event, Stream
+from .stream import Event, Stream, current_stream
 from .tensor import AclTensor
 
 __version__ = "0.2.0"
@@ -53,6 +53,7 @@ __all__ = [
     "acl_version",
     "bfloat16",
     "current_device",
+    "current_stream",
     "device_count",
     "emulator",
     "empty",

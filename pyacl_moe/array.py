@@ -23,7 +23,7 @@ from . import _args, _lifetime
 from ._cann import acl, aclnn, declare
 from .device import Device, resolve_device
 from .errors import AclRuntimeError, ClosedError, InvalidArgument
-from .stream import Event, Stream, StreamState, resolve_stream
+from .stream import Event, Stream, StreamState, active_stream, resolve_stream
 
 __all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "empty", "from_pointer", "may_overlap",
            "host_array",
@@ -353,9 +353,9 @@ class DeviceArray:
     def to_host(self, stream: Stream | None = None) -> np.ndarray:
         """Copy to a new NumPy array.
 
-        With ``stream`` the copy is queued there and waited for, so earlier work on that stream
-        is visible. Without, it first waits for every stream that queued a write to this memory
-        through pyacl_moe, then copies.
+        With ``stream`` (or inside ``with stream:``) the copy is queued there and waited for, so
+        earlier work on that stream is visible. Without, it first waits for every stream that
+        queued a write to this memory through pyacl_moe, then copies.
         """
         alloc = self.allocation()
         out = np.empty(self._shape, dtype=self._dtype)
@@ -364,6 +364,8 @@ class DeviceArray:
             return out
         nbytes = hi - lo + 1
         host = out if self.is_contiguous else np.empty(nbytes, dtype=np.uint8)
+        if stream is None:
+            stream = active_stream(alloc.device)
         if stream is not None:
             state = resolve_stream(stream, alloc.device)
             alloc.used_on(state, write=False)
@@ -392,8 +394,9 @@ class DeviceArray:
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
 
-        With ``stream`` the copy is queued there, after queued work of other streams that uses
-        this memory (through events); without, it waits for such work first, then copies.
+        With ``stream`` (or inside ``with stream:``) the copy is queued there, after queued work
+        of other streams that uses this memory (through events); without, it waits for such
+        work first, then copies.
         """
         alloc = self.allocation()
         if not self.is_contiguous:
@@ -403,6 +406,8 @@ class DeviceArray:
             raise InvalidArgument(
                 "array", f"must have shape {self._shape} and dtype {self._dtype}, got {host.shape} {host.dtype}"
             )
+        if stream is None:
+            stream = active_stream(alloc.device)
         state = resolve_stream(stream, alloc.device) if stream is not None else None
         _copy_in(alloc, self.address, host, state)
 
@@ -519,11 +524,14 @@ def _dtype(dtype: Any) -> np.dtype:
 
 
 def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
-    """A new contiguous DeviceArray of zeros (memset on ``stream`` if given, else now)."""
+    """A new contiguous DeviceArray of zeros (memset on ``stream``, or the thread's current
+    stream inside ``with stream:``; else now)."""
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
     arr = empty(shape, dtype, device if device is not None or stream is None else stream.device)
     alloc = arr.allocation()
+    if stream is None:
+        stream = active_stream(alloc.device)
     n = alloc.nbytes
     if n:
         if stream is not None:
@@ -539,8 +547,8 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     """Copy a NumPy array (or anything np.asarray takes) to a new contiguous DeviceArray.
 
     Fortran-ordered, strided or byte-swapped input is first made C-contiguous and native on
-    the host. With ``stream`` the copy is queued on it (the host data is held until the copy
-    has run); without, it is done before returning.
+    the host. With ``stream`` (or inside ``with stream:``) the copy is queued on it (the host
+    data is held until the copy has run); without, it is done before returning.
     """
     host = host_array(np.asarray(array), "array")
     if stream is not None:
@@ -549,7 +557,8 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
         state: StreamState | None = resolve_stream(stream, dev)
     else:
         dev = resolve_device(device)
-        state = None
+        cur = active_stream(dev)
+        state = resolve_stream(cur, dev) if cur is not None else None
     alloc = allocate(dev, host.nbytes)
     arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
     _copy_in(alloc, alloc.ptr, host, state)

@@ -52,6 +52,14 @@ class _Process:
 
 
 _tls = threading.local()  # .device: the Device this thread last used through pyacl_moe
+# .saved: the devices current when this thread's open `with device:` blocks began
+
+
+def _saved() -> list[Device | None]:
+    saved: list[Device | None] | None = getattr(_tls, "saved", None)
+    if saved is None:
+        saved = _tls.saved = []
+    return saved
 _closing: set[Device] = set()  # devices whose close() was interrupted before the end
 
 
@@ -59,9 +67,10 @@ class Device:
     """An Ascend device (NPU), by id.
 
     ``Device(0)`` returns the process's shared object for device 0, opening it on first use.
-    ``close()`` waits for the device, releases every stream, event and array of it in CANN's
-    order and resets it; the next ``Device(0)`` opens it again. As a context manager it is
-    re-entrant: the outermost ``with`` closes it.
+    ``with device:`` makes it the calling thread's current device and restores the previous
+    one on exit, closing nothing (as CuPy's and torch's device contexts do). ``close()`` waits
+    for the device, releases every stream, event and array of it in CANN's order and resets
+    it; the next ``Device(0)`` opens it again.
     """
 
     # Objects that layers above attach to every open device, by name: the stream module
@@ -87,8 +96,7 @@ class Device:
         self._id = device_id
         self._closed = False
         self._torn_down = False
-        self._depth = 0
-        self._lock = threading.RLock()  # guards _queues, _attached, _depth
+        self._lock = threading.RLock()  # guards _queues, _attached
         self._queues: set[Queue] = set()
         self._attached: dict[str, Any] = {}
         if not _Process.initialized:
@@ -260,17 +268,23 @@ class Device:
                 raise errors[0]
 
     def __enter__(self) -> Device:
-        self.activate()
-        with self._lock:
-            self._depth += 1
+        saved = _saved()
+        saved.append(getattr(_tls, "device", None))
+        try:
+            self.activate()
+        except BaseException:
+            saved.pop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._depth -= 1
-            outermost = self._depth == 0
-        if outermost:
-            self.close()
+        previous = _saved().pop()
+        if previous is None or previous.closed:
+            # The thread had no current device (or it was closed meanwhile): the next call
+            # without a device picks device 0 again, as before the block.
+            _tls.device = None
+        else:
+            previous.activate()
 
 
 def _closed_reason() -> str:

@@ -9,6 +9,10 @@ began after it, or a fence), whichever thread synchronizes and whenever.
 Ordering between two different streams is the caller's job, through events, as in CUDA:
 ``consumer.wait_event(producer.record())``.
 
+``with stream:`` makes the stream the calling thread's current stream on its device (and the
+device current), as CuPy's and torch's stream contexts do: calls without ``stream=`` on that
+device use it. It closes nothing.
+
 Closing a stream waits for it. A stream dropped without ``close()`` is released without
 blocking anyone: once the device reports it idle (aclrtStreamQuery), at a later safe point.
 """
@@ -27,7 +31,19 @@ from ._cann.errcheck import check
 from .device import Device, resolve_device
 from .errors import ClosedError, InvalidArgument
 
-__all__ = ["Event", "Stream", "StreamState"]
+__all__ = ["Event", "Stream", "StreamState", "active_stream", "current_stream"]
+
+
+class _Current(threading.local):
+    """The calling thread's current stream (set by ``with stream:``) and the ones it replaced."""
+
+    stream: Stream | None = None
+
+    def __init__(self) -> None:
+        self.saved: list[Stream | None] = []
+
+
+thread_current = _Current()  # read on every launch of a plan (see op.plan)
 
 
 class Launcher(Protocol):
@@ -274,8 +290,9 @@ class Stream:
     """A CANN stream: tasks on it run in order, asynchronously to the host.
 
     ``Stream(device)`` creates one (aclrtCreateStream); ``Device.default_stream`` is the
-    device's default stream. ``close()`` waits for the stream and destroys it; it is safe twice
-    and is what the context manager calls. Any thread may use a stream; closing one that
+    device's default stream. ``with stream:`` makes it the thread's current stream (and its
+    device the current device) until the block ends; it closes nothing. ``close()`` waits for
+    the stream and destroys it; it is safe twice. Any thread may use a stream; closing one that
     another thread is using makes that thread's call complete or raise ClosedError.
     """
 
@@ -372,20 +389,48 @@ class Stream:
         self.state.close()
 
     def __enter__(self) -> Stream:
+        self.state.check_open()
+        self.state.device.__enter__()
+        cur = thread_current
+        cur.saved.append(cur.stream)
+        cur.stream = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        cur = thread_current
+        cur.stream = cur.saved.pop()
+        self.state.device.__exit__()
 
 
 Device.attachments["default_stream"] = Stream._default
 
 
+def active_stream(device: Device) -> Stream | None:
+    """The stream a ``with stream:`` block made current on this thread, if it is on
+    ``device``; else None (calls then take their stream-less path)."""
+    s = thread_current.stream
+    return s if s is not None and s.state.device is device else None
+
+
+def current_stream(device: Device | int | None = None) -> Stream:
+    """The stream calls without ``stream=`` use on ``device`` (default: the current device):
+    the one a ``with stream:`` block made current on this thread, else the device's default
+    stream."""
+    dev = resolve_device(device)
+    s = thread_current.stream
+    if s is not None and s.state.device is dev:
+        return s
+    return dev.default_stream  # type: ignore[no-any-return]
+
+
 def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") -> StreamState:
-    """The state of ``stream`` (the device's default stream if None), checked open and on
-    ``device``."""
+    """The state of ``stream`` (if None, the thread's current stream on ``device``, else the
+    device's default stream), checked open and on ``device``."""
     if stream is None:
-        return device.default_stream.state
+        cur = thread_current.stream
+        if cur is None or cur.state.device is not device:
+            return device.default_stream.state
+        stream = cur
     if not isinstance(stream, Stream):
         raise InvalidArgument(name, f"must be a Stream or None, got {type(stream).__name__}")
     state = stream.state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import closing
 
 import ml_dtypes
 import numpy as np
@@ -221,7 +222,7 @@ def test_async_copy_keeps_host_buffer_alive(device, lazy_streams, no_leaks):
 
 
 def test_reading_back_waits_for_the_last_writer(device, lazy_streams, no_leaks):
-    with pm.Stream(device) as a, pm.Stream(device) as b:
+    with closing(pm.Stream(device)) as a, closing(pm.Stream(device)) as b:
         arr = pm.zeros((256,), np.float32, stream=a)
         arr.copy_from_host(np.full(256, 7, np.float32), stream=a)
         assert pm.emulator.stats()["pending_tasks"] > 0

@@ -23,6 +23,7 @@ import contextlib
 import gc
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from typing import Any
 
 import numpy as np
@@ -400,7 +401,7 @@ def test_host_writes_after_queued_work(device, clean):
 
 def test_stream_and_event_setup(device, clean):
     def op():
-        with pm.Stream(device) as s:
+        with closing(pm.Stream(device)) as s:
             ev = s.record()
             ev2 = pm.Event(device)
             s.wait_event(ev)
@@ -430,7 +431,7 @@ def test_fences(device, clean):
     out = pm.empty(WANT.shape, WANT.dtype)
 
     def op():
-        with pm.Stream(device) as s:
+        with closing(pm.Stream(device)) as s:
             for _ in range(9):
                 pm.moe_init_routing_v2_grad(x, idx, 2, 1, out=out, stream=s)
             return out.to_host(s)
@@ -451,7 +452,7 @@ def test_a_new_thread_switches_context(device, clean):
 
         def work():
             try:
-                with pm.Stream(device) as s:
+                with closing(pm.Stream(device)) as s:
                     x = pm.to_device(CASE.grad_expanded_x, stream=s)
                     idx = pm.to_device(CASE.expanded_row_idx, stream=s)
                     result.append(pm.moe_init_routing_v2_grad(x, idx, 2, 1, stream=s).to_host(s))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ MIB16 = 16 << 20  # the op's workspace
 
 def test_steady_state_launches_allocate_nothing(device, no_leaks):
     case = make_case(8, 2, 16, "float32", "dropless", seed=1)
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
         out = pm.empty((8, 16), np.float32)
         pm.moe_init_routing_v2_grad(x, idx, 2, out=out, stream=s)  # warm: the stream gets its block
@@ -40,7 +41,7 @@ def test_each_live_stream_keeps_its_own_block(device, no_leaks):
     x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
     st0 = pm.memory_stats()
     assert st0["bytes_held"] == 0
-    with pm.Stream(device) as a, pm.Stream(device) as b:
+    with closing(pm.Stream(device)) as a, closing(pm.Stream(device)) as b:
         out_a = pm.moe_init_routing_v2_grad(x, idx, 2, stream=a)
         out_b = pm.moe_init_routing_v2_grad(x, idx, 2, stream=b)
         st = pm.memory_stats()

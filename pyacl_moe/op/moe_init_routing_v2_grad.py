@@ -21,7 +21,7 @@ from ..array import DeviceArray, empty, host_array, may_overlap, to_device
 from ..device import Device, current_device, resolve_device
 from ..errors import InvalidArgument
 from ..pool import workspace_for
-from ..stream import Stream, resolve_stream
+from ..stream import Stream, current_stream, resolve_stream, thread_current
 from ..tensor import AclTensor
 from .executor import Executor, build, launch, mark_uses
 from .executor import execute as execute
@@ -308,7 +308,11 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
         if workspace is not None:
             arrays["workspace"] = workspace
         _device_of(arrays)
-    state = dev.default_stream.state if stream is None else stream.state
+    if stream is None:
+        cur = thread_current.stream
+        state = cur.state if cur is not None and cur.state.device is dev else dev.default_stream.state
+    else:
+        state = stream.state
     if state.device is not dev:
         resolve_stream(stream, dev)  # raises, naming the devices
     if validate:
@@ -375,7 +379,7 @@ def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, st
         _contract.check_indices(hi, geo, int(top_k), int(active))
     hx, hi = host_array(hx, "grad_expanded_x"), host_array(hi, "expanded_row_idx")
     dev = stream.device if stream is not None else current_device()
-    s = stream if stream is not None else dev.default_stream
+    s = stream if stream is not None else current_stream(dev)
     dx = to_device(hx, stream=s)
     di = to_device(hi, stream=s)
     # The indices were checked above; the layout check below is a memo lookup.
