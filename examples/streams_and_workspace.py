@@ -46,6 +46,6 @@ with pm.Device(0) as dev, closing(pm.Stream(dev)) as stream:
     # A strided view goes to CANN as a strided aclTensor, without a copy: here every other
     # hidden column of the input, and an output of matching width.
     half = pm.moe_init_routing_v2_grad(x[:, ::2], idx, top_k, stream=stream)
-    print("strided input:", x[:, ::2].strides, "->", half.to_host(stream).shape)
+    print("strided input:", x[:, ::2].element_strides, "->", half.to_host(stream).shape)
     start.close()
     end.close()

@@ -29,7 +29,8 @@ __all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16",
            "host_array",
            "on_memory_pressure", "to_device", "zeros"]
 
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
+#: ml_dtypes' bfloat16 scalar type (``pm.bfloat16(1.5)``, ``x.astype(pm.bfloat16)``).
+bfloat16 = ml_dtypes.bfloat16
 
 # numpy dtype -> the aclDataType it is (values read from headers/).
 _ACL_NAMES: dict[np.dtype, str] = {
@@ -47,7 +48,7 @@ _ACL_NAMES: dict[np.dtype, str] = {
     np.dtype(np.bool_): "ACL_BOOL",
     np.dtype(np.complex64): "ACL_COMPLEX64",
     np.dtype(np.complex128): "ACL_COMPLEX128",
-    bfloat16: "ACL_BF16",
+    np.dtype(bfloat16): "ACL_BF16",
 }
 
 # Called with a device when an allocation on it fails for lack of memory, before one retry:
@@ -151,9 +152,10 @@ def allocate(device: Device, nbytes: int) -> Allocation:
 class DeviceArray:
     """An n-dimensional array in device memory.
 
-    ``shape`` and ``dtype`` as in NumPy; ``strides`` and ``offset`` are in elements, as
-    aclCreateTensor takes them. Create one with :func:`to_device`, :func:`empty`,
-    :func:`zeros` or :func:`from_pointer`; read it back with :meth:`to_host`.
+    ``shape``, ``dtype`` and ``strides`` (in bytes) as in NumPy and CuPy; ``element_strides``
+    and ``offset`` are in elements, as aclCreateTensor takes them. Create one with
+    :func:`to_device`, :func:`empty`, :func:`zeros` or :func:`from_pointer`; read it back with
+    :meth:`to_host`. NumPy never converts one implicitly: the copy and its wait are explicit.
     """
 
     __slots__ = ("alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "_layout", "span",
@@ -223,7 +225,13 @@ class DeviceArray:
 
     @property
     def strides(self) -> tuple[int, ...]:
-        """Strides in elements (aclCreateTensor's unit)."""
+        """Strides in bytes, as NumPy and CuPy have them."""
+        item = self._dtype.itemsize
+        return tuple(s * item for s in self._strides)
+
+    @property
+    def element_strides(self) -> tuple[int, ...]:
+        """Strides in elements: what the aclTensor of the view gets (aclCreateTensor's unit)."""
         return self._strides
 
     @property
@@ -233,7 +241,8 @@ class DeviceArray:
 
     @property
     def layout(self) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
-        """(shape, dtype, strides): what an aclTensor of the view depends on, its address aside."""
+        """(shape, dtype, element strides): what an aclTensor of the view depends on, its
+        address aside."""
         return self._layout
 
     @property
@@ -304,21 +313,30 @@ class DeviceArray:
         if self.closed:
             return f"<DeviceArray closed shape={self._shape} dtype={self._dtype}>"
         return (
-            f"<DeviceArray shape={self._shape} dtype={self._dtype} strides={self._strides} "
+            f"<DeviceArray shape={self._shape} dtype={self._dtype} element_strides={self._strides} "
             f"offset={self._offset} device={self.device.device_id} address={self.address:#x}>"
         )
 
     # -- views
 
     def __getitem__(self, key: Any) -> DeviceArray:
-        """Basic slicing (ints, slices with positive steps, Ellipsis): a view, no copy."""
+        """Basic slicing (ints, slices with positive steps, Ellipsis): a view, no copy. Fancy
+        (integer-array) and boolean indexing are refused: they copy, which a view cannot."""
         alloc = self.allocation()
         if not isinstance(key, tuple):
             key = (key,)
-        if sum(k is Ellipsis for k in key) > 1:
+        for k in key:
+            if isinstance(k, (DeviceArray, np.ndarray, list)) or (hasattr(k, "__array__")
+                                                                  and not isinstance(k, np.generic)):
+                raise InvalidArgument(
+                    "key", "fancy (integer-array) and boolean indexing are not supported on a DeviceArray: they "
+                           "copy, and DeviceArray indexing gives views; index the host copy (to_host()[key]) instead")
+        # By identity: `in` would compare with ==, which NumPy scalars answer elementwise.
+        ellipses = [i for i, k in enumerate(key) if k is Ellipsis]
+        if len(ellipses) > 1:
             raise IndexError("an index can only have a single ellipsis ('...')")
-        if Ellipsis in key:
-            i = key.index(Ellipsis)
+        if ellipses:
+            i = ellipses[0]
             fill = self.ndim - (len(key) - 1)
             key = key[:i] + (slice(None),) * fill + key[i + 1:]
         if len(key) > self.ndim:
@@ -342,6 +360,8 @@ class DeviceArray:
                     offset += start * s
                 shape.append(length)
                 strides.append(s * step)
+            elif k is None:
+                raise InvalidArgument("key", "None (np.newaxis) is not supported: use reshape() to add an axis")
             else:
                 raise InvalidArgument("key", f"only ints, slices and '...' index a DeviceArray, got {type(k).__name__}")
         shape += self._shape[len(key):]
@@ -388,8 +408,101 @@ class DeviceArray:
         return self.to_host(stream)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        arr = self.to_host()
-        return arr if dtype is None else arr.astype(dtype)
+        """Refused: an implicit conversion would hide a device-to-host copy and a wait (as in
+        CuPy). ``copy=False`` gets the ValueError NumPy 2 asks for when no view is possible."""
+        if copy is False:
+            raise ValueError("a DeviceArray lives in device memory: NumPy cannot view it without a copy; "
+                             "use to_host() for a copy")
+        raise TypeError("implicit conversion of a DeviceArray to a NumPy array is not allowed: it would copy from "
+                        "the device and wait; call to_host() (or numpy()) for an explicit copy")
+
+    def item(self) -> Any:
+        """The one element of a size-1 array as a Python scalar (copied from the device)."""
+        if self.size != 1:
+            raise InvalidArgument("array", f"item() needs exactly one element, this array has {self.size}")
+        return self.to_host().item()
+
+    def reshape(self, *shape: Any) -> DeviceArray:
+        """The same elements in another shape (one entry may be -1). A view of the same memory
+        when the array is C-contiguous; otherwise a contiguous copy (see :meth:`copy`)."""
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            shape = tuple(shape[0])
+        size = self.size
+        dims = list(shape)
+        unknown = [i for i, d in enumerate(dims) if isinstance(d, (int, np.integer)) and int(d) == -1]
+        if len(unknown) > 1:
+            raise InvalidArgument("shape", "can only have one -1 entry")
+        if unknown:
+            known = 1
+            for i, d in enumerate(dims):
+                if i != unknown[0]:
+                    known *= _args.int64("shape", d, lo=0)
+            if known == 0 or size % known:
+                raise InvalidArgument("shape", f"cannot infer the -1 entry of {tuple(shape)} from {size} elements")
+            dims[unknown[0]] = size // known
+        shp = _args.shape("shape", dims)
+        n = 1
+        for d in shp:
+            n *= d
+        if n != size:
+            raise InvalidArgument("shape", f"{shp} has {n} elements, the array {size}")
+        base = self if self.is_contiguous else self.copy()
+        return DeviceArray(base.allocation(), shp, self._dtype, _contiguous_strides(shp), base._offset)
+
+    def copy(self, stream: Stream | None = None) -> DeviceArray:
+        """A new contiguous DeviceArray with the same values. A contiguous array is copied on
+        the device (on ``stream``, or the current stream inside ``with stream:``, else now);
+        a strided one goes through the host, since CANN's runtime copies only dense bytes."""
+        alloc = self.allocation()
+        if not self.is_contiguous:
+            return to_device(self.to_host(stream), stream=stream, device=alloc.device)
+        out = empty(self._shape, self._dtype, alloc.device)
+        n = self.nbytes
+        if n:
+            dst = out.allocation()
+            if stream is None:
+                stream = active_stream(alloc.device)
+            if stream is not None:
+                state = resolve_stream(stream, alloc.device)
+                alloc.used_on(state, write=False)
+                dst.used_on(state, write=True)
+                state.enqueue((alloc, dst), acl.memcpy_async, dst.ptr, n, self.address, n,
+                              "ACL_MEMCPY_DEVICE_TO_DEVICE")
+            else:
+                _order_after(alloc.writers, alloc, None)
+                alloc.device.activate()
+                acl.memcpy(dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE")
+        return out
+
+    def fill(self, value: Any, stream: Stream | None = None) -> None:
+        """Set every element to ``value`` (converted to the dtype as NumPy converts it). Zero is
+        a memset on the device; other values are copied from the host. Needs a contiguous
+        array: a strided view shares its gaps with other views."""
+        if not self.is_contiguous:
+            raise InvalidArgument("array", "fill() needs a contiguous DeviceArray")
+        try:
+            v = np.asarray(value).astype(self._dtype, casting="unsafe")
+        except (TypeError, ValueError):
+            raise InvalidArgument("value", f"must convert to {self._dtype}, got {value!r}") from None
+        if v.ndim:
+            raise InvalidArgument("value", f"must be a scalar, got shape {v.shape}")
+        alloc = self.allocation()
+        if stream is None:
+            stream = active_stream(alloc.device)
+        n = self.nbytes
+        if not n:
+            return
+        if not v.tobytes().strip(b"\0"):  # all-zero bits (not -0.0): a memset
+            if stream is not None:
+                state = resolve_stream(stream, alloc.device)
+                alloc.used_on(state, write=True)
+                state.enqueue(alloc, acl.memset_async, self.address, n, 0, n)
+            else:
+                _order_after(alloc.users, alloc, None)
+                alloc.device.activate()
+                acl.memset(self.address, n, 0, n)
+            return
+        self.copy_from_host(np.full(self._shape, v, self._dtype), stream)
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
@@ -448,7 +561,7 @@ class _AddressOnly:
         self.__array_interface__ = {
             "data": (a.address, True),
             "shape": a.shape,
-            "strides": tuple(s * a.itemsize for s in a.strides),
+            "strides": a.strides,
             "typestr": f"|V{a.itemsize}",
             "version": 3,
         }

@@ -260,7 +260,7 @@ def moe_init_routing_v2_grad(
     top_k, drop_pad_mode (0 or 1), active_num (>= 0): the op's attributes.
     out: optional output [N, H], same dtype as grad_expanded_x, contiguous, sharing no memory
         with the inputs.
-    stream: where to run (default: the device's default stream).
+    stream: where to run (default: the thread's current stream; see `with stream:`).
     workspace: a DeviceArray of at least the op's workspace size (default: the stream's).
     validate: check the contract on the host first (index values too when the indices are a
         NumPy array) and raise InvalidArgument; False hands everything to CANN untouched.
