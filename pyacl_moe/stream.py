@@ -65,7 +65,7 @@ class StreamState:
     """
 
     __slots__ = ("device", "context", "handle", "lock", "ledger", "closing", "closed", "caches", "launchers",
-                 "shut_caches", "waiters", "__weakref__")
+                 "shut_caches", "waiters", "owner", "__weakref__")
 
     def __init__(self, device: Device, handle: acl.StreamHandle | None) -> None:
         self.device = device
@@ -79,6 +79,7 @@ class StreamState:
         self.shut_caches: dict[Any, Any] = {}  # the caches once shut, until the stream is destroyed
         self.waiters = 0  # threads in synchronize() or query() (the handle in use outside the lock)
         self.launchers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.owner: Any = None  # what keeps a borrowed stream alive (Stream.from_handle)
 
     # -- use
 
@@ -312,6 +313,29 @@ class Stream:
         dev.add_queue(state)
 
     @classmethod
+    def from_handle(cls, handle: Any, device: Device | int | None = None, owner: Any = None) -> Stream:
+        """Wrap an aclrtStream created elsewhere (e.g. ``torch_npu.npu.current_stream().npu_stream``)
+        to queue pyacl_moe's work on it. The stream is borrowed: ``close()`` waits for it but
+        never destroys it, nor does anything else here; ``owner`` (the object the handle comes
+        from) is kept alive while pyacl_moe may still use the handle. ``handle`` is an integer
+        address on ``device`` (default: the current device); 0 is CANN's default stream."""
+        address = _args.integer("handle", handle, 0, 2**64 - 1)
+        dev = resolve_device(device)
+        if address == 0:
+            return dev.default_stream  # type: ignore[no-any-return]
+        _lifetime.collect()
+        dev.activate()
+        h = acl.BorrowedStreamHandle(dev.context, address)
+        s = cls.__new__(cls)
+        state = StreamState(dev, h)
+        state.owner = owner
+        s.state = state
+        s._is_default = False
+        _lifetime.track(s, state)
+        dev.add_queue(state)
+        return s
+
+    @classmethod
     def _default(cls, device: Device) -> Stream:
         s = cls.__new__(cls)
         state = StreamState(device, None)
@@ -383,7 +407,8 @@ class Stream:
     # -- release
 
     def close(self) -> None:
-        """Wait for the stream, then destroy it. Safe twice; a no-op on a default stream."""
+        """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice;
+        a no-op on a default stream."""
         if self._is_default:
             return
         self.state.close()

@@ -206,6 +206,21 @@ class StreamHandle(_ContextHandle):
         return loader.libs().acl.aclrtDestroyStream
 
 
+class BorrowedStreamHandle(StreamHandle):
+    """An aclrtStream created by someone else (torch_npu, another library): used, never
+    destroyed."""
+
+    __slots__ = ()
+
+    def __init__(self, context: Context, address: int) -> None:
+        super().__init__(context)
+        self._slot[0] = _ffi.cast(declare.ctype("void *"), address)
+
+    def release(self) -> int:
+        self.forget()  # its creator destroys it
+        return 0
+
+
 def _stream(h: StreamHandle | None) -> Any:
     return _NULL if h is None else h._slot[0]
 
