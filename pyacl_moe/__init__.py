@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from . import emulator, reference
 from ._cann.loader import LibraryInfo, library_info, load, loaded_info
-from .array import DeviceArray, bfloat16, empty, from_pointer, to_device, zeros
+from .array import DeviceArray, bfloat16, empty, from_pointer, from_torch, to_device, zeros
 from .device import Device, acl_version, current_device, device_count, soc_name
 from .emulator import use_emulator
 from .errors import (
@@ -60,6 +60,7 @@ __all__ = [
     "empty_cache",
     "execute",
     "from_pointer",
+    "from_torch",
     "get_workspace_size",
     "library_info",
     "load",

@@ -23,9 +23,11 @@ from . import _args, _lifetime
 from ._cann import acl, aclnn, declare
 from .device import Device, resolve_device
 from .errors import AclRuntimeError, ClosedError, InvalidArgument
+from .host import host_view
 from .stream import Event, Stream, StreamState, active_stream, resolve_stream
 
-__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "empty", "from_pointer", "may_overlap",
+__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "empty", "from_pointer", "from_torch",
+           "may_overlap",
            "host_array",
            "on_memory_pressure", "to_device", "zeros"]
 
@@ -514,7 +516,7 @@ class DeviceArray:
         alloc = self.allocation()
         if not self.is_contiguous:
             raise InvalidArgument("array", "copy_from_host needs a contiguous DeviceArray")
-        host = host_array(np.asarray(array), "array")
+        host = host_array(host_view(array, "array")[0], "array")
         if host.shape != self._shape or host.dtype != self._dtype:
             raise InvalidArgument(
                 "array", f"must have shape {self._shape} and dtype {self._dtype}, got {host.shape} {host.dtype}"
@@ -663,7 +665,7 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     the host. With ``stream`` (or inside ``with stream:``) the copy is queued on it (the host
     data is held until the copy has run); without, it is done before returning.
     """
-    host = host_array(np.asarray(array), "array")
+    host = host_array(host_view(array, "array")[0], "array")
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
         dev = stream.device if device is None else resolve_device(device)
@@ -704,3 +706,37 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
     alloc = Allocation(dev, nbytes, ptr=p, owner=owner)
     return DeviceArray(alloc, shp, dt, st, off)
 
+
+
+# torch's dtype names -> NumPy dtypes (torch itself is never imported here).
+_TORCH_DTYPES = {
+    "torch.float16": np.dtype(np.float16), "torch.bfloat16": np.dtype(bfloat16), "torch.float32": np.dtype(np.float32),
+    "torch.float64": np.dtype(np.float64), "torch.int8": np.dtype(np.int8), "torch.uint8": np.dtype(np.uint8),
+    "torch.int16": np.dtype(np.int16), "torch.int32": np.dtype(np.int32), "torch.int64": np.dtype(np.int64),
+    "torch.bool": np.dtype(np.bool_), "torch.complex64": np.dtype(np.complex64),
+    "torch.complex128": np.dtype(np.complex128),
+}
+
+
+def from_torch(tensor: Any) -> DeviceArray:
+    """A DeviceArray viewing a torch_npu tensor's device memory: no copy, same shape, strides,
+    storage offset and dtype, on the tensor's device. The tensor is kept alive as long as the
+    view or queued work uses the memory. Host (CPU) tensors need no wrapping: pass them to
+    the one-call function or to :func:`to_device` directly.
+
+    Run on the tensor's stream, or order the streams: ``pm.Stream.from_handle(
+    torch_npu.npu.current_stream().npu_stream)`` queues pyacl_moe's work where torch's is.
+    """
+    if type(tensor).__module__.partition(".")[0] != "torch" or not hasattr(tensor, "untyped_storage"):
+        raise InvalidArgument("tensor", f"must be a torch tensor, got {type(tensor).__name__}")
+    where = tensor.device
+    if where.type != "npu":
+        raise InvalidArgument("tensor", f"is on {where}, not an NPU: from_torch wraps torch_npu tensors; pass "
+                                        "host tensors to moe_init_routing_v2_grad or to_device directly")
+    dt = _TORCH_DTYPES.get(str(tensor.dtype))
+    if dt is None:
+        raise InvalidArgument("tensor", f"has dtype {tensor.dtype}, which CANN's tensors here do not take")
+    base = int(tensor.untyped_storage().data_ptr())
+    return from_pointer(base, tuple(int(n) for n in tensor.shape), dt, tuple(int(s) for s in tensor.stride()),
+                        int(tensor.storage_offset()), owner=tensor,
+                        device=where.index if where.index is not None else None)

@@ -20,6 +20,7 @@ from .. import _args, _contract
 from ..array import DeviceArray, empty, host_array, may_overlap, to_device
 from ..device import Device, current_device, resolve_device
 from ..errors import InvalidArgument
+from ..host import TORCH, host_view, in_family
 from ..pool import workspace_for
 from ..stream import Stream, current_stream, resolve_stream, thread_current
 from ..tensor import AclTensor
@@ -240,6 +241,13 @@ def moe_init_routing_v2_grad(grad_expanded_x: np.ndarray, expanded_row_idx: np.n
                              validate: bool = ...) -> np.ndarray: ...
 
 
+@overload
+def moe_init_routing_v2_grad(grad_expanded_x: Any, expanded_row_idx: Any, top_k: int,
+                             drop_pad_mode: int = ..., active_num: int = ..., *, out: Any = ...,
+                             stream: Stream | None = ..., workspace: DeviceArray | None = ...,
+                             validate: bool = ...) -> Any: ...
+
+
 def moe_init_routing_v2_grad(
     grad_expanded_x: Any,
     expanded_row_idx: Any,
@@ -265,8 +273,10 @@ def moe_init_routing_v2_grad(
     validate: check the contract on the host first (index values too when the indices are a
         NumPy array) and raise InvalidArgument; False hands everything to CANN untouched.
 
-    NumPy in: copies in, runs, synchronizes, returns a NumPy array. DeviceArray in: returns a
-    DeviceArray at once, the kernel queued on the stream.
+    Host arrays in (NumPy, torch CPU tensors, anything with DLPack, the buffer or array
+    interface): copies in, runs, synchronizes, returns the result in the inputs' family (a
+    torch tensor for torch inputs, else NumPy). DeviceArray in: returns a DeviceArray at once,
+    the kernel queued on the stream.
     """
     on_device = isinstance(grad_expanded_x, DeviceArray)
     if on_device != isinstance(expanded_row_idx, DeviceArray):
@@ -366,9 +376,14 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
 
 def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, stream: Stream | None,
               workspace: DeviceArray | None, validate: bool) -> np.ndarray:
-    hx, hi = _contract.native(np.asarray(x)), _contract.native(np.asarray(idx))
-    if out is not None and not isinstance(out, np.ndarray):
-        raise InvalidArgument("out", f"must be a NumPy array when the inputs are, got {type(out).__name__}")
+    vx, family = host_view(x, "grad_expanded_x")
+    vi, _ = host_view(idx, "expanded_row_idx")
+    hx, hi = _contract.native(vx), _contract.native(vi)
+    out_given = out
+    if out is not None:
+        if not isinstance(out, np.ndarray) and family is not TORCH:
+            raise InvalidArgument("out", f"must be a NumPy array when the inputs are, got {type(out).__name__}")
+        out, _ = host_view(out, "out")  # a torch tensor's own memory, written in place
     if validate:
         geo = _contract.check_shapes(
             hx.shape, hx.dtype, hi.shape, hi.dtype, top_k, mode, active,
@@ -390,5 +405,5 @@ def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, st
     dout.close()
     if out is not None:
         out[...] = result
-        return out
-    return result
+        return out_given
+    return in_family(result, family)
