@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from . import emulator, reference
 from ._cann.loader import LibraryInfo, library_info, load, loaded_info
+from .allocator import pinned_empty, set_caching
 from .array import DeviceArray, bfloat16, empty, from_pointer, from_torch, to_device, zeros
 from .device import Device, acl_version, current_device, device_count, soc_name
 from .emulator import use_emulator
@@ -66,8 +67,10 @@ __all__ = [
     "load",
     "loaded_info",
     "memory_stats",
+    "pinned_empty",
     "moe_init_routing_v2_grad",
     "reference",
+    "set_caching",
     "soc_name",
     "status_name",
     "to_device",

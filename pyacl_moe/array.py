@@ -13,7 +13,7 @@ host waits for (or, on a stream, is ordered after) queued work that uses the mem
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
@@ -21,8 +21,9 @@ import numpy as np
 
 from . import _args, _lifetime
 from ._cann import acl, aclnn, declare
+from .allocator import Allocation, allocate, is_pinned, on_memory_pressure, pinned_block
 from .device import Device, resolve_device
-from .errors import AclRuntimeError, ClosedError, InvalidArgument
+from .errors import ClosedError, InvalidArgument
 from .host import host_view
 from .stream import Event, Stream, StreamState, active_stream, resolve_stream
 
@@ -52,16 +53,6 @@ _ACL_NAMES: dict[np.dtype, str] = {
     np.dtype(np.complex128): "ACL_COMPLEX128",
     np.dtype(bfloat16): "ACL_BF16",
 }
-
-# Called with a device when an allocation on it fails for lack of memory, before one retry:
-# caches above (the workspace pool) give back what they hold idle.
-_pressure_hooks: list[Callable[[Device], None]] = []
-
-
-def on_memory_pressure(hook: Callable[[Device], None]) -> None:
-    """Register a cache to shrink when device memory runs out."""
-    _pressure_hooks.append(hook)
-
 
 def acl_data_type(dtype: Any) -> int:
     """The aclDataType code of a numpy dtype; InvalidArgument if CANN has none."""
@@ -94,61 +85,6 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
-
-
-class Allocation:
-    """One device allocation, shared by every DeviceArray that views it and by queued work
-    that uses it. Owned memory is freed (aclrtFree) once this object is gone.
-
-    ``users`` are the streams that queued work on it through pyacl_moe (a host write waits for
-    them), ``writers`` those that queued work writing it (a read back waits for them); dicts
-    used as ordered sets, changed by single dict operations under the GIL.
-    """
-
-    __slots__ = ("device", "ptr", "nbytes", "mem", "owner", "users", "writers", "__weakref__")
-
-    def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None) -> None:
-        self.device = device
-        self.nbytes = nbytes
-        self.ptr = ptr
-        self.owner = owner  # what keeps borrowed memory alive
-        self.mem: acl.DeviceMemory | None = None
-        self.users: dict[StreamState, None] = {}
-        self.writers: dict[StreamState, None] = {}
-
-    @property
-    def owned(self) -> bool:
-        return self.mem is not None
-
-    def used_on(self, state: StreamState, write: bool) -> None:
-        """Queued work on ``state`` reads (or writes) this memory."""
-        if state not in self.users:
-            self.users[state] = None
-        if write and state not in self.writers:
-            self.writers[state] = None
-
-
-def allocate(device: Device, nbytes: int) -> Allocation:
-    """A new allocation of ``nbytes`` (at least one byte: aclrtMalloc refuses 0)."""
-    _lifetime.collect()
-    device.activate()
-    alloc = Allocation(device, nbytes)
-    mem = alloc.mem = acl.DeviceMemory(device.context)
-    _lifetime.track(alloc, mem)  # before the memory exists: nothing can be lost in between
-    try:
-        acl.malloc(mem, max(nbytes, 1))
-    except AclRuntimeError as exc:
-        if exc.status not in (207001, 207018):  # ACL_ERROR_RT_MEMORY_ALLOCATION, ..._DEVICE_OOM
-            raise
-        # Out of memory: what completed work held, and idle caches, may be enough.
-        device.reclaim()
-        for hook in _pressure_hooks:
-            hook(device)
-        _lifetime.quiesce()
-        device.activate()
-        acl.malloc(mem, max(nbytes, 1))
-    alloc.ptr = mem.ptr
-    return alloc
 
 
 class DeviceArray:
@@ -372,22 +308,30 @@ class DeviceArray:
 
     # -- copies
 
-    def to_host(self, stream: Stream | None = None) -> np.ndarray:
-        """Copy to a new NumPy array.
+    def to_host(self, stream: Stream | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Copy to a NumPy array: a new one, or ``out``.
 
         With ``stream`` (or inside ``with stream:``) the copy is queued there and waited for, so
         earlier work on that stream is visible. Without, it first waits for every stream that
         queued a write to this memory through pyacl_moe, then copies.
+
+        With ``out`` (a writable C-contiguous NumPy array of this shape and dtype) and a stream,
+        the copy is queued into ``out`` and not waited for: ``out`` is complete once the stream
+        has run it (``stream.synchronize()``, an event). From pinned memory
+        (:func:`pinned_empty`) CANN copies asynchronously; into pageable memory
+        aclrtMemcpyAsync returns once the copy is done.
         """
         alloc = self.allocation()
+        if stream is None:
+            stream = active_stream(alloc.device)
+        if out is not None:
+            return self._to_host_into(alloc, out, stream)
         out = np.empty(self._shape, dtype=self._dtype)
         lo, hi = self.span
         if hi < lo:
             return out
         nbytes = hi - lo + 1
         host = out if self.is_contiguous else np.empty(nbytes, dtype=np.uint8)
-        if stream is None:
-            stream = active_stream(alloc.device)
         if stream is not None:
             state = resolve_stream(stream, alloc.device)
             alloc.used_on(state, write=False)
@@ -403,6 +347,31 @@ class DeviceArray:
                 host.view(self._dtype), shape=self._shape, strides=tuple(s * self.itemsize for s in self._strides)
             )
             out[...] = view
+        return out
+
+    def _to_host_into(self, alloc: Allocation, out: Any, stream: Stream | None) -> np.ndarray:
+        if not isinstance(out, np.ndarray):
+            raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
+        if out.shape != self._shape or out.dtype != self._dtype:
+            raise InvalidArgument("out", f"must have shape {self._shape} and dtype {self._dtype}, got "
+                                         f"{out.shape} {out.dtype}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgument("out", "must be C-contiguous and writable")
+        if not self.is_contiguous:
+            raise InvalidArgument("array", "to_host(out=...) needs a contiguous DeviceArray (copy() it first)")
+        n = self.nbytes
+        if not n:
+            return out
+        if stream is None:
+            _order_after(alloc.writers, alloc, None)
+            alloc.device.activate()
+            acl.memcpy(out.ctypes.data, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_HOST")
+            return out
+        state = resolve_stream(stream, alloc.device)
+        _order_after(alloc.writers, alloc, state)
+        alloc.used_on(state, write=False)
+        state.enqueue((out, alloc), acl.memcpy_async, out.ctypes.data, n, self.address, n,
+                      "ACL_MEMCPY_DEVICE_TO_HOST")
         return out
 
     def numpy(self, stream: Stream | None = None) -> np.ndarray:
@@ -613,6 +582,13 @@ def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState |
         return
     _order_after(alloc.users, alloc, state)
     if state is not None:
+        if not is_pinned(host):
+            # A snapshot now, in pinned memory: later writes to the caller's array cannot
+            # change what is copied, and CANN copies from pinned memory asynchronously (from
+            # pageable memory aclrtMemcpyAsync returns only once the copy is done).
+            stage = pinned_block(alloc.device, n)
+            np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
+            host = stage
         alloc.used_on(state, write=True)
         state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
     else:

@@ -79,6 +79,9 @@ class Device:
     # Called with the device at the start of close(), before anything is released: caches of
     # layers above (the workspace pool) register here.
     close_hooks: list[Callable[[Device], None]] = []
+    # Kinds of holders (with a ``context``) that close() releases before the reset, after the
+    # streams: events, memory; the allocator adds its cached-block holder.
+    memory_kinds: list[type] = [acl.EventHandle, acl.DeviceMemory, acl.HostMemory]
 
     def __new__(cls, device_id: int = 0) -> Device:
         did = _args.int32("device_id", device_id, lo=0)
@@ -160,6 +163,10 @@ class Device:
                 if obj is None:
                     obj = self._attached[name] = Device.attachments[name](self)
         return obj
+
+    def attached_if_made(self, name: str) -> Any:
+        """The object attached under ``name`` if it was made, else None (never makes one)."""
+        return self._attached.get(name)
 
     @property
     def default_stream(self) -> Any:
@@ -247,7 +254,7 @@ class Device:
                 errors.append(exc)
             for q in queues:
                 errors += q.close_for_device()
-            for kind in (acl.EventHandle, acl.DeviceMemory):
+            for kind in Device.memory_kinds:
                 errors += _lifetime.release_where(
                     lambda h, kind=kind: isinstance(h, kind) and h.context is ctx  # type: ignore[misc]
                 )

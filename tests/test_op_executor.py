@@ -179,7 +179,7 @@ def test_execute_refuses_what_cann_would_not_recycle(device, no_leaks):
     ex.close()
 
 
-def test_a_one_shot_executor_is_consumed_even_when_its_launch_fails(device, no_leaks):
+def test_a_one_shot_executor_is_consumed_even_when_its_launch_fails(device, no_leaks, uncached):
     x, idx = pm.to_device(np.ones((8, 4), np.float32)), pm.to_device(np.arange(8, dtype=np.int32))
     size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((4, 4), np.float32))
     ws = pm.empty((size,), np.uint8)

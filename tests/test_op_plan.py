@@ -84,7 +84,8 @@ def test_close_and_use_after_close(device, no_leaks):
         plan(workspace=pm.empty((16 << 20,), np.uint8))
 
 
-def test_close_destroys_the_executor_at_once_and_the_arrays_once_the_launches_ran(device, lazy_streams, no_leaks):
+def test_close_destroys_the_executor_at_once_and_the_arrays_once_the_launches_ran(device, lazy_streams, no_leaks,
+                                                                                  uncached):
     case = make_case(64, 4, 64, "float32", "dropless", seed=40)
     with closing(pm.Stream(device)) as s:
         x, idx = _on_device(case, s)
@@ -222,7 +223,7 @@ def test_function_caches_executors_per_layout(device, no_leaks):
     assert pm.emulator.stats()["executors"] == executors and pm.emulator.stats()["tensors"] == tensors
 
 
-def test_cached_executor_does_not_keep_arrays_alive(device):
+def test_cached_executor_does_not_keep_arrays_alive(device, uncached):
     pm.empty_cache()
     gc.collect()
     allocs, executors = pm.emulator.stats()["device_allocations"], pm.emulator.stats()["executors"]

@@ -307,6 +307,27 @@ def malloc(mem: DeviceMemory, size: int) -> None:
     mem.ptr = mem.address
 
 
+class HostMemory(_ContextHandle):
+    """Pinned host memory (aclrtMallocHost); ``ptr`` is its address as an int. Released under
+    its device's context, before the device is reset."""
+
+    __slots__ = ("ptr",)
+    API = "aclrtFreeHost"
+
+    def __init__(self, context: Context) -> None:
+        super().__init__(context)
+        self.ptr = 0
+
+    def _release_function(self) -> Callable[[Any], int]:
+        return loader.libs().acl.aclrtFreeHost
+
+
+def malloc_host(mem: HostMemory, size: int) -> None:
+    """aclrtMallocHost(size) into ``mem``."""
+    check(loader.libs().acl.aclrtMallocHost(mem._slot, size), "aclrtMallocHost")
+    mem.ptr = mem.address
+
+
 def memcpy(dst: int, dst_max: int, src: int, count: int, kind: str) -> None:
     """aclrtMemcpy; ``kind`` names an aclrtMemcpyKind (e.g. 'ACL_MEMCPY_HOST_TO_DEVICE')."""
     check(loader.libs().acl.aclrtMemcpy(_void(dst), dst_max, _void(src), count, declare.const(kind)), "aclrtMemcpy")
