@@ -23,7 +23,7 @@ idx_host = rng.permutation(tokens * top_k).astype(np.int32)
 dev = pm.Device(0)
 x, idx = pm.to_device(x_host), pm.to_device(idx_host)  # shared, read-only, by every thread
 expected = pm.moe_init_routing_v2_grad(x, idx, top_k).to_host()  # the kernel is deterministic
-results = {}
+results: dict[object, np.ndarray] = {}
 
 
 def worker(i: int) -> None:

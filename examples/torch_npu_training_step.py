@@ -18,7 +18,7 @@ import pyacl_moe as pm
 
 try:
     import torch
-    import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+    import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (registers the "npu" device with torch)
 except ImportError:
     print("this example needs torch and torch_npu on an Ascend machine; nothing to do here")
     sys.exit(0)

@@ -349,7 +349,8 @@ def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> 
         raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
     nbytes = _args.nbytes("shape", shp, dt.itemsize)
     raw = pinned_block(resolve_device(device), nbytes)
-    return raw[:nbytes].view(dt).reshape(shp)
+    out: np.ndarray = raw[:nbytes].view(dt).reshape(shp)
+    return out
 
 
 def cache_stats(device: Device) -> dict[str, int]:

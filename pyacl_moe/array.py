@@ -611,7 +611,7 @@ def _dtype(dtype: Any) -> np.dtype:
     except TypeError:
         raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
     acl_data_type(dt)
-    return dt
+    return dt  # type: ignore[no-any-return]  # np.dtype() of Any is typed Any
 
 
 def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:

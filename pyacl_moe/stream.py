@@ -454,7 +454,8 @@ def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") 
     if stream is None:
         cur = thread_current.stream
         if cur is None or cur.state.device is not device:
-            return device.default_stream.state
+            state: StreamState = device.default_stream.state
+            return state
         stream = cur
     if not isinstance(stream, Stream):
         raise InvalidArgument(name, f"must be a Stream or None, got {type(stream).__name__}")

@@ -92,7 +92,7 @@ def get_version() -> tuple[int, int, int]:
 
 def soc_name() -> str | None:
     p = loader.libs().acl.aclrtGetSocName()
-    return _ffi.string(p).decode("utf-8", "replace") if p != _NULL else None
+    return declare.text(p) if p != _NULL else None
 
 
 def call_probe() -> tuple[Callable[..., int], Any]:
@@ -203,7 +203,8 @@ class StreamHandle(_ContextHandle):
     API = "aclrtDestroyStream"
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().acl.aclrtDestroyStream
+        fn: Callable[[Any], int] = loader.libs().acl.aclrtDestroyStream
+        return fn
 
 
 class BorrowedStreamHandle(StreamHandle):
@@ -257,7 +258,8 @@ class EventHandle(_ContextHandle):
     API = "aclrtDestroyEvent"
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().acl.aclrtDestroyEvent
+        fn: Callable[[Any], int] = loader.libs().acl.aclrtDestroyEvent
+        return fn
 
 
 def create_event(h: EventHandle) -> None:
@@ -298,7 +300,8 @@ class DeviceMemory(_ContextHandle):
         self.ptr = 0
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().acl.aclrtFree
+        fn: Callable[[Any], int] = loader.libs().acl.aclrtFree
+        return fn
 
 
 def malloc(mem: DeviceMemory, size: int) -> None:
@@ -319,7 +322,8 @@ class HostMemory(_ContextHandle):
         self.ptr = 0
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().acl.aclrtFreeHost
+        fn: Callable[[Any], int] = loader.libs().acl.aclrtFreeHost
+        return fn
 
 
 def malloc_host(mem: HostMemory, size: int) -> None:

@@ -352,7 +352,8 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
         # A layout seen before on this stream relaunches its cached executor, rebound.
         launch_cached(SPEC, key, (x, idx, out), (xa, ia, oa), (xlo, ilo, olo), (top_k, mode, active), state,
                       workspace)
-        return out
+        result: DeviceArray = out
+        return result
     attrs = _attrs(top_k, mode, active)
     k = attrs["top_k"]
     n = idx.shape[0] // k if idx.ndim and k > 0 else 0
@@ -371,11 +372,12 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
             execute(workspace, size, executor, stream)
     finally:
         executor.close()
-    return out
+    written: DeviceArray = out
+    return written
 
 
 def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, stream: Stream | None,
-              workspace: DeviceArray | None, validate: bool) -> np.ndarray:
+              workspace: DeviceArray | None, validate: bool) -> Any:
     vx, family = host_view(x, "grad_expanded_x")
     vi, _ = host_view(idx, "expanded_row_idx")
     hx, hi = _contract.native(vx), _contract.native(vi)

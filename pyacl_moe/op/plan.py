@@ -26,7 +26,7 @@ import time
 import types
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 from .. import _lifetime
 from .._cann import acl, aclnn, declare
@@ -395,7 +395,7 @@ class Plan:
         _lifetime.collect()
         check(status, "aclDestroyAclOpExecutor")
 
-    def __enter__(self) -> Plan:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

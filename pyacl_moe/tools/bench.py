@@ -21,6 +21,7 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from ..device import current_device
 from ..op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, moe_init_routing_v2_grad
 from ..pool import memory_stats
 from ..stream import Event, Stream
-from .cases import make_case
+from .cases import Case, make_case
 
 KEYS = (
     "backend",
@@ -102,7 +103,7 @@ def _host_costs(calls: int, batches: int) -> dict[str, float]:
     if lazy:
         emulator.set_stream_mode("lazy")
     try:
-        with Stream(dev) as s:
+        with closing(Stream(dev)) as s:
             x, idx = to_device(case.grad_expanded_x, stream=s), to_device(case.expanded_row_idx, stream=s)
             out = empty((1, 1), np.float32, dev)
             with MoeInitRoutingV2Grad(x, idx, 1, out=out) as plan:
@@ -144,7 +145,8 @@ def _numpy_path(batches: int) -> tuple[float, float, float, float]:
     dev = current_device()
     case = make_case(64, 8, 1024, "bfloat16", "dropless", seed=1)
     s = dev.default_stream
-    call = lambda: moe_init_routing_v2_grad(*case.args())  # noqa: E731
+    def call() -> None:
+        moe_init_routing_v2_grad(*case.args())
 
     def copies() -> None:
         dx = to_device(case.grad_expanded_x, stream=s)
@@ -182,12 +184,12 @@ def _allocations(dev: Any) -> int:
     return int(st["misses"] + st["array_misses"] + st["pinned_misses"])
 
 
-def _big_case(quick: bool):
+def _big_case(quick: bool) -> Case:
     tokens = 2048 if quick else 8192  # 128 MiB or 512 MiB of bfloat16 gradExpandedX
     return make_case(tokens, 8, 4096, "bfloat16", "dropless", seed=2)
 
 
-def _reference(case, repeats: int) -> tuple[float, float, float]:
+def _reference(case: Case, repeats: int) -> tuple[float, float, float]:
     x, idx = case.grad_expanded_x, case.expanded_row_idx
     out_like = np.empty((case.tokens, x.shape[-1]), x.dtype)
 
@@ -195,7 +197,8 @@ def _reference(case, repeats: int) -> tuple[float, float, float]:
         np.copy(x)
         np.copy(out_like)
 
-    ref = lambda: reference.moe_init_routing_v2_grad(x, idx, case.top_k)  # noqa: E731
+    def ref() -> np.ndarray:
+        return reference.moe_init_routing_v2_grad(x, idx, case.top_k)
     ref()
     copy()
     ref_s, copy_s = [], []
@@ -209,10 +212,10 @@ def _reference(case, repeats: int) -> tuple[float, float, float]:
     return statistics.median(ref_s), statistics.median(copy_s), (peak - result.nbytes) / 2**20
 
 
-def _kernel(case, repeats: int) -> tuple[float, float, int]:
+def _kernel(case: Case, repeats: int) -> tuple[float, float, int]:
     dev = current_device()
     x_host = case.grad_expanded_x
-    with Stream(dev) as s:
+    with closing(Stream(dev)) as s:
         x, idx = to_device(x_host, stream=s), to_device(case.expanded_row_idx, stream=s)
         out = empty((case.tokens, x_host.shape[-1]), x_host.dtype, dev)
         moved = x.nbytes + idx.nbytes + out.nbytes

@@ -68,7 +68,7 @@ class Case:
 
     @property
     def tokens(self) -> int:
-        return self.expanded_row_idx.shape[0] // self.top_k
+        return int(self.expanded_row_idx.shape[0]) // self.top_k
 
     def args(self) -> tuple[Any, ...]:
         return (self.grad_expanded_x, self.expanded_row_idx, self.top_k, self.drop_pad_mode, self.active_num)

@@ -20,6 +20,7 @@ import time
 import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -498,7 +499,7 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
     report = Report(library_info().backend, f"{major}.{minor}.{patch}", soc_name(), profile, seed)
     bar = _Progress(len(selected), progress)
     t_all = time.perf_counter()
-    with Stream(dev) as stream:
+    with closing(Stream(dev)) as stream:
         ctx = Context(seed, stream)
         for case in selected:
             t0 = time.perf_counter()
