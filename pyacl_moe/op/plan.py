@@ -26,7 +26,7 @@ import time
 import types
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from typing import Any, TypeVar
 
 from .. import _lifetime
 from .._cann import acl, aclnn, declare
@@ -42,6 +42,7 @@ from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "launch_cached"]
 
+_P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
 
 
@@ -395,7 +396,7 @@ class Plan:
         _lifetime.collect()
         check(status, "aclDestroyAclOpExecutor")
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _P) -> _P:
         return self
 
     def __exit__(self, *exc: object) -> None:
