@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -186,6 +187,7 @@ class Device:
             self._queues.add(q)
 
     def remove_queue(self, q: Queue) -> None:
+        """A stream of this device that is gone (destroyed, or closed with the device)."""
         with self._lock:
             self._queues.discard(q)
 
@@ -362,8 +364,13 @@ def _close_all_at_exit() -> None:
         for dev in sorted([*_Process.open_devices.values(), *_closing], key=lambda d: d.device_id):
             try:
                 dev.close()
-            except Exception:
-                pass
+            except Exception as exc:
+                # Nobody is left to catch it: a device fault of work never waited for, say.
+                # Said once on stderr rather than dropped.
+                try:
+                    sys.stderr.write(f"pyacl_moe: at exit, closing device {dev.device_id} reported: {exc}\n")
+                except Exception:
+                    pass
         if _Process.owns_init:
             _Process.owns_init = False
             try:

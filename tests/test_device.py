@@ -267,3 +267,16 @@ print(st['devices_set'])
     assert lines[2] == "refused: stream"
     assert lines[3] == "[[2.0, 2.0], [2.0, 2.0]]"
     assert lines[4] == "1"
+
+
+def test_a_device_fault_pending_at_exit_is_reported_on_stderr(isolated):
+    r = isolated("""
+import numpy as np, pyacl_moe as pm
+pm.use_emulator()
+x = pm.to_device(np.ones((4, 2), np.float32))
+idx = pm.to_device(np.array([0, 1, 2, 99], np.int32))   # 99 addresses no row: a device fault
+pm.moe_init_routing_v2_grad(x, idx, 1, validate=False)   # queued, never waited for
+print('queued')
+""")
+    assert r.returncode == 0, r.stderr
+    assert "at exit, closing device 0 reported" in r.stderr and "507015" in r.stderr, r.stderr
