@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 from typing import Any
@@ -80,6 +82,8 @@ def _run(args: argparse.Namespace) -> int:
         "seconds": elapsed,
         **cmp.as_dict(),
     }
+    result["share_outside"] = cmp.share
+    result["verdict"] = cmp.verdict()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -89,23 +93,160 @@ def _run(args: argparse.Namespace) -> int:
               f"drop_pad_mode={case.drop_pad_mode} active_num={case.active_num}")
         print(f"  out              {tuple(got.shape)}")
         print(f"  time             {elapsed * 1e3:.3f} ms (NumPy in, NumPy out)")
-        print(f"  max abs error    {cmp.max_abs_error:.3g}  max rel error {cmp.max_rel_error:.3g}  "
-              f"(tolerance rtol={cmp.rtol:g} atol={cmp.atol:g})")
-        verdict = "PASS" if cmp.passed else f"FAIL: {cmp.mismatches} of {cmp.elements} elements outside tolerance"
-        print(f"  result           {verdict}")
+        # The verdict states the criterion itself; the raw figures follow, labelled, because a
+        # relative error near a zero expected value can be large while atol covers it.
+        print(f"  result           {'PASS' if cmp.passed else 'FAIL'}: {cmp.verdict()}")
+        print(f"  errors           max abs {cmp.max_abs_error:.3g}, max rel {cmp.max_rel_error:.3g} (relative to "
+              f"|expected|; an element is within tolerance when |error| <= atol + rtol*|expected|)")
     return 0 if cmp.passed else 1
+
+
+class UsageError(Exception):
+    """A bad flag value or an environment that cannot run: exit 2 before any case runs."""
 
 
 def _conformance(args: argparse.Namespace) -> int:
     from .tools import conformance
 
-    report = conformance.run("full" if args.full else "quick", args.filter, args.seed)
+    if args.seed < 0:
+        raise UsageError(f"--seed must be a non-negative integer, got {args.seed}")
+    rtol, atol = _tolerances("--rtol", args.rtol), _tolerances("--atol", args.atol)
+    max_memory = _size("--max-memory", args.max_memory) if args.max_memory is not None else None
+    if args.exact and (rtol or atol):
+        raise UsageError("--rtol and --atol do not apply with --exact, which allows no difference at all")
+    devices = _device_list(args)
+    if args.ascend_home is not None and args.emulator:
+        raise UsageError("--ascend-home and --emulator choose different CANNs; give one")
+    profile = "full" if args.full else "quick"
+    selected = conformance.select(profile, args.filter)
+    if not selected:
+        raise UsageError(f"--filter {args.filter!r} matches no case of the {profile} profile "
+                         f"(see conformance --list{' --full' if args.full else ''})")
+    if args.list:
+        _list_cases(selected)
+        return 0
+    for flag, path in (("--report", args.report), ("--junit", args.junit)):
+        if path:
+            _check_writable(flag, path)
+    baseline = None
+    if args.baseline:
+        try:
+            baseline = conformance.load_baseline(args.baseline)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if baseline.get("seed", args.seed) != args.seed:
+            raise UsageError(f"--baseline {args.baseline} was made with --seed {baseline['seed']}, this run uses "
+                             f"{args.seed}: the inputs differ, so would every bit; pass --seed {baseline['seed']}")
+    if max_memory is not None and all(c.nbytes > max_memory for c in selected):
+        raise UsageError(f"--max-memory {args.max_memory} leaves no case to run (the smallest needs "
+                         f"{min(c.nbytes for c in selected)} bytes)")
+
+    import pyacl_moe as pm
+
+    try:
+        if args.ascend_home is not None:
+            if not os.path.isdir(args.ascend_home):
+                raise UsageError(f"--ascend-home {args.ascend_home}: no such folder")
+            try:
+                pm.load(ascend_home=args.ascend_home, emulator=False)
+            except RuntimeError as exc:  # another CANN is loaded already (a library caller)
+                raise UsageError(f"--ascend-home {args.ascend_home}: {exc}") from None
+        count = pm.device_count()
+    except pm.CannNotFoundError as exc:
+        # One line for a CI log: where it looked, and the three ways out.
+        places = "; ".join(t.split(":")[0] for t in exc.tried)
+        raise UsageError(f"no CANN found (looked at {places}): source <toolkit>/set_env.sh, pass --ascend-home "
+                         f"PATH, or use --emulator") from None
+    unknown = [d for d in devices if not 0 <= d < count] if devices else []
+    if unknown:
+        raise UsageError(f"device {unknown[0]} does not exist: CANN sees {count} device(s), ids 0 to {count - 1}")
+
+    report = conformance.run(
+        profile, args.filter, args.seed, progress=sys.stderr, devices=devices, exact=args.exact,
+        strict=args.strict, rtol=rtol, atol=atol, max_memory=max_memory, baseline=baseline,
+        baseline_path=args.baseline or "",
+    )
     print(report.table())
-    if args.report:
-        report.write_json(args.report)
-    if args.junit:
-        report.write_junit(args.junit)
+    try:
+        if args.report:
+            report.write_json(args.report)
+        if args.junit:
+            report.write_junit(args.junit)
+    except OSError as exc:
+        raise UsageError(f"cannot write the report: {exc}") from None
     return 0 if report.ok else 1
+
+
+def _list_cases(selected: list[Any]) -> None:
+    from .tools.conformance import size_text
+
+    rows = [("case", "kind", "dtype", "scenario", "shape", "source", "memory")]
+    for c in selected:
+        mem = size_text(c.nbytes) if c.nbytes else "-"
+        rows.append((c.name, c.kind, c.dtype, c.scenario, c.shape or "-", c.source, mem))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    print(f"{len(selected)} cases")
+
+
+def _tolerances(flag: str, values: list[str] | None) -> dict[str, float]:
+    """``[DTYPE=]VALUE`` items: a VALUE alone applies to every dtype, later items win."""
+    from .tools.cases import STANDARDS
+
+    out: dict[str, float] = {}
+    for item in values or []:
+        name, sep, text = item.rpartition("=")
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value >= 0 and value != float("inf")):
+            raise UsageError(f"{flag} {item}: the value must be a finite number >= 0")
+        if sep and name not in STANDARDS:
+            raise UsageError(f"{flag} {item}: the dtype must be one of {', '.join(STANDARDS)}")
+        for dt in ([name] if sep else list(STANDARDS)):
+            out[dt] = value
+    return out
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(flag: str, text: str) -> int:
+    """Bytes from '512M', '1.5GiB', '4096' (binary units: K = 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise UsageError(f"{flag} {text}: give a size such as 4096, 512M or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _device_list(args: argparse.Namespace) -> list[int] | None:
+    if args.devices is None:
+        return [args.device] if args.device is not None else None
+    try:
+        ids = [int(v) for v in args.devices.split(",")]
+    except ValueError:
+        ids = [-1]
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise UsageError(f"--devices {args.devices}: give distinct non-negative device ids separated by commas")
+    return ids
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Open the file for appending, as the run will write it, and remove it again if it did not
+    exist: the only test that answers for permissions, full file systems and missing folders."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: not writable ({exc.strerror or exc})") from None
+    if not existed:
+        os.unlink(path)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -127,8 +268,15 @@ def _emulator(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """One line on a usage error, like every other error of the command."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pyacl-moe",
         description="Drive CANN's aclnnMoeInitRoutingV2Grad from the command line.",
     )
@@ -154,14 +302,39 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print JSON")
     run.set_defaults(func=_run)
 
-    conf = sub.add_parser("conformance", help="check the op against its contract: results, refusals, determinism")
+    conf = sub.add_parser("conformance", help="check the op against its contract: results, refusals, determinism",
+                          description="Run the conformance catalogue. Exit status: 0 every case passed; 1 the op "
+                                      "failed a case (or a case could not run); 2 a usage or environment error, "
+                                      "found before any case runs. See docs/conformance.md.")
     prof = conf.add_mutually_exclusive_group()
     prof.add_argument("--quick", action="store_true", help="small shapes, under a minute on the emulator (default)")
-    prof.add_argument("--full", action="store_true", help="add the large shapes (up to 512 MiB inputs)")
+    prof.add_argument("--full", action="store_true",
+                      help="add the large shapes: inputs up to 1 GiB (float32, 8192 tokens x K=8 x H=4096), "
+                           "about 3.5 GB of host memory; see docs/conformance.md for its time")
+    conf.add_argument("--list", action="store_true", help="list the cases (name, kind, dtype, scenario, shape, "
+                                                          "source, memory) and exit; needs no CANN")
     conf.add_argument("--filter", metavar="SUBSTRING", help="only cases whose name contains SUBSTRING")
     conf.add_argument("--report", metavar="FILE.json", help="write a JSON report")
     conf.add_argument("--junit", metavar="FILE.xml", help="write a JUnit XML report")
-    conf.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    conf.add_argument("--seed", type=int, default=0, help="seed of the random inputs, >= 0 (default 0)")
+    devs = conf.add_mutually_exclusive_group()
+    devs.add_argument("--device", type=int, metavar="N", help="run on device N (default: device 0)")
+    devs.add_argument("--devices", metavar="N,M,...",
+                      help="spread the cases over these devices, one process each, in parallel; one report")
+    conf.add_argument("--ascend-home", metavar="PATH", help="load CANN from this toolkit home (what set_env.sh "
+                                                           "exports as ASCEND_HOME_PATH)")
+    conf.add_argument("--exact", action="store_true",
+                      help="judge results bit for bit against the reference (any NaN matches any NaN)")
+    conf.add_argument("--rtol", action="append", metavar="[DTYPE=]VALUE",
+                      help="override a dtype's rtol, e.g. bfloat16=0.01 (no DTYPE: every dtype); repeatable")
+    conf.add_argument("--atol", action="append", metavar="[DTYPE=]VALUE", help="override atol, as --rtol")
+    conf.add_argument("--strict", action="store_true",
+                      help="fail the run when CANN differs from a rule inferred from the opbase source")
+    conf.add_argument("--max-memory", metavar="SIZE",
+                      help="skip cases whose inputs and outputs exceed SIZE on the device (e.g. 512M, 2G)")
+    conf.add_argument("--baseline", metavar="OLD.json",
+                      help="a report of an earlier run: list the cases whose output bits changed and those "
+                           "that went from pass to fail")
     conf.set_defaults(func=_conformance)
 
     bench = sub.add_parser("bench", help="host cost of each launch path, reference and kernel speed, side by side")
@@ -189,9 +362,13 @@ def main(argv: list[str] | None = None) -> int:
 
             use_emulator()
         return int(args.func(args) or 0)
-    except (PyaclMoeError, EmulatorBuildError) as exc:
+    except (PyaclMoeError, EmulatorBuildError, UsageError) as exc:
         print(f"pyacl-moe: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader left (``| head``): nothing more to say, and no traceback at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

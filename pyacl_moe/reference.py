@@ -1,15 +1,56 @@
-"""The golden reference: aclnnMoeInitRoutingV2Grad in NumPy.
+"""The golden reference: aclnnMoeInitRoutingV2Grad in NumPy, a bit-exact model of the vendor's
+device kernel.
 
 ``gradX[i] = sum over t < top_k of grad_expanded_x[expanded_row_idx[i*top_k + t]]``, skipping
--1 in drop/pad mode and indices >= active_num in active mode; accumulated in float32 and
-rounded once to the output dtype (round to nearest even), as the device kernel does.
+-1 in drop/pad mode and indices >= active_num in active mode. The terms are widened to
+float32 exactly, added in float32 in the kernel's own order, and the sum is rounded once to
+the output dtype, to nearest even. With the kernel's order the result is the device's bit
+for bit (NaN payloads aside; subnormals are kept, as IEEE has them), not merely close to it.
 
-It works through the tokens in chunks, so its extra memory stays bounded (about 64 MiB)
-whatever the input size.
+The kernel's order, as read from the vendor's source (github:repo-mirror-test/ops-transformer,
+moe/moe_init_routing_v2_grad/op_host/moe_init_routing_v2_grad_tiling.cpp for the buffer count,
+op_kernel/moe_init_routing_v2_grad_with_dropless.h, _with_activate.h and
+_with_pos_drop_and_pad_zero.h for the steps, op_kernel/moe_init_routing_v2_grad_base.h for the
+casts). For one token, with terms x[0..K-1] in index order (t is the position within the
+token's K slots, not the row it names):
+
+- Buffer count. ``B = 2**e`` float32 partial buffers with ``e = max(0, floor(log2 K) - 1)``
+  for K < 128, and ``B = 64`` (e = 6) from K = 128 on: K = 1..3 -> 1, 4..7 -> 2, 8..15 -> 4,
+  16..31 -> 8, 32..63 -> 16, 64..127 -> 32. B never exceeds ceil(K/2), so every buffer is
+  filled in the first step.
+- Term t belongs to buffer ``(t // 2) % B``: pairs of neighbouring slots share a buffer, and
+  the pairs go round the buffers.
+- Step 1: buffer b is set to x[2b] (a copy, no addition), for b < B.
+- Step 2: the remaining even slots, t = 2B, 2B+2, ... in increasing order, are added to their
+  buffer.
+- Step 3: the odd slots, t = 1, 3, 5, ... in increasing order, are added to their buffer.
+  So in each buffer every even term comes before every odd one.
+- Step 4: a pairwise tree over the buffers, e levels: at stride s = 1, 2, 4, ..., B/2,
+  buffer j - s += buffer j for j = s, 3s, 5s, ... < B. Buffer 0 holds the sum.
+- One rounding: float16 and bfloat16 results are cast from float32 with round to nearest
+  even (the kernel's CAST_RINT); float32 results are stored as they are. Inputs are widened
+  to float32 exactly (CAST_NONE) before any addition.
+- Skipped terms (-1 in drop/pad mode, index >= activeNum in active mode): a skipped slot of
+  step 1 sets its buffer to +0.0; a skipped slot of steps 2 and 3 adds nothing, which is not
+  the same as adding +0.0 (-0.0 + +0.0 is +0.0). A token whose every slot is skipped gives
+  +0.0. Nothing else is skipped: a negative index in active mode, or any index below -1 in
+  drop/pad mode, is read by the kernel from outside the input (validation refuses them here;
+  with ``validate=False`` a negative index counts from the end, and one beyond the rows
+  raises IndexError).
+
+The split of the hidden dimension into copies that fit the kernel's local buffer, the split
+of tokens across cores and the token groups do not change any element's order, so the model
+needs none of them. This is the kernel for Atlas A2 and A3 (Ascend910B, Ascend910_93); the
+tiling hands Ascend910_95 to another kernel (op_kernel/moe_init_routing_v2_grad_apt.cpp),
+which this does not model.
+
+The model works through tiles of tokens (and of columns when one token's buffers would not
+fit), so its extra memory stays small whatever the input size.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import ml_dtypes
@@ -20,14 +61,39 @@ from .errors import InvalidArgument
 
 __all__ = ["moe_init_routing_v2_grad"]
 
-# Tokens are processed in chunks whose float32 working set (accumulator and one term) stays
-# around 2 MiB, within a core's L2 and its share of L3: main memory then sees the input once
-# and the output once, like a copy, and the extra memory is small whatever the input size.
-# Smaller chunks pay NumPy's per-call cost too often (at 512 KiB and H=4096, 16 rows a chunk,
-# the reference took 1.6 times as long on a 2-core EPYC).
+# Tiles of tokens (and columns) are sized so that their working set (the float32 buffers and
+# the gathered rows) stays around 2 MiB, within a core's L2 and its share of L3: main memory
+# then sees the input once and the output once, like a copy, and the extra memory is small
+# whatever the input size. Smaller tiles pay NumPy's per-call cost too often.
 _WORKING_SET_BYTES = 2 * 1024 * 1024
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+
+# The vendor's tiling: below this K the buffer count follows K; from it on it is fixed.
+_K_FIXED_BUFFERS = 128
+_MAX_BUFFERS = 64
+
+
+def _buffer_count(k: int) -> int:
+    """The kernel's number of float32 partial buffers for ``k`` terms (a power of two)."""
+    if k >= _K_FIXED_BUFFERS:
+        return _MAX_BUFFERS
+    return 1 << max(0, k.bit_length() - 2)  # 2 ** (floor(log2 k) - 1), at least 1
+
+
+@lru_cache(maxsize=64)
+def _schedule(k: int) -> tuple[int, tuple[tuple[np.ndarray, bool], ...]]:
+    """(B, rounds): each round is (slot positions, first) and touches buffers 0..len-1 at
+    once. One buffer's additions happen in the order of the rounds, which is the kernel's
+    order for that buffer; different buffers never mix before the tree, so doing a round's
+    buffers together changes nothing."""
+    b = _buffer_count(k)
+    pairs = (k + 1) // 2  # slots 2m, one per pair m
+    odd = k // 2  # slots 2m+1
+    rounds: list[tuple[np.ndarray, bool]] = [(2 * np.arange(b), True)]
+    rounds += [(2 * np.arange(m, min(m + b, pairs)), False) for m in range(b, pairs, b)]
+    rounds += [(2 * np.arange(m, min(m + b, odd)) + 1, False) for m in range(0, odd, b)]
+    return b, tuple(rounds)
 
 
 def moe_init_routing_v2_grad(
@@ -75,50 +141,79 @@ def moe_init_routing_v2_grad(
     if skip_all is not None and not skip_all.any():
         skip_all = None
     if skip_all is not None:
-        ids = np.where(skip_all, 0, ids)  # any valid row; the term is zeroed below
-    if geo.rows == 0:
+        ids = np.where(skip_all, 0, ids)  # any valid row; the term is replaced below
+    if geo.rows == 0:  # every slot skipped: each buffer starts at +0.0 and nothing is added
         out[...] = 0
         return out
+    if not validate and ids.size:
+        # The gathers below use mode="wrap", which takes no copy of its output but would
+        # wrap an index that NumPy's indexing refuses; refuse those here, as np.take would.
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -geo.rows or hi >= geo.rows:
+            bad = lo if lo < -geo.rows else hi
+            raise IndexError(f"index {bad} is out of bounds for axis 0 with size {geo.rows}")
 
-    chunk = max(1, min(n, _WORKING_SET_BYTES // (8 * h)))
     is_bf16 = rows.dtype == _BF16
     # bfloat16 rows are gathered as their bits, then widened to float32 without rounding.
     src = rows.view(np.uint16) if is_bf16 else rows
-    with np.errstate(over="ignore"):  # sums beyond the dtype's range are inf, as on the device
-        _accumulate(src, ids, skip_all, out, n, k, chunk, h, is_bf16)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN are values here, as on the device
+        _accumulate(src, ids, skip_all, out, k, is_bf16)
     return out
 
 
 def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, out: np.ndarray,
-                n: int, k: int, chunk: int, h: int, is_bf16: bool) -> None:
-    gathered = np.empty((chunk, h), dtype=src.dtype)
-    term = np.empty((chunk, h), dtype=np.float32)
-    acc = np.empty((chunk, h), dtype=np.float32)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        c = stop - start
-        g, tm, a = gathered[:c], term[:c], acc[:c]
-        for t in range(k):
-            np.take(src, ids[start:stop, t], axis=0, out=g)
-            if is_bf16:
-                # ml_dtypes widens by moving the bits (exact for all 65536 patterns, NaN
-                # payloads included: tests/test_reference.py checks it), twice as fast here
-                # as a shift into a uint32 view.
-                np.copyto(tm, g.view(_BF16), casting="unsafe")
-            elif src.dtype != np.float32:
-                np.copyto(tm, g, casting="unsafe")
-            else:
-                tm = g
-            if skip_all is not None:
-                skip = skip_all[start:stop, t]
-                if skip.any():
-                    if tm is g:
-                        tm = term[:c]
-                        np.copyto(tm, g)
-                    tm[skip] = 0.0
-            if t == 0:
-                np.copyto(a, tm)
-            else:
-                np.add(a, tm, out=a)
-            tm = term[:c]
-        out[start:stop] = a  # the one rounding to the output dtype (nearest even)
+                k: int, is_bf16: bool) -> None:
+    n, h = out.shape
+    b, rounds = _schedule(k)
+    values = _BF16 if is_bf16 else src.dtype  # what the gathered bits mean
+    widen = values != np.float32
+    # A term that adds nothing, not even to the sign of a zero: -0.0, as the gathered bits.
+    nothing = np.array(-0.0, np.float32).astype(values).view(src.dtype)
+    # Per element of a token's row: b float32 buffers and up to b gathered terms.
+    per_element = b * (4 + src.dtype.itemsize)
+    cols = max(1, min(h, _WORKING_SET_BYTES // per_element))
+    tokens = max(1, min(n, _WORKING_SET_BYTES // (per_element * cols)))
+    tiles: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for c0 in range(0, h, cols):
+        c1 = min(h, c0 + cols)
+        part = src if (c0, c1) == (0, h) else src[:, c0:c1]
+        for t0 in range(0, n, tokens):
+            t1 = min(n, t0 + tokens)
+            shape = (t1 - t0, c1 - c0)
+            if shape not in tiles:  # the full tile, and at most a few smaller ones at the edges
+                tiles[shape] = (np.empty((b, *shape), np.float32), np.empty((b, *shape), src.dtype))
+            acc, gathered = tiles[shape]
+            tile_ids = ids[t0:t1]
+            tile_skip = None if skip_all is None else skip_all[t0:t1]
+            for slots, first in rounds:
+                nb = slots.size
+                sel = tile_ids[:, slots].T  # (nb, tokens): buffer j of the round, token i
+                skip = None if tile_skip is None else tile_skip[:, slots].T
+                if skip is not None and not skip.any():
+                    skip = None
+                # mode="wrap" writes straight into the buffer ("raise" gathers into a temporary
+                # and copies it, half again the time); every index is known to be in range.
+                if first and not widen:
+                    np.take(part, sel, axis=0, out=acc[:nb], mode="wrap")
+                else:
+                    g = gathered[:nb]
+                    np.take(part, sel, axis=0, out=g, mode="wrap")
+                if first:
+                    if widen:
+                        # ml_dtypes widens bfloat16 by moving the bits (exact for all 65536
+                        # patterns, NaN payloads included: tests/test_reference.py checks it).
+                        np.copyto(acc[:nb], g.view(values), casting="unsafe")
+                    if skip is not None:
+                        acc[:nb][skip] = 0.0  # what the kernel writes for a skipped first slot
+                else:
+                    if skip is not None:
+                        g[skip] = nothing  # the kernel adds nothing for a skipped slot
+                    # Widened inside the addition (exactly, in NumPy's small cast buffers):
+                    # no float32 copy of the terms goes through memory.
+                    np.add(acc[:nb], g.view(values), out=acc[:nb], dtype=np.float32)
+            stride = 1
+            while stride < b:
+                step = 2 * stride
+                np.add(acc[0:b:step], acc[stride:b:step], out=acc[0:b:step])
+                stride = step
+            out[t0:t1, c0:c1] = acc[0]  # the one rounding to the output dtype (nearest even)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import pyacl_moe as pm
@@ -90,3 +91,161 @@ def test_without_cann_the_error_says_what_to_do(tmp_path):
 def test_parser_rejects_unknown_command():
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["frobnicate"])
+
+
+def test_run_states_the_criterion_beside_its_verdict(main):
+    code, out, err = main("--emulator", "run", "--dtype", "bfloat16", "--tokens", "32")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.strip().startswith("result"))
+    assert "PASS: 0 of 8192 elements (0.000%) outside rtol=0.004 atol=0.004, at most 0.400% allowed" in line
+    assert "worst element at 0x its tolerance, at most 10x allowed" in line
+    pm.emulator.set_mutation("skip-last-k")
+    code, out, _ = main("--emulator", "run", "--top-k", "8")
+    line = next(x for x in out.splitlines() if x.strip().startswith("result"))
+    assert code == 1 and line.split()[1] == "FAIL:" and "outside rtol=0.0001" in line
+
+
+def test_a_passing_verdict_explains_a_large_relative_error():
+    from pyacl_moe.tools.cases import compare
+
+    # Near zero the absolute tolerance governs: 5e-5 off an expected 1e-5 is a relative error
+    # of 5 yet within atol=1e-4, half a tolerance.
+    cmp = compare(np.array([6e-5], np.float32), np.array([1e-5], np.float32))
+    assert cmp.passed and cmp.max_rel_error > 4
+    assert cmp.verdict().startswith("0 of 1 elements (0.000%) outside rtol=0.0001 atol=0.0001")
+    assert "worst element at 0.5x its tolerance" in cmp.verdict()
+    bad = compare(np.array([1.0, 2.0], np.float32), np.array([1.0, 3.0], np.float32))
+    assert not bad.passed and "1 of 2 elements (50.000%) outside" in bad.verdict()
+
+
+# ---------------------------------------------------------------------------- conformance
+
+
+@pytest.fixture
+def no_case_may_run(monkeypatch):
+    from pyacl_moe.tools import conformance
+
+    def refuse(*a, **k):
+        raise AssertionError("a case ran")
+
+    monkeypatch.setattr(conformance, "run", refuse)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--seed", "-1"], "--seed must be a non-negative integer"),
+    (["--report", "{tmp}/missing/r.json"], "the folder {tmp}/missing does not exist"),
+    (["--junit", "{tmp}"], "not writable"),
+    (["--filter", "nomatch"], "--filter 'nomatch' matches no case"),
+    (["--device", "5"], "device 5 does not exist: CANN sees 1 device(s)"),
+    (["--device=-1"], "device -1 does not exist"),
+    (["--devices", "0,1"], "device 1 does not exist"),
+    (["--devices", "0,0"], "--devices 0,0: give distinct non-negative device ids"),
+    (["--rtol", "float8=0.1"], "the dtype must be one of float32, float16, bfloat16"),
+    (["--atol", "bfloat16=-1"], "--atol bfloat16=-1: the value must be a finite number >= 0"),
+    (["--max-memory", "lots"], "--max-memory lots: give a size"),
+    (["--exact", "--rtol", "0.1"], "--rtol and --atol do not apply with --exact"),
+    (["--max-memory", "1", "--filter", "dropless-float32"], "leaves no case to run"),
+    (["--baseline", "{tmp}/none.json"], "cannot read it"),
+    (["--ascend-home", "{tmp}/none"], "--ascend-home and --emulator choose different CANNs"),
+])
+def test_usage_errors_exit_2_with_one_line_before_any_case(main, no_case_may_run, tmp_path, args, says):
+    args = [a.format(tmp=tmp_path) for a in args]
+    code, out, err = main("--emulator", "conformance", *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("pyacl-moe: error: ") and says.format(tmp=tmp_path) in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_bad_flag_value_is_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["conformance", "--seed", "abc"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "invalid int value: 'abc'" in err
+
+
+def test_a_baseline_of_another_seed_is_refused(main, no_case_may_run, tmp_path):
+    (tmp_path / "old.json").write_text(json.dumps({"seed": 3, "cases": [{"name": "a", "digest": "sha256:0"}]}))
+    code, _, err = main("--emulator", "conformance", "--baseline", str(tmp_path / "old.json"))
+    assert code == 2 and "made with --seed 3, this run uses 0" in err
+
+
+def test_list_needs_no_cann(tmp_path):
+    r = run_cli("conformance", "--list", "--filter=-tiny",
+                env={"PYACL_MOE_EMULATOR": "", "ASCEND_HOME_PATH": str(tmp_path), "ASCEND_TOOLKIT_HOME": "",
+                     "LD_LIBRARY_PATH": ""})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["case", "kind", "dtype", "scenario", "shape", "source", "memory"]
+    assert lines[-1] == "9 cases"
+    assert lines[1].split() == ["dropless-float32-tiny", "positive", "float32", "dropless", "N=1", "K=1", "H=1", "op",
+                                "12", "B"]
+
+
+def test_no_cann_is_one_line_before_any_case(tmp_path):
+    r = run_cli("conformance", "--report", str(tmp_path / "r.json"),
+                env={"PYACL_MOE_EMULATOR": "", "ASCEND_HOME_PATH": str(tmp_path), "ASCEND_TOOLKIT_HOME": "",
+                     "LD_LIBRARY_PATH": ""})
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"pyacl-moe: error: no CANN found (looked at $ASCEND_HOME_PATH = {tmp_path};")
+    assert "--ascend-home PATH, or use --emulator" in r.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_device_picks_the_device(tmp_path):
+    r = run_cli("--emulator", "conformance", "--device", "1", "--filter=-tiny", "--report", str(tmp_path / "r.json"),
+                env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["devices"] == [1] and {c["device"] for c in data["cases"]} == {1} and "device 1)" in r.stdout
+
+
+def test_devices_spread_the_cases_and_merge_one_report(tmp_path):
+    r = run_cli("--emulator", "conformance", "--devices", "0,1", "--filter=-small", "--report",
+                str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"), env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    from pyacl_moe.tools import conformance
+
+    assert [c["name"] for c in data["cases"]] == [c.name for c in conformance.select("quick", "-small")]
+    assert {c["device"] for c in data["cases"]} == {0, 1} and data["devices"] == [0, 1]
+    assert data["ok"] and "device 0,1" in r.stdout
+
+
+def test_ascend_home_loads_cann_from_there(tmp_path):
+    home = pm.emulator.path()
+    r = run_cli("conformance", "--ascend-home", home, "--filter=-tiny", "--report", str(tmp_path / "r.json"),
+                env={"PYACL_MOE_EMULATOR": ""})
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["backend"] == "cann" and data["ascend_home"] == home
+    assert data["libraries"]["opapi"] == os.path.join(home, "lib64", "libopapi.so")
+
+
+def test_baseline_names_what_changed_under_another_kernel(main, tmp_path):
+    old, same = str(tmp_path / "old.json"), str(tmp_path / "same.json")
+    r = run_cli("--emulator", "conformance", "--filter", "dropless-float32", "--report", old,
+                env={"PYACL_MOE_EMU_MUTATION": "fp16-accumulate"})
+    assert r.returncode == 1, r.stderr
+    code, out, err = main("--emulator", "conformance", "--filter", "dropless-float32", "--report", same,
+                          "--baseline", old)
+    assert code == 0, err  # changed bits alone do not fail a run whose cases pass
+    assert "CHANGED dropless-float32-medium" in out and "CHANGED dropless-float32-overflow" not in out
+    assert json.loads(open(same).read())["baseline"]["changed"]
+    code, out, err = main("--emulator", "conformance", "--filter", "dropless-float32", "--baseline", same)
+    assert code == 0 and "0 of 13 outputs changed bits, 0 went from pass to fail" in out
+
+
+def test_strict_and_exact_pass_on_the_emulator(main):
+    code, out, err = main("--emulator", "conformance", "--strict", "--filter", "neg-")
+    assert code == 0, out + err
+    code, out, err = main("--emulator", "conformance", "--exact", "--filter=-tiny")
+    assert code == 0 and ", exact)" in out, out + err
+
+
+def test_full_help_gives_the_real_input_size():
+    from pyacl_moe.tools import conformance
+
+    conf = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["conformance"]._actions
+                if "--full" in a.option_strings)
+    largest = max(c.nbytes for c in conformance.catalogue("full"))
+    assert "inputs up to 1 GiB" in conf.help and 1 << 30 < largest < 3 << 29

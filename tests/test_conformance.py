@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
+import socket
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pyacl_moe as pm
@@ -93,3 +97,228 @@ def test_full_profile_adds_large_shapes():
     quick = {c.name for c in conformance.catalogue("quick")}
     full = {c.name for c in conformance.catalogue("full")}
     assert quick < full and any("512mib" in n for n in full - quick)
+
+
+# ---------------------------------------------------------------------------- sources and outcomes
+
+def _fake(name: str, source: str, verdict: str) -> conformance.Case:
+    """A case whose body passes, fails or crashes, as told."""
+
+    def body(ctx):
+        if verdict == "crash":
+            raise RuntimeError("harness broke")
+        return conformance.CaseResult(name, "negative", "float32", "-", "", verdict == "pass", detail="why")
+
+    return conformance.Case(name, "negative", "float32", "-", "", body, source=source)
+
+
+def test_a_miss_on_an_inferred_rule_differs_and_fails_only_under_strict(device):
+    cases = [_fake("a", "op", "pass"), _fake("b", "nnopbase", "fail")]
+    report = conformance.run(cases=cases, progress=None)
+    assert [c.outcome for c in report.cases] == ["pass", "differs"]
+    assert [c.source for c in report.cases] == ["op", "nnopbase"]
+    assert report.ok and report.failed == 0
+    assert "DIFFERS b: CANN differs from the inferred rule (nnopbase)" in report.table()
+    strict = conformance.run(cases=cases, progress=None, strict=True)
+    assert not strict.ok and strict.failed == 1
+
+
+@pytest.mark.parametrize("source", ["op", "binding"])
+def test_a_miss_on_a_documented_rule_fails(device, source):
+    report = conformance.run(cases=[_fake("a", source, "fail")], progress=None)
+    assert report.cases[0].outcome == "fail" and not report.ok
+    assert "FAILED a: why" in report.table()
+
+
+def test_a_crash_of_the_harness_is_an_error_not_a_failure(device):
+    report = conformance.run(cases=[_fake("a", "op", "pass"), _fake("boom", "op", "crash")], progress=None)
+    boom = report.cases[1]
+    assert boom.outcome == "error" and "RuntimeError: harness broke" in boom.detail
+    assert not report.ok and report.as_dict()["errors"] == 1 and report.as_dict()["failed"] == 0
+
+
+def test_positive_and_determinism_cases_come_from_the_op():
+    cases = conformance.catalogue("quick")
+    assert {c.source for c in cases if c.kind != "negative"} == {"op"}
+    assert all(c.source in conformance.SOURCES for c in cases)
+
+
+# ---------------------------------------------------------------------------- exact mode
+
+def test_quick_profile_passes_bit_for_bit_and_strict(device):
+    # The reference models the kernel's summation order, so every result matches its bits.
+    report = conformance.run("quick", progress=None, exact=True, strict=True)
+    assert report.ok, report.table()
+    assert all(c.mismatches == 0 for c in report.cases if c.kind == "positive")
+
+
+def test_exact_mode_passes_where_any_summation_order_gives_the_same_bits(device):
+    # top_k <= 2: a sum of at most two terms has one rounding whatever the order.
+    report = conformance.run(cases=[c for c in conformance.catalogue("quick")
+                                    if c.kind == "positive" and ("-tiny" in c.name or "-small" in c.name
+                                                                 or "-h510" in c.name or "overflow" in c.name)],
+                             progress=None, exact=True)
+    assert report.ok and report.exact and len(report.cases) == 30, report.table()
+    assert all(c.mismatches == 0 for c in report.cases)
+
+
+def test_exact_mode_fails_a_result_inside_the_tolerances(device, clean_emulator):
+    # A float16 accumulator over K=8 terms stays within float16's tolerances on this case,
+    # but does not keep every bit.
+    pm.emulator.set_mutation("fp16-accumulate")
+    name = "active-float16-h16"
+    loose = conformance.run("quick", name_filter=name, progress=None)
+    assert loose.ok and loose.cases[0].max_abs_error > 0, loose.table()
+    exact = conformance.run("quick", name_filter=name, progress=None, exact=True)
+    assert not exact.ok and "differ in their bits" in exact.cases[0].detail
+
+
+def test_compare_exact_nan_payloads_match_and_the_sign_of_zero_counts():
+    from pyacl_moe.tools.cases import compare_exact
+
+    quiet = np.array([np.nan], np.float32)
+    other = np.array([0x7FC00123], np.uint32).view(np.float32)  # another payload
+    negative = np.array([0xFFC00000], np.uint32).view(np.float32)  # another sign
+    assert compare_exact(other, quiet).passed and compare_exact(negative, quiet).passed
+    assert not compare_exact(np.array([-0.0], np.float32), np.array([0.0], np.float32)).passed
+    assert not compare_exact(np.array([np.nan], np.float32), np.array([np.inf], np.float32)).passed
+    one_ulp = np.array([0x3C01], np.uint16).view(np.float16)
+    res = compare_exact(one_ulp, np.array([1.0], np.float16))
+    assert not res.passed and res.mismatches == 1 and res.exact
+
+
+# ---------------------------------------------------------------------------- tolerances and memory
+
+def test_tolerance_overrides_apply_to_their_dtype_only(device, clean_emulator):
+    pm.emulator.set_mutation("fp16-accumulate")
+    base = conformance.run("quick", name_filter="dropless-float32-k64", progress=None)
+    assert base.cases[0].outcome == "fail"
+    looser = conformance.run("quick", name_filter="-k64", progress=None, rtol={"float32": 0.1}, atol={"float32": 0.1})
+    outcome = {c.name: c.outcome for c in looser.cases}
+    assert outcome["dropless-float32-k64"] == "pass" and outcome["dropless-bfloat16-k64"] == "fail"
+    assert looser.standards["float32"]["rtol"] == 0.1 and looser.standards["float16"]["rtol"] == 1e-3
+
+
+def test_max_memory_skips_the_large_cases(device):
+    budget = 64 << 10
+    report = conformance.run("quick", name_filter="dropless-bfloat16", progress=None, max_memory=budget)
+    skipped = [c for c in report.cases if c.outcome == "skipped"]
+    ran = [c for c in report.cases if c.outcome == "pass"]
+    assert skipped and ran and report.ok
+    assert all(c.nbytes > budget for c in skipped) and all(c.nbytes <= budget for c in ran)
+    assert "over --max-memory" in skipped[0].detail and f"{len(skipped)} skipped" in report.summary()
+
+
+def test_case_sizes_are_what_the_case_allocates():
+    medium = next(c for c in conformance.catalogue("quick") if c.name == "dropless-float32-medium")
+    # x [512, 4096] float32, 512 int32 indices, out [64, 4096] float32.
+    assert medium.nbytes == 512 * 4096 * 4 + 512 * 4 + 64 * 4096 * 4
+    large = next(c for c in conformance.catalogue("full") if c.name == "dropless-float32-large-512mib")
+    assert large.nbytes > 1 << 30
+
+
+# ---------------------------------------------------------------------------- reports
+
+def test_json_report_describes_the_run(device, tmp_path):
+    report = conformance.run("quick", name_filter="small", progress=None, seed=5)
+    report.write_json(str(tmp_path / "r.json"))
+    data = json.loads((tmp_path / "r.json").read_text())
+    for key in ("cann_version", "runtime_version", "libraries", "soc", "devices", "pyacl_moe", "host", "timestamp",
+                "seed", "profile", "exact", "strict", "standards", "errors", "differs", "skipped", "ok"):
+        assert key in data, key
+    assert data["runtime_version"] == "1.13.0" and data["seed"] == 5 and data["devices"] == [0]
+    assert set(data["libraries"]) == {"ascendcl", "nnopbase", "opapi"} and data["pyacl_moe"] == pm.__version__
+    assert data["timestamp"].endswith("+00:00") and data["host"] == socket.gethostname()
+    for case in data["cases"]:
+        assert case["source"] in conformance.SOURCES and case["seconds"] > 0 and case["device"] == 0
+        if case["kind"] != "negative":
+            assert case["digest"].startswith("sha256:") and len(case["digest"]) == 71
+
+
+def test_toolkit_release_is_read_from_the_install(tmp_path):
+    home = tmp_path / "8.1.RC1"
+    (home / "aarch64-linux" / "lib64").mkdir(parents=True)
+    (home / "aarch64-linux" / "ascend_toolkit_install.info").write_text(
+        "package_name=Ascend-cann-toolkit\nversion=8.1.RC1\narch=aarch64\n")
+    assert conformance.toolkit_release(str(home))[0] == "8.1.RC1"
+    # Found through the loader's path: lib64 is a link into <arch>-linux.
+    (tmp_path / "lib64").symlink_to(home / "aarch64-linux" / "lib64")
+    lib = str(tmp_path / "lib64" / "libascendcl.so")
+    assert conformance.toolkit_release(None, [lib])[0] == "8.1.RC1"
+    assert conformance.toolkit_release(str(tmp_path / "nowhere"), ["libascendcl.so"]) == (None, None)
+
+
+def test_progress_draws_on_a_terminal_and_is_silent_otherwise(device):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, log = Tty(), io.StringIO()
+    conformance.run("quick", name_filter="tiny", progress=tty)
+    conformance.run("quick", name_filter="tiny", progress=log)
+    assert "9/9" in tty.getvalue() and "drop-pad-bfloat16-tiny" in tty.getvalue()
+    assert log.getvalue() == ""
+
+
+JUNIT_XSD = Path(__file__).resolve().parent / "data" / "junit.xsd"
+
+
+def test_junit_validates_and_tells_errors_from_failures(device, clean_emulator, tmp_path):
+    import xmlschema  # a test dependency: the schema's types and order checked by a validator
+
+    cases = [c for c in conformance.catalogue("quick") if c.name == "dropless-float32-tiny"]
+    cases += [_fake("wrong", "op", "fail"), _fake("boom", "op", "crash"), _fake("inferred", "nnopbase", "fail")]
+    big = next(c for c in conformance.catalogue("quick") if c.name == "dropless-float32-medium")
+    report = conformance.run(cases=[*cases, big], progress=None, max_memory=1 << 20)
+    path = tmp_path / "r.xml"
+    report.write_junit(str(path))
+    xmlschema.XMLSchema(str(JUNIT_XSD)).validate(str(path))
+    suite = ET.parse(path).getroot()
+    counts = [suite.get(k) for k in ("tests", "failures", "errors", "skipped")]
+    assert counts == ["5", "1", "1", "1"]
+    assert suite.get("hostname") and suite.get("timestamp") == report.timestamp[:19]
+    by_name = {tc.get("name"): tc for tc in suite.findall("testcase")}
+    assert by_name["wrong"].find("failure") is not None and by_name["wrong"].find("error") is None
+    assert by_name["boom"].find("error") is not None and by_name["boom"].find("failure") is None
+    assert by_name["dropless-float32-medium"].find("skipped") is not None
+    passing = by_name["dropless-float32-tiny"]
+    assert float(passing.get("time")) > 0 and '"max_abs_error"' in passing.find("system-out").text
+    assert "differs from the inferred rule" in by_name["inferred"].find("system-out").text
+    props = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert props["runtime_version"] == "1.13.0" and props["soc"] == "Ascend910B3"
+    # Under --strict the inferred miss is a failure.
+    report.strict = True
+    report.write_junit(str(path))
+    xmlschema.XMLSchema(str(JUNIT_XSD)).validate(str(path))
+    assert ET.parse(path).getroot().get("failures") == "2"
+
+
+# ---------------------------------------------------------------------------- baseline
+
+def test_baseline_of_the_same_build_changes_nothing_and_a_wrong_kernel_is_named(device, clean_emulator, tmp_path):
+    first = conformance.run("quick", name_filter="dropless-float32", progress=None)
+    first.write_json(str(tmp_path / "old.json"))
+    old = conformance.load_baseline(str(tmp_path / "old.json"))
+    again = conformance.run("quick", name_filter="dropless-float32", progress=None, baseline=old)
+    assert again.baseline["changed"] == [] and again.baseline["regressed"] == []
+    assert again.baseline["compared"] == len(again.cases)
+    with_negatives = conformance.run("quick", name_filter="null", progress=None, baseline=old)
+    assert with_negatives.baseline["compared"] == 0 and with_negatives.baseline["new"]
+    pm.emulator.set_mutation("fp16-accumulate")
+    wrong = conformance.run("quick", name_filter="dropless-float32", progress=None, baseline=old)
+    changed = set(wrong.baseline["changed"])
+    # Sums that overflow stay infinite whatever the accumulator; the K=1 case passes but its
+    # bits went through float16.
+    assert {"dropless-float32-medium", "dropless-float32-tiny"} <= changed
+    assert "dropless-float32-overflow" not in changed and "dropless-float32-tiny" not in wrong.baseline["regressed"]
+    assert set(wrong.baseline["regressed"]) == {c.name for c in wrong.cases if c.outcome == "fail"} != set()
+    assert "CHANGED dropless-float32-medium" in wrong.table()
+
+
+def test_a_baseline_without_digests_is_refused(tmp_path):
+    (tmp_path / "old.json").write_text(json.dumps({"cases": [{"name": "a", "passed": True}]}))
+    with pytest.raises(ValueError, match="no output digest"):
+        conformance.load_baseline(str(tmp_path / "old.json"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not a JSON report"):
+        conformance.load_baseline(str(tmp_path / "bad.json"))

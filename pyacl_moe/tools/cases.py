@@ -133,6 +133,28 @@ class Comparison:
     rtol: float
     atol: float
     max_share: float
+    hard_factor: float = 10.0
+    # The worst element's error in units of its own tolerance (atol + rtol * scale): above 1 it
+    # is outside tolerance, above hard_factor it fails the result alone. inf for a wrong NaN
+    # or infinity, or an error where the tolerance is 0.
+    worst: float = 0.0
+    exact: bool = False  # judged bit for bit (compare_exact), not by the tolerances
+
+    @property
+    def share(self) -> float:
+        """The share of elements outside tolerance (or, when exact, with other bits)."""
+        return self.mismatches / self.elements if self.elements else 0.0
+
+    def verdict(self) -> str:
+        """The criterion that decided, in words, so a figure never reads against its verdict."""
+        if self.exact:
+            return (f"{self.mismatches} of {self.elements} elements differ in their bits from the reference "
+                    f"(exact: none may)")
+        outside = (f"{self.mismatches} of {self.elements} elements ({self.share:.3%}) outside "
+                   f"rtol={self.rtol:g} atol={self.atol:g}, at most {self.max_share:.3%} allowed")
+        worst = "worst element off by a wrong NaN or infinity" if self.worst == float("inf") else \
+            f"worst element at {self.worst:.3g}x its tolerance, at most {self.hard_factor:g}x allowed"
+        return f"{outside}; {worst}"
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -156,7 +178,8 @@ def compare(
     a = np.asarray(actual).astype(np.float64)
     e = np.asarray(expected).astype(np.float64)
     if a.shape != e.shape:
-        return Comparison(False, float("inf"), float("inf"), e.size, e.size, std.rtol, std.atol, std.max_share)
+        return Comparison(False, float("inf"), float("inf"), e.size, e.size, std.rtol, std.atol, std.max_share,
+                          std.hard_factor, float("inf"))
     finite = np.isfinite(a) & np.isfinite(e)
     special_ok = (np.isnan(a) & np.isnan(e)) | (a == e)
     mag = np.abs(e)
@@ -169,14 +192,39 @@ def compare(
     gross = np.where(finite, diff > std.hard_factor * allowed, ~special_ok)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(finite & (e != 0), diff / np.abs(e), 0.0)
+        units = np.where(diff == 0, 0.0, diff / allowed)
+    wrong_special = bool((~finite & ~special_ok).any())
     mismatches = int(bad.sum())
     return Comparison(
         passed=not gross.any() and mismatches <= std.max_share * e.size,
-        max_abs_error=float(diff.max(initial=0.0)) if not (~finite & ~special_ok).any() else float("inf"),
+        max_abs_error=float(diff.max(initial=0.0)) if not wrong_special else float("inf"),
         max_rel_error=float(rel.max(initial=0.0)),
         mismatches=mismatches,
         elements=int(e.size),
         rtol=std.rtol,
         atol=std.atol,
         max_share=std.max_share,
+        hard_factor=std.hard_factor,
+        worst=float("inf") if wrong_special else float(units.max(initial=0.0)),
     )
+
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def compare_exact(actual: np.ndarray, expected: np.ndarray) -> Comparison:
+    """Compare bit for bit: an element matches when its bits equal the reference's, the sign of
+    zero included, except that any NaN matches any NaN (IEEE 754 leaves the payload and sign of
+    a computed NaN to the hardware, and the reference runs on another one). The figures
+    (errors, worst) are those of :func:`compare` under the dtype's standard, for information."""
+    a, e = np.ascontiguousarray(actual), np.ascontiguousarray(expected)
+    figures = compare(a, e, e.dtype)
+    if a.shape != e.shape or a.dtype != e.dtype:
+        differ = e.size
+    else:
+        uint = _UINT[e.dtype.itemsize]
+        nan = np.isnan(a.astype(np.float32)) & np.isnan(e.astype(np.float32))
+        differ = int(np.count_nonzero((a.view(uint) != e.view(uint)) & ~nan))
+    figures.passed, figures.mismatches, figures.exact = differ == 0, differ, True
+    figures.rtol = figures.atol = figures.max_share = 0.0
+    return figures

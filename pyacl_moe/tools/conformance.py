@@ -14,7 +14,13 @@ A catalogue of cases, each run through the binding and judged:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import multiprocessing
+import os
+import platform
+import queue
+import socket
 import sys
 import time
 import traceback
@@ -22,21 +28,23 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
 from contextlib import closing
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, TextIO
 
 import ml_dtypes
 import numpy as np
 
-from .. import reference
-from .._cann.loader import library_info
+from .. import __version__, reference
+from .._cann.loader import library_info, load
 from ..array import DeviceArray, empty, to_device
-from ..device import acl_version, current_device, soc_name
+from ..device import Device, acl_version, current_device, soc_name
 from ..errors import AclError
 from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v2_grad
 from ..stream import Stream
 from . import cases as _cases
 
-__all__ = ["CaseResult", "Report", "catalogue", "run"]
+__all__ = ["CaseResult", "Report", "catalogue", "compare_baseline", "load_baseline", "run", "select", "toolkit_release"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 SCENARIOS = ("dropless", "active", "drop-pad")
@@ -45,6 +53,12 @@ SCENARIOS = ("dropless", "active", "drop-pad")
 # (inferred: newer than some releases, so a mismatch on hardware means CANN differs from the
 # inferred rule); "binding", pyacl_moe's own contract.
 SOURCES = ("op", "nnopbase", "binding")
+
+
+# How a case ended, as reported: the op met the expectation; it did not; the case could not
+# be run (a crash of the harness, not a verdict on the op); it missed an expectation inferred
+# from the opbase source (reported, fails only under strict); it was left out (memory budget).
+OUTCOMES = ("pass", "fail", "error", "differs", "skipped")
 
 
 @dataclass
@@ -64,6 +78,10 @@ class CaseResult:
     status: int | None = None
     detail: str = ""
     source: str = "op"  # one of SOURCES
+    outcome: str = ""  # one of OUTCOMES, set by the runner
+    digest: str | None = None  # sha256 of the output bytes, for --baseline
+    device: int | None = None
+    nbytes: int = 0  # inputs and outputs, for --max-memory
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -78,16 +96,26 @@ class Case:
     shape: str
     body: Callable[[Context], CaseResult]
     source: str = "op"  # one of SOURCES: where the expectation comes from
+    nbytes: int = 0  # device inputs and outputs; 0 for the small fixed-size refusals
 
 
 @dataclass
 class Context:
     seed: int
     stream: Stream
+    exact: bool = False
+    # Per dtype, the standard a result is judged by (the documented one unless overridden).
+    standards: dict[str, _cases.Standard] = field(default_factory=lambda: dict(_cases.STANDARDS))
+
     # Each case derives its own generator from the seed and its name, so a case gives the
     # same inputs whatever else runs, and --filter reproduces a failure exactly.
     def rng(self, name: str) -> np.random.Generator:
         return np.random.default_rng([self.seed, *name.encode()])
+
+
+def digest(out: np.ndarray) -> str:
+    """The digest of an output's bytes (C order): equal digests mean bit-identical results."""
+    return "sha256:" + hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -109,10 +137,10 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, values
         return (rng.integers(1, 50, size=shape).astype(np.float32) * tiny).astype(dt), False
     if values == "near-max":
         # Each token's K terms add up to between 0.3 and 0.9 of the dtype's largest value.
-        top = float(ml_dtypes.finfo(dt).max)
+        top = float(ml_dtypes.finfo(dt).max)  # type: ignore[no-untyped-call]
         return (rng.uniform(0.3, 0.9, size=shape) * (top / k)).astype(np.float32).astype(dt), False
     if values == "overflow":
-        top = float(ml_dtypes.finfo(dt).max)
+        top = float(ml_dtypes.finfo(dt).max)  # type: ignore[no-untyped-call]
         return np.full(shape, top * 0.75, np.float32).astype(dt), False
     raise ValueError(values)
 
@@ -163,26 +191,41 @@ def _shape_text(case: _cases.Case) -> str:
     return f"x{list(case.grad_expanded_x.shape)} idx[{case.expanded_row_idx.shape[0]}] k={case.top_k}"
 
 
+def _nbytes(dtype: str, scenario: str, s: Shape, x_factor: float = 1.0) -> int:
+    """Device bytes of a case's inputs and output, known before any input is made (the same
+    arithmetic as _build)."""
+    bsk = s.tokens * s.k
+    cap = s.capacity if s.capacity is not None else max(1, bsk // s.experts)
+    active = s.active if s.active is not None else max(1, bsk // 2)
+    rows = {"dropless": bsk, "active": active, "drop-pad": s.experts * cap}[scenario]
+    item = _cases.DTYPES[dtype].itemsize
+    return int(rows * s.hidden * item * x_factor) + bsk * 4 + s.tokens * s.hidden * item
+
+
 # ---------------------------------------------------------------------------- case bodies
 
-def _judge(name: str, kind: str, dtype: str, case: _cases.Case, got: np.ndarray, cancels: bool,
+def _judge(ctx: Context, name: str, kind: str, dtype: str, case: _cases.Case, got: np.ndarray, cancels: bool,
            t0: float, no_atol: bool = False) -> CaseResult:
     want = reference.moe_init_routing_v2_grad(*case.args())
     scale = None
-    if cancels:
+    if cancels and not ctx.exact:
         absx = np.abs(case.grad_expanded_x.astype(np.float32))
         scale = reference.moe_init_routing_v2_grad(absx, *case.args()[1:])
-    std = _cases.STANDARDS[dtype]
+    std = ctx.standards[dtype]
     if no_atol:
         # Tiny values would all pass an absolute tolerance: judge them relatively only, so
         # flushing subnormals to zero shows.
         std = _cases.Standard(std.rtol, 0.0, std.max_share, std.hard_factor)
-    cmp = _cases.compare(got, want, dtype, scale=scale, standard=std)
+    if ctx.exact:
+        cmp = _cases.compare_exact(got, want)
+        why = f"{cmp.mismatches} of {cmp.elements} elements differ in their bits from the reference"
+    else:
+        cmp = _cases.compare(got, want, dtype, scale=scale, standard=std)
+        why = cmp.verdict()
     return CaseResult(
         name, kind, dtype, case.scenario, _shape_text(case), cmp.passed, time.perf_counter() - t0,
         cmp.max_abs_error, cmp.max_rel_error, cmp.mismatches, cmp.elements,
-        detail="" if cmp.passed else
-        f"{cmp.mismatches} of {cmp.elements} elements outside rtol={cmp.rtol:g} atol={cmp.atol:g}",
+        detail="" if cmp.passed else why, source="op", digest=digest(got),
     )
 
 
@@ -192,10 +235,10 @@ def _positive(name: str, dtype: str, scenario: str, shape: Shape, pattern: str =
         t0 = time.perf_counter()
         case, cancels = _build(ctx, name, dtype, scenario, shape, pattern, values)
         got = moe_init_routing_v2_grad(*case.args(), stream=ctx.stream)
-        return _judge(name, "positive", dtype, case, got, cancels, t0, no_atol=values == "subnormal")
+        return _judge(ctx, name, "positive", dtype, case, got, cancels, t0, no_atol=values == "subnormal")
 
     desc = f"N={shape.tokens} K={shape.k} H={shape.hidden}"
-    return Case(name, "positive", dtype, scenario, desc, body)
+    return Case(name, "positive", dtype, scenario, desc, body, source="op", nbytes=_nbytes(dtype, scenario, shape))
 
 
 def _strided(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
@@ -215,9 +258,10 @@ def _strided(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
         di = to_device(idx_wide, stream=s)[1::3]
         out = moe_init_routing_v2_grad(dx, di, case.top_k, case.drop_pad_mode, case.active_num, stream=s)
         got = out.to_host(s)
-        return _judge(name, "positive", dtype, case, got, False, t0)
+        return _judge(ctx, name, "positive", dtype, case, got, False, t0)
 
-    return Case(name, "positive", dtype, scenario, f"strided N={shape.tokens} K={shape.k} H={shape.hidden}", body)
+    return Case(name, "positive", dtype, scenario, f"strided N={shape.tokens} K={shape.k} H={shape.hidden}", body,
+                source="op", nbytes=_nbytes(dtype, scenario, shape, x_factor=3.0))
 
 
 def _determinism(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
@@ -233,10 +277,11 @@ def _determinism(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
         return CaseResult(
             name, "determinism", dtype, case.scenario, _shape_text(case), same, time.perf_counter() - t0,
             mismatches=0 if same else differing, elements=first.size,
-            detail="" if same else f"two runs differ in {differing} bytes",
+            detail="" if same else f"two runs differ in {differing} bytes", source="op", digest=digest(first),
         )
 
-    return Case(name, "determinism", dtype, scenario, f"N={shape.tokens} K={shape.k} H={shape.hidden}", body)
+    return Case(name, "determinism", dtype, scenario, f"N={shape.tokens} K={shape.k} H={shape.hidden}", body,
+                source="op", nbytes=2 * _nbytes(dtype, scenario, shape))
 
 
 @dataclass(frozen=True)
@@ -390,133 +435,464 @@ def catalogue(profile: str = "quick") -> list[Case]:
     return out + _negatives()
 
 
+# ---------------------------------------------------------------------------- the install
+
+TOOLKIT_INFO = "ascend_toolkit_install.info"
+
+
+def toolkit_release(home: str | None, library_paths: Iterable[str] = ()) -> tuple[str | None, str | None]:
+    """The CANN toolkit release (``version=`` of ascend_toolkit_install.info, e.g. '8.1.RC1') and
+    the file it came from, or (None, None). CANN writes the file into ``<home>/<arch>-linux/``,
+    where lib64 lives too; a library found through the loader's path still points there once its
+    symbolic links are resolved."""
+    places: list[Path] = []
+    if home:
+        h = Path(home)
+        places += [h / f"{platform.machine()}-linux" / TOOLKIT_INFO, *sorted(h.glob(f"*-linux/{TOOLKIT_INFO}")),
+                   h / TOOLKIT_INFO]
+    for lib in library_paths:
+        if os.path.isabs(lib):
+            places.append(Path(lib).resolve().parent.parent / TOOLKIT_INFO)
+    for place in places:
+        try:
+            text = place.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "version" and value.strip():
+                return value.strip(), str(place)
+    return None, None
+
+
+def _environment(devices: list[int]) -> dict[str, Any]:
+    info = library_info()
+    major, minor, patch = acl_version()
+    release, release_file = toolkit_release(info.home, info.paths.values())
+    return {
+        "backend": info.backend,
+        "cann_version": release,
+        "cann_version_file": release_file,
+        "runtime_version": f"{major}.{minor}.{patch}",
+        "ascend_home": info.home,
+        "libraries": dict(info.paths),
+        "soc": soc_name(),
+        "devices": list(devices),
+        "pyacl_moe": __version__,
+        "host": socket.gethostname() or "localhost",
+        "python": platform.python_version(),
+    }
+
+
 # ---------------------------------------------------------------------------- running and reporting
 
 @dataclass
 class Report:
     backend: str
-    cann_version: str
+    cann_version: str | None  # the toolkit release, None when the install does not say
     soc: str | None
     profile: str
     seed: int
     cases: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
+    runtime_version: str = ""  # aclrtGetVersion
+    cann_version_file: str | None = None
+    ascend_home: str | None = None
+    libraries: dict[str, str] = field(default_factory=dict)
+    devices: list[int] = field(default_factory=lambda: [0])
+    pyacl_moe: str = __version__
+    host: str = ""
+    python: str = ""
+    timestamp: str = ""  # start of the run, UTC, ISO 8601
+    exact: bool = False
+    strict: bool = False
+    standards: dict[str, dict[str, float]] = field(default_factory=dict)
+    max_memory: int | None = None
+    baseline: dict[str, Any] | None = None
+
+    def count(self, outcome: str) -> int:
+        return sum(c.outcome == outcome for c in self.cases)
 
     @property
     def passed(self) -> int:
-        return sum(c.passed for c in self.cases)
+        return self.count("pass")
 
     @property
     def failed(self) -> int:
-        return len(self.cases) - self.passed
+        """Cases that fail the run: wrong results or refusals, crashes, and under strict the
+        cases where CANN differs from an inferred rule."""
+        return self.count("fail") + self.count("error") + (self.count("differs") if self.strict else 0)
 
     @property
     def ok(self) -> bool:
-        return self.failed == 0 and bool(self.cases)
+        return self.failed == 0 and any(c.outcome != "skipped" for c in self.cases)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "cann_version": self.cann_version,
-            "soc": self.soc,
-            "profile": self.profile,
-            "seed": self.seed,
-            "seconds": self.seconds,
-            "passed": self.passed,
-            "failed": self.failed,
-            "cases": [c.as_dict() for c in self.cases],
-        }
+        d = {k: v for k, v in self.__dict__.items() if k != "cases"}
+        d.update(passed=self.passed, failed=self.count("fail"), errors=self.count("error"),
+                 differs=self.count("differs"), skipped=self.count("skipped"), ok=self.ok,
+                 cases=[c.as_dict() for c in self.cases])
+        return d
 
     def write_json(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.as_dict(), f, indent=2)
+            f.write("\n")
 
     def write_junit(self, path: str) -> None:
+        """JUnit XML in the Ant/Jenkins layout: one testsuite with properties, a testcase per
+        case (failure: the op was wrong; error: the harness could not run it; skipped: left out
+        by the memory budget), figures in each testcase's system-out, the summary in the
+        suite's."""
+        when = self.timestamp[:19] if self.timestamp else time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        differs_fail = self.strict
         suite = ET.Element(
             "testsuite", name=f"aclnnMoeInitRoutingV2Grad conformance ({self.backend})",
-            tests=str(len(self.cases)), failures=str(self.failed), errors="0", time=f"{self.seconds:.3f}",
+            tests=str(len(self.cases)),
+            failures=str(self.count("fail") + (self.count("differs") if differs_fail else 0)),
+            errors=str(self.count("error")), skipped=str(self.count("skipped")),
+            time=f"{self.seconds:.3f}", timestamp=when, hostname=self.host or "localhost",
         )
         props = ET.SubElement(suite, "properties")
-        for key in ("backend", "cann_version", "soc", "profile", "seed"):
-            ET.SubElement(props, "property", name=key, value=str(getattr(self, key)))
+        for key in ("backend", "cann_version", "runtime_version", "soc", "devices", "profile", "seed", "exact",
+                    "strict", "pyacl_moe", "ascend_home", "max_memory"):
+            value = getattr(self, key)
+            ET.SubElement(props, "property", name=key, value="" if value is None else str(value))
+        for lib, where in self.libraries.items():
+            ET.SubElement(props, "property", name=f"lib{lib}", value=where)
         for c in self.cases:
             tc = ET.SubElement(suite, "testcase", classname=f"conformance.{c.kind}", name=c.name,
                                time=f"{c.seconds:.3f}")
-            if not c.passed:
-                ET.SubElement(tc, "failure", message=c.detail or "failed").text = json.dumps(c.as_dict(), indent=1)
+            text = json.dumps(c.as_dict(), indent=1)
+            if c.outcome == "error":
+                ET.SubElement(tc, "error", message=c.detail.splitlines()[0] if c.detail else "error",
+                              type="harness").text = text
+            elif c.outcome == "fail" or (c.outcome == "differs" and differs_fail):
+                ET.SubElement(tc, "failure", message=c.detail or "failed", type=c.kind).text = text
+            elif c.outcome == "skipped":
+                ET.SubElement(tc, "skipped", message=c.detail)
+            else:
+                note = "CANN differs from the inferred rule (not failed without --strict)\n" \
+                    if c.outcome == "differs" else ""
+                ET.SubElement(tc, "system-out").text = note + text
+        ET.SubElement(suite, "system-out").text = self.summary()
+        ET.SubElement(suite, "system-err").text = ""
         ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
+    def summary(self) -> str:
+        parts = [f"{self.passed} passed", f"{self.count('fail')} failed"]
+        for outcome, label in (("error", "errors"), ("differs", "differ from inferred rules"),
+                               ("skipped", "skipped")):
+            if self.count(outcome):
+                parts.append(f"{self.count(outcome)} {label}")
+        devs = ",".join(map(str, self.devices))
+        mode = ", exact" if self.exact else ""
+        return (f"{', '.join(parts)} in {self.seconds:.1f} s ({self.backend}, CANN {self.cann_version or 'unknown'}, "
+                f"runtime {self.runtime_version}, {self.soc}, device {devs}{mode})")
+
     def table(self) -> str:
-        rows = [("case", "dtype", "scenario", "shape", "result", "max error")]
+        rows = [("case", "dtype", "scenario", "shape", "source", "result", "max error")]
         for c in self.cases:
-            if c.kind == "negative":
+            if c.outcome == "skipped":
+                err = c.detail
+            elif c.kind == "negative":
                 err = f"status {c.status} (want {c.expected_status})"
             elif c.max_abs_error is not None:
                 err = f"{c.max_abs_error:.3g} abs, {c.max_rel_error:.3g} rel"
             else:
-                err = "bit-identical" if c.passed else c.detail
-            rows.append((c.name, c.dtype, c.scenario, c.shape, "PASS" if c.passed else "FAIL", err))
+                err = "bit-identical" if c.passed else c.detail.splitlines()[0] if c.detail else ""
+            rows.append((c.name, c.dtype, c.scenario, c.shape, c.source, _LABEL.get(c.outcome, "?"), err))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append("")
-        lines.append(f"{self.passed} passed, {self.failed} failed in {self.seconds:.1f} s "
-                     f"({self.backend}, ACL {self.cann_version}, {self.soc})")
+        lines.append(self.summary())
         for c in self.cases:
-            if not c.passed:
+            if c.outcome == "fail":
                 lines.append(f"FAILED {c.name}: {c.detail}")
+            elif c.outcome == "error":
+                lines.append(f"ERROR {c.name}: {c.detail.splitlines()[0] if c.detail else ''}")
+            elif c.outcome == "differs":
+                lines.append(f"DIFFERS {c.name}: CANN differs from the inferred rule ({c.source}): {c.detail}"
+                             + ("" if self.strict else " [not a failure without --strict]"))
+        if self.baseline is not None:
+            b = self.baseline
+            lines.append(f"baseline {b['path']}: {len(b['changed'])} of {b['compared']} outputs changed bits, "
+                         f"{len(b['regressed'])} went from pass to fail")
+            lines += [f"CHANGED {n}" for n in b["changed"]]
+            lines += [f"REGRESSED {n}" for n in b["regressed"]]
         return "\n".join(lines)
 
 
+_LABEL = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "differs": "DIFFERS", "skipped": "SKIP"}
+
+
+def load_baseline(path: str) -> dict[str, Any]:
+    """A report written by ``write_json``, checked enough to compare with (ValueError saying
+    what is wrong otherwise)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--baseline {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"--baseline {path}: not a JSON report ({exc})") from None
+    cases = data.get("cases") if isinstance(data, dict) else None
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c for c in cases):
+        raise ValueError(f"--baseline {path}: not a conformance report (no list of cases with names)")
+    if not any(c.get("digest") for c in cases):
+        raise ValueError(f"--baseline {path}: its cases carry no output digest (a report of pyacl-moe 0.2.0 "
+                         f"or older); write a new one")
+    report: dict[str, Any] = data
+    return report
+
+
+def compare_baseline(report: Report, baseline: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """Which cases' output bits changed since the baseline (``compared``: the cases with an
+    output digest in both) and which went from pass to fail. Cases present in one report only
+    are listed, not compared."""
+    old = {c["name"]: c for c in baseline["cases"]}
+    changed, regressed, fixed, compared = [], [], [], 0
+    for c in report.cases:
+        b = old.get(c.name)
+        if b is None or c.outcome == "skipped" or b.get("outcome") == "skipped":
+            continue
+        if c.digest and b.get("digest"):
+            compared += 1
+            if c.digest != b["digest"]:
+                changed.append(c.name)
+        was = b.get("outcome") or ("pass" if b.get("passed") else "fail")
+        if was in ("pass", "differs") and c.outcome in ("fail", "error"):
+            regressed.append(c.name)
+        elif was in ("fail", "error") and c.outcome == "pass":
+            fixed.append(c.name)
+    names = {c.name for c in report.cases}
+    return {
+        "path": path, "compared": compared, "changed": changed, "regressed": regressed, "fixed": fixed,
+        "new": sorted(names - set(old)), "missing": sorted(set(old) - names),
+        "baseline_cann_version": baseline.get("cann_version"), "baseline_soc": baseline.get("soc"),
+        "baseline_timestamp": baseline.get("timestamp"),
+    }
+
+
 class _Progress:
+    """A counter and bar with the current case, redrawn in place on a terminal; silent when the
+    stream is not one (a CI log gets the table at the end)."""
+
     def __init__(self, total: int, stream: TextIO | None) -> None:
         self.total, self.stream, self.done = total, stream, 0
-        self.tty = bool(stream is not None and stream.isatty())
+        self.tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+        self.failed = 0
 
-    def step(self, name: str, ok: bool) -> None:
-        self.done += 1
-        if self.stream is None:
+    def _draw(self, current: str) -> None:
+        if not self.tty or self.stream is None:
             return
-        if self.tty:
-            width = 30
-            fill = int(width * self.done / max(self.total, 1))
-            self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {name[:40]:<40}")
-            if self.done == self.total:
-                self.stream.write("\n")
-        elif not ok or self.done == self.total or self.done % max(1, self.total // 10) == 0:
-            self.stream.write(f"[{self.done}/{self.total}] {'ok  ' if ok else 'FAIL'} {name}\n")
+        width = 30
+        fill = int(width * self.done / max(self.total, 1))
+        bad = f" {self.failed} failing" if self.failed else ""
+        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total}{bad} {current[:48]:<48}")
         self.stream.flush()
+
+    def start(self, name: str) -> None:
+        self._draw(name)
+
+    def step(self, name: str, outcome: str) -> None:
+        self.done += 1
+        self.failed += outcome in ("fail", "error")
+        self._draw(name)
+
+    def close(self) -> None:
+        if self.tty and self.stream is not None:
+            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.flush()
+
+
+def _run_case(case: Case, ctx: Context, device: int, max_memory: int | None) -> CaseResult:
+    t0 = time.perf_counter()
+    if max_memory is not None and case.nbytes > max_memory:
+        result = CaseResult(case.name, case.kind, case.dtype, case.scenario, case.shape, True,
+                            detail=f"needs {size_text(case.nbytes)}, over --max-memory {size_text(max_memory)}")
+        result.outcome = "skipped"
+    else:
+        try:
+            result = case.body(ctx)
+        except Exception as exc:  # a crash of the harness: reported as an error of the case, not a verdict
+            stream_ok = True
+            try:
+                ctx.stream.synchronize()
+            except Exception:
+                stream_ok = False
+            result = CaseResult(case.name, case.kind, case.dtype, case.scenario, case.shape, False,
+                                detail=f"{type(exc).__name__}: {exc}".strip()
+                                + ("" if stream_ok else " (stream error afterwards)")
+                                + "\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            result.outcome = "error"
+        else:
+            if result.passed:
+                result.outcome = "pass"
+            else:
+                result.outcome = "differs" if case.source == "nnopbase" else "fail"
+    result.seconds = time.perf_counter() - t0
+    result.source, result.device, result.nbytes = case.source, device, case.nbytes
+    return result
+
+
+def size_text(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"
+
+
+def standards(rtol: dict[str, float] | None = None, atol: dict[str, float] | None = None) -> dict[str, _cases.Standard]:
+    """The documented standards with rtol/atol overridden per dtype."""
+    out = {}
+    for name, std in _cases.STANDARDS.items():
+        out[name] = _cases.Standard((rtol or {}).get(name, std.rtol), (atol or {}).get(name, std.atol),
+                                    std.max_share, std.hard_factor)
+    return out
+
+
+def select(profile: str = "quick", name_filter: str | None = None, cases: Iterable[Case] | None = None) -> list[Case]:
+    """The cases a run would run, in order."""
+    return [c for c in (cases if cases is not None else catalogue(profile)) if not name_filter or name_filter in c.name]
+
+
+def _shards(selected: list[Case], n: int) -> list[list[str]]:
+    """Cases spread over n devices, the largest first onto the least loaded, so one device does
+    not get every large case."""
+    loads = [0] * n
+    names: list[list[str]] = [[] for _ in range(n)]
+    for case in sorted(selected, key=lambda c: -c.nbytes):
+        i = loads.index(min(loads))
+        names[i].append(case.name)
+        loads[i] += case.nbytes + (1 << 20)  # every case costs something, even a refusal
+    return names
 
 
 def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
-        progress: TextIO | None = sys.stderr, cases: Iterable[Case] | None = None) -> Report:
-    """Run a profile (or the given cases) and return the report."""
+        progress: TextIO | None = sys.stderr, cases: Iterable[Case] | None = None, *,
+        devices: Iterable[int] | None = None, exact: bool = False, strict: bool = False,
+        rtol: dict[str, float] | None = None, atol: dict[str, float] | None = None,
+        max_memory: int | None = None, baseline: dict[str, Any] | None = None, baseline_path: str = "") -> Report:
+    """Run a profile (or the given cases) and return the report.
 
-    selected = [c for c in (cases if cases is not None else catalogue(profile))
-                if not name_filter or name_filter in c.name]
-    dev = current_device()
-    major, minor, patch = acl_version()
-    report = Report(library_info().backend, f"{major}.{minor}.{patch}", soc_name(), profile, seed)
+    ``devices``: ids to run on (default: the current device); with more than one, the cases
+    are spread over one worker process per device (spawned, so each initializes CANN afresh)
+    and merged in catalogue order. ``exact``: judge results bit for bit. ``strict``: a case
+    whose expectation is inferred ("nnopbase") fails the run when CANN differs. ``rtol`` /
+    ``atol``: per-dtype overrides of the standard. ``max_memory``: skip cases needing more
+    device bytes. ``baseline``: a loaded earlier report to compare output digests with.
+    """
+    selected = select(profile, name_filter, cases)
+    devs = list(devices) if devices is not None else [current_device().device_id]
+    if not devs:
+        raise ValueError("devices must name at least one device")
+    stds = standards(rtol, atol)
+    env = _environment(devs)
+    report = Report(env.pop("backend"), env.pop("cann_version"), env.pop("soc"), profile, seed,
+                    exact=exact, strict=strict, max_memory=max_memory,
+                    standards={k: {"rtol": v.rtol, "atol": v.atol, "max_share": v.max_share}
+                               for k, v in stds.items()},
+                    timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), **env)
     bar = _Progress(len(selected), progress)
     t_all = time.perf_counter()
-    with closing(Stream(dev)) as stream:
-        ctx = Context(seed, stream)
-        for case in selected:
-            t0 = time.perf_counter()
-            try:
-                result = case.body(ctx)
-            except Exception as exc:  # a crash of the case is a failure of the case, reported
-                stream_ok = True
-                try:
-                    stream.synchronize()
-                except Exception:
-                    stream_ok = False
-                result = CaseResult(case.name, case.kind, case.dtype, case.scenario, case.shape, False,
-                                    time.perf_counter() - t0,
-                                    detail=f"{type(exc).__name__}: {exc}".strip()
-                                    + ("" if stream_ok else " (stream error afterwards)")
-                                    + "\n" + "".join(traceback.format_exception_only(type(exc), exc)).strip())
-            report.cases.append(result)
-            bar.step(case.name, result.passed)
+    if len(devs) == 1:
+        results = _run_here(selected, devs[0], seed, exact, stds, max_memory, bar)
+    else:
+        if cases is not None:
+            raise ValueError("a run over several devices takes cases from the catalogue, not a list")
+        opts = {"profile": profile, "seed": seed, "exact": exact, "rtol": rtol, "atol": atol,
+                "max_memory": max_memory}
+        results = _run_workers(selected, devs, opts, bar)
+    bar.close()
+    order = {c.name: i for i, c in enumerate(selected)}
+    report.cases = sorted(results, key=lambda r: order[r.name])
     report.seconds = time.perf_counter() - t_all
+    if baseline is not None:
+        report.baseline = compare_baseline(report, baseline, baseline_path)
     return report
+
+
+def _run_here(selected: list[Case], device: int, seed: int, exact: bool, stds: dict[str, _cases.Standard],
+              max_memory: int | None, bar: _Progress, on_result: Callable[[CaseResult], None] | None = None
+              ) -> list[CaseResult]:
+    dev = Device(device)
+    dev.set_current()
+    results = []
+    with closing(Stream(dev)) as stream:
+        ctx = Context(seed, stream, exact, stds)
+        for case in selected:
+            bar.start(case.name)
+            result = _run_case(case, ctx, device, max_memory)
+            results.append(result)
+            bar.step(case.name, result.outcome)
+            if on_result is not None:
+                on_result(result)
+    return results
+
+
+def _worker(device: int, names: list[str], opts: dict[str, Any], backend: str, home: str | None,
+            out: Any) -> None:
+    """One device's share of a run, in a spawned process: results go back through ``out``."""
+    try:
+        if backend == "emulator":
+            from ..emulator import use_emulator
+
+            use_emulator()
+        else:
+            load(ascend_home=home, emulator=False)
+        wanted = set(names)
+        mine = [c for c in catalogue(opts["profile"]) if c.name in wanted]
+        stds = standards(opts["rtol"], opts["atol"])
+        _run_here(mine, device, opts["seed"], opts["exact"], stds, opts["max_memory"], _Progress(0, None),
+                  on_result=lambda r: out.put(("result", device, r.as_dict())))
+    except BaseException as exc:
+        out.put(("fatal", device, f"{type(exc).__name__}: {exc}"))
+    else:
+        out.put(("done", device, None))
+
+
+def _run_workers(selected: list[Case], devs: list[int], opts: dict[str, Any], bar: _Progress) -> list[CaseResult]:
+    info = library_info()
+    mp = multiprocessing.get_context("spawn")
+    out = mp.Queue()
+    shards = _shards(selected, len(devs))
+    procs = {d: mp.Process(target=_worker, args=(d, names, opts, info.backend, info.home, out), daemon=True)
+             for d, names in zip(devs, shards)}
+    for p in procs.values():
+        p.start()
+    by_name = {c.name: c for c in selected}
+    pending = {d: set(names) for d, names in zip(devs, shards)}
+    fatal: dict[int, str] = {}
+    results: list[CaseResult] = []
+    running = set(devs)
+    while running:
+        try:
+            kind, dev, payload = out.get(timeout=0.5)
+        except queue.Empty:
+            for d in list(running):
+                if not procs[d].is_alive():
+                    fatal.setdefault(d, f"the worker for device {d} exited with status {procs[d].exitcode}")
+                    running.discard(d)
+            continue
+        if kind == "result":
+            r = CaseResult(**payload)
+            pending[dev].discard(r.name)
+            results.append(r)
+            bar.step(f"{r.name} (device {dev})", r.outcome)
+        else:
+            if kind == "fatal":
+                fatal[dev] = payload
+            running.discard(dev)
+    for p in procs.values():
+        p.join()
+    for d, names in pending.items():
+        for name in sorted(names):
+            c = by_name[name]
+            r = CaseResult(c.name, c.kind, c.dtype, c.scenario, c.shape, False,
+                           detail=f"not run: {fatal.get(d, 'the worker stopped')}", source=c.source, device=d,
+                           nbytes=c.nbytes)
+            r.outcome = "error"
+            results.append(r)
+    return results
