@@ -112,11 +112,11 @@ def make_case(
         idx = rng.permutation(bsk).astype(np.int32)
         return Case(random_values(rng, (bsk, hidden), dt), idx, top_k)
     if mode == "active":
-        a = active_num if active_num else max(1, bsk // 2)
+        a = active_num if active_num is not None else max(1, bsk // 2)
         idx = rng.permutation(bsk).astype(np.int32)
         return Case(random_values(rng, (a, hidden), dt), idx, top_k, 0, a)
     if mode == "drop-pad":
-        e = experts or 8
+        e = experts if experts is not None else 8
         c = capacity if capacity is not None else max(1, bsk // e)
         idx = drop_pad_indices(rng, tokens, top_k, e, c)
         return Case(random_values(rng, (e, c, hidden), dt), idx, top_k, 1, 0)
