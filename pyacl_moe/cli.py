@@ -311,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     # --emulator is taken after the subcommand too (`pyacl-moe run --emulator`); SUPPRESS keeps
     # the subcommand from resetting a --emulator given before it.
-    emulator_flag = {"action": "store_true", "default": argparse.SUPPRESS,
-                     "help": "use the bundled CANN emulator instead of an installed CANN"}
+    emulator_flag: dict[str, Any] = {"action": "store_true", "default": argparse.SUPPRESS,
+                                     "help": "use the bundled CANN emulator instead of an installed CANN"}
 
     info = sub.add_parser("info", help="which CANN is loaded, from where, and its devices", formatter_class=_HELP)
     info.add_argument("--emulator", **emulator_flag)
