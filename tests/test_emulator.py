@@ -176,8 +176,10 @@ def launch(emu, res, x, idx, k, mode, active, out, stream=None, sync=True):
     stream = emu.NULL if stream is None else stream
     st, ws, ex = phase1(emu, x, idx, k, mode, active, out)
     emu.ok(st)
-    assert ws == WORKSPACE
-    emu.ok(emu.op.aclnnMoeInitRoutingV2Grad(res.workspace(), ws, ex, stream))
+    # 16 MiB, plus the dense copy of each non-contiguous input (see test_emulator_nnopbase).
+    assert ws >= WORKSPACE and ws % 512 == 0
+    wsp = res.workspace() if ws == WORKSPACE else res.dev(ws)
+    emu.ok(emu.op.aclnnMoeInitRoutingV2Grad(wsp, ws, ex, stream))
     if sync:
         emu.ok(emu.acl.aclrtSynchronizeStream(stream))
 
@@ -551,18 +553,13 @@ def test_first_phase_index_dtype_and_out_dtype(emu, shapes):
     assert phase1_status(emu, x, i, 2, 0, 0, o) == 0
 
 
-def test_first_phase_rejects_non_contiguous_out_and_private_format(emu, shapes):
-    x, i = shapes((8, 4)), shapes((8,), ACL_INT32)
-    strided = shapes((4, 4), strides=(8, 1), storage=(4, 8))
-    assert phase1_status(emu, x, i, 2, 0, 0, strided) == ACLNN_ERR_PARAM_INVALID
-    assert "out is not contiguous" in emu.msg()
-    transposed = shapes((4, 4), strides=(1, 4))
-    assert phase1_status(emu, x, i, 2, 0, 0, transposed) == ACLNN_ERR_PARAM_INVALID
+def test_first_phase_rejects_private_format(emu, shapes):
+    # A strided out is accepted, as nnopbase checks contiguity of inputs only
+    # (test_emulator_nnopbase.py); a private format is not ND.
+    i = shapes((8,), ACL_INT32)
     nz = shapes((8, 4), fmt=ACL_FORMAT_FRACTAL_NZ)
     assert phase1_status(emu, nz, i, 2, 0, 0, shapes((4, 4))) == ACLNN_ERR_PARAM_INVALID
-    # A view of size 1 along a dimension may have any stride there: still contiguous.
-    one = shapes((1, 4), strides=(999, 1))
-    assert phase1_status(emu, shapes((2, 4)), shapes((2,), ACL_INT32), 2, 0, 0, one) == 0
+    assert "format 29" in emu.msg()
 
 
 # (gradExpandedX shape, len(idx), out shape, topK, dropPadMode, activeNum), each one tiling
@@ -585,11 +582,7 @@ TILING_FAILURES = {
     "out H differs (drop/pad)": ((2, 4, 4), 8, (4, 3), 2, 1, 0),
     "out rows != len/topK": ((8, 4), 8, (3, 4), 2, 0, 0),
     "len not divisible by topK": ((10, 4), 10, (3, 4), 3, 0, 0),
-    "idx zero length": ((0, 4), 0, (0, 4), 2, 0, 0),
     "idx negative length": ((2, 3, 4), -4, (-2, 4), 2, 1, 0),
-    "out zero rows (drop/pad)": ((2, 4, 4), 1, (0, 4), 2, 1, 0),
-    "out zero H": ((8, 0), 8, (4, 0), 2, 0, 0),
-    "zero-size x in dropless": ((8, 0), 8, (4, 0), 2, 0, 0),
     "negative dim of x (drop/pad)": ((2, -4, 4), 8, (4, 4), 2, 1, 0),
 }
 
@@ -680,7 +673,7 @@ def test_mode0_hidden_size_is_dim1_as_the_vendor_tiling_reads_it(emu, shapes):
     # for the documented 2-D input). A 3-D x in mode 0 is compared through dim 1.
     x, i = shapes((4, 8, 16)), shapes((8,), ACL_INT32)
     assert phase1_status(emu, x, i, 2, 0, 4, shapes((4, 16))) == ACLNN_ERR_INNER_TILING_ERROR
-    assert "out's last dimension is 16 but gradExpandedX's is 8" in emu.msg()
+    assert "out's dim 1 is 16 but gradExpandedX's dim 1 (H) is 8" in emu.msg()
     assert phase1_status(emu, x, i, 2, 0, 4, shapes((4, 8))) == 0
 
 
@@ -1019,7 +1012,7 @@ def test_one_shot_executor_launches_once(emu, res):
     assert emu.stats()["executors"] == before
     assert emu.op.aclnnMoeInitRoutingV2Grad(res.workspace(), ws, ex, emu.NULL) == ACLNN_ERR_PARAM_INVALID
     assert "aclSetAclOpExecutorRepeatable" in emu.msg()
-    assert emu.nn.aclDestroyAclOpExecutor(ex) == ACLNN_ERR_PARAM_INVALID
+    assert emu.nn.aclDestroyAclOpExecutor(ex) == ACLNN_ERR_INNER
     emu.ok(emu.acl.aclrtSynchronizeDevice())
     ref, mag = reference(x, idx, 2, 0, 0, np.float32)
     assert_matches(res.read(out_p, (4, 3), np.float32), ref, mag)
@@ -1030,9 +1023,6 @@ def test_repeatable_executor_and_rebinding(emu, res):
     before = emu.stats()["executors"]
     st, ws, ex = phase1(emu, xt, it, 2, 0, 0, ot)
     emu.ok(st)
-    # Rebinding needs a repeatable executor.
-    assert emu.nn.aclSetInputTensorAddr(ex, 0, xt, emu.NULL) == ACLNN_ERR_PARAM_INVALID
-    assert "not repeatable" in emu.msg()
     emu.ok(emu.nn.aclSetAclOpExecutorRepeatable(ex))
     wsp = res.workspace()
 
@@ -1147,7 +1137,7 @@ def test_launch_failing_past_argument_checks_consumes_one_shot_executor(emu, res
     assert emu.stats()["kernels_launched"] == launches
     assert emu.op.aclnnMoeInitRoutingV2Grad(res.workspace(), ws, ex, emu.NULL) == ACLNN_ERR_PARAM_INVALID
     assert "already consumed" in emu.msg()
-    assert emu.nn.aclDestroyAclOpExecutor(ex) == ACLNN_ERR_PARAM_INVALID
+    assert emu.nn.aclDestroyAclOpExecutor(ex) == ACLNN_ERR_INNER
 
 
 def test_rejected_launch_then_destroy(emu, res):
@@ -1158,7 +1148,7 @@ def test_rejected_launch_then_destroy(emu, res):
     assert emu.op.aclnnMoeInitRoutingV2Grad(emu.NULL, ws, ex, emu.NULL) == ACLNN_ERR_PARAM_NULLPTR
     emu.ok(emu.nn.aclDestroyAclOpExecutor(ex))
     assert emu.stats()["executors"] == before
-    assert emu.nn.aclDestroyAclOpExecutor(ex) == ACLNN_ERR_PARAM_INVALID
+    assert emu.nn.aclDestroyAclOpExecutor(ex) == ACLNN_ERR_INNER
 
 
 # ============================================================================ 7. guards

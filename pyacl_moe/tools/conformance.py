@@ -39,7 +39,7 @@ from .. import __version__, reference
 from .._cann.loader import library_info, load
 from ..array import DeviceArray, empty, to_device
 from ..device import Device, acl_version, current_device, soc_name
-from ..errors import AclError
+from ..errors import AclError, InvalidArgument
 from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v2_grad
 from ..stream import Stream
 from . import cases as _cases
@@ -286,7 +286,8 @@ def _determinism(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
 
 @dataclass(frozen=True)
 class Neg:
-    """A first phase the vendor must refuse with ``status``."""
+    """A first phase whose status must be ``status`` (0: accepted), or, with ``binding``, a
+    call the binding's own checks (validate=True) must refuse with InvalidArgument."""
 
     x: tuple[int, ...] | None
     x_dtype: str
@@ -300,9 +301,13 @@ class Neg:
     out_strided: bool = False
     idx_shape: tuple[int, ...] | None = None
     x_over_small_buffer: bool = False  # describe x over 1 MiB, whatever its shape claims
+    binding: bool = False  # run the one-call function with validate=True instead of CANN's first phase
 
 
-def _negative(name: str, status: int, spec: Neg, why: str) -> Case:
+def _negative(name: str, status: int, spec: Neg, why: str, source: str = "op") -> Case:
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, not {source!r}")
+
     def body(ctx: Context) -> CaseResult:
         t0 = time.perf_counter()
         dev = ctx.stream.device
@@ -320,6 +325,21 @@ def _negative(name: str, status: int, spec: Neg, why: str) -> Case:
                 out = empty((spec.out[0], spec.out[1] * 2), spec.out_dtype, dev)[:, ::2]
             else:
                 out = empty(spec.out, spec.out_dtype, dev)
+        shape = f"x{list(spec.x) if spec.x else None}"
+        if spec.binding:
+            # The binding's refusal happens on the host, before any CANN call: no status.
+            if x is None or idx is None:
+                raise ValueError(f"{name}: a binding case needs gradExpandedX and expandedRowIdx")
+            try:
+                moe_init_routing_v2_grad(x, idx, spec.top_k, spec.mode, spec.active, out=out, stream=ctx.stream)
+                ctx.stream.synchronize()
+                refused, detail = False, "expected InvalidArgument from the binding, the call was accepted"
+            except InvalidArgument as exc:
+                refused, detail = True, f"{why}: {exc}"
+            except AclError as exc:
+                refused, detail = False, f"expected InvalidArgument from the binding, CANN returned {exc.status}"
+            return CaseResult(name, "negative", spec.x_dtype, "-", shape, refused, time.perf_counter() - t0,
+                              detail=detail, source=source)
         got: int | None = 0
         text = ""
         try:
@@ -329,33 +349,46 @@ def _negative(name: str, status: int, spec: Neg, why: str) -> Case:
             got, text = exc.status, exc.message
         passed = got == status
         detail = why if passed else f"expected {status}, CANN returned {got}" + (f": {text}" if text else "")
-        return CaseResult(name, "negative", spec.x_dtype, "-", f"x{list(spec.x) if spec.x else None}",
-                          passed, time.perf_counter() - t0, expected_status=status, status=got, detail=detail)
+        return CaseResult(name, "negative", spec.x_dtype, "-", shape, passed, time.perf_counter() - t0,
+                          expected_status=status, status=got, detail=detail, source=source)
 
-    return Case(name, "negative", spec.x_dtype, "-", "", body)
+    return Case(name, "negative", spec.x_dtype, "-", "", body, source=source)
 
 
 # ---------------------------------------------------------------------------- catalogue
 
 def _negatives() -> list[Case]:
-    P, T, N = 161002, 561002, 161001
+    """First phases with their expected status. ``source`` says where the expectation comes
+    from: "op" for the op's own tiling (op_host of moe_init_routing_v2_grad); "nnopbase" for
+    the generic layer's rules, read from the public opbase source (null pointers, the support
+    list's data types, what it does with empty outputs and strided views: inferred); "binding"
+    for pyacl_moe's own checks. Some cases expect acceptance (status 0)."""
+    P, T, N, OK = 161002, 561002, 161001, 0
     f32, bf, f16 = "float32", "bfloat16", "float16"
     ok = dict(x=(8, 4), x_dtype=f32, n_idx=8, idx_dtype="int32", out=(4, 4), out_dtype=f32, top_k=2)
 
-    def neg(name: str, status: int, why: str, **changes: Any) -> Case:
-        return _negative(f"neg-{name}", status, Neg(**{**ok, **changes}), why)
+    def neg(name: str, status: int, why: str, source: str = "op", **changes: Any) -> Case:
+        return _negative(f"neg-{name}", status, Neg(**{**ok, **changes}), why, source)
+
+    def nnop(name: str, status: int, why: str, **changes: Any) -> Case:
+        return neg(name, status, why, "nnopbase", **changes)
 
     return [
-        neg("null-grad-expanded-x", N, "null gradExpandedX", x=None),
-        neg("null-expanded-row-idx", N, "null expandedRowIdx", n_idx=None),
-        neg("null-out", N, "null out", out=None),
-        neg("x-float64", P, "gradExpandedX float64", x_dtype="float64", out_dtype="float64"),
-        neg("x-int32", P, "gradExpandedX int32", x_dtype="int32", out_dtype="int32"),
-        neg("x-int8", P, "gradExpandedX int8", x_dtype="int8", out_dtype="int8"),
-        neg("idx-int64", P, "expandedRowIdx int64", idx_dtype="int64"),
-        neg("idx-float32", P, "expandedRowIdx float32", idx_dtype="float32"),
-        neg("out-dtype-differs", P, "out float16, gradExpandedX float32", out_dtype=f16),
-        neg("out-non-contiguous", P, "strided out", out_strided=True),
+        nnop("null-grad-expanded-x", N, "null gradExpandedX", x=None),
+        nnop("null-expanded-row-idx", N, "null expandedRowIdx", n_idx=None),
+        nnop("null-out", N, "null out", out=None),
+        nnop("x-float64", P, "gradExpandedX float64", x_dtype="float64", out_dtype="float64"),
+        nnop("x-int32", P, "gradExpandedX int32", x_dtype="int32", out_dtype="int32"),
+        nnop("x-int8", P, "gradExpandedX int8", x_dtype="int8", out_dtype="int8"),
+        nnop("idx-int64", P, "expandedRowIdx int64", idx_dtype="int64"),
+        nnop("idx-float32", P, "expandedRowIdx float32", idx_dtype="float32"),
+        nnop("out-dtype-differs", P, "out float16, gradExpandedX float32", out_dtype=f16),
+        # nnopbase checks the contiguity of inputs only: CANN accepts a strided out (and writes
+        # it densely at the view's address); the binding refuses it.
+        nnop("out-non-contiguous", OK, "strided out accepted: contiguity is checked for inputs only",
+             out_strided=True),
+        neg("out-non-contiguous-binding", OK, "strided out refused by validate=True", "binding",
+            out_strided=True, binding=True),
         neg("drop-pad-mode-2", T, "dropPadMode 2", mode=2),
         neg("drop-pad-mode-minus-1", T, "dropPadMode -1", mode=-1),
         neg("top-k-0", T, "topK 0", top_k=0),
@@ -373,10 +406,13 @@ def _negatives() -> list[Case]:
         neg("out-hidden-differs", T, "out H != gradExpandedX H", out=(4, 5)),
         neg("out-rows-differ", T, "out rows != len(idx)/topK", out=(3, 4)),
         neg("not-divisible", T, "len(idx) not divisible by topK", x=(9, 4), n_idx=9, out=(4, 4)),
-        neg("idx-zero-length", T, "empty expandedRowIdx", x=(0, 4), n_idx=0, out=(0, 4)),
-        neg("x-zero-rows-dropless", T, "zero-size gradExpandedX in dropless mode", x=(0, 4), n_idx=0,
-            out=(0, 4)),
-        neg("out-zero-hidden", T, "zero hidden size", x=(8, 0), out=(4, 0)),
+        # Every output empty: nnopbase skips the tiling and succeeds with workspace 0.
+        nnop("idx-zero-length", OK, "empty expandedRowIdx and out: accepted, nothing tiled", x=(0, 4),
+             n_idx=0, out=(0, 4)),
+        nnop("x-zero-rows-dropless", OK, "zero-size gradExpandedX, empty out: accepted, nothing tiled",
+             x=(0, 4), n_idx=0, out=(0, 4)),
+        nnop("out-zero-hidden", OK, "zero hidden size, empty out: accepted, nothing tiled", x=(8, 0),
+             out=(4, 0)),
         # The vendor's own tiling tests, as refusals.
         neg("vendor-2d-in-drop-pad", T, "[10,512] bf16 in drop/pad", x=(10, 512), x_dtype=bf, n_idx=640,
             out=(80, 512), out_dtype=bf, top_k=8, mode=1, active=40),

@@ -29,9 +29,12 @@
 #define ACLNN_ERR_RUNTIME_ERROR 361001
 #define ACLNN_ERR_INNER 561000
 #define ACLNN_ERR_INNER_TILING_ERROR 561002
+#define ACLNN_ERR_INNER_NULLPTR 561103
 
 #define EMU_MAX_DIMS 64    /* what aclCreateTensor accepts */
-#define EMU_OP_MAX_DIMS 8  /* what an aclnn operator takes (CANN's limit for op tensors) */
+/* nnopbase puts no rank limit of its own on an operator's tensors: the op's tiling judges the
+ * ranks it cares about, so a descriptor holds every dimension aclCreateTensor accepts. */
+#define EMU_OP_MAX_DIMS EMU_MAX_DIMS
 #define EMU_MSG_LEN 1024
 
 /* Counter slots, in the order of the fields of aclemuStats. */
@@ -131,8 +134,7 @@ typedef struct emu_tensor_desc {
     uintptr_t addr;
 } emu_tensor_desc;
 
-/* Snapshot of a live aclTensor; 0 on success, -1 if `t` is not a live tensor, -2 if it has more
- * than EMU_OP_MAX_DIMS dimensions (ndim is still filled in). */
+/* Snapshot of a live aclTensor; 0 on success, -1 if `t` is not a live tensor. */
 EMU_API int aclemuTensorDesc(const aclTensor *t, emu_tensor_desc *out);
 
 /* Executors: the op library registers its payload; nnopbase owns lifetime and rebinding. */

@@ -121,7 +121,16 @@ EMU_API aclTensor *aclCreateTensor(const int64_t *viewDims, uint64_t viewDimsNum
         int64_t acc = 1;
         for (uint64_t i = viewDimsNum; i-- > 0;) {
             t->strides[i] = acc;
-            acc *= viewDims[i] > 0 ? viewDims[i] : 1;
+            /* The outermost stride is never multiplied on, so only a product that is used
+             * can overflow; such a view spans more elements than int64 can count. */
+            if (i > 0 && __builtin_mul_overflow(acc, viewDims[i] > 0 ? viewDims[i] : 1, &acc)) {
+                tensor_free(t);
+                aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
+                                "viewDims: the contiguous strides of this shape overflow int64 "
+                                "(dimension %llu is %lld)",
+                                (unsigned long long)i, (long long)viewDims[i]);
+                return NULL;
+            }
         }
     }
     pthread_mutex_lock(&g_lock);
@@ -175,13 +184,9 @@ EMU_API int aclemuTensorDesc(const aclTensor *tensor, emu_tensor_desc *out) {
         memset(out, 0, sizeof *out);
         out->dtype = t->dtype;
         out->format = t->format;
-        out->ndim = (int64_t)t->ndim;
-        if (t->ndim > EMU_OP_MAX_DIMS) {
-            st = -2;
-        } else {
-            memcpy(out->shape, t->view, t->ndim * sizeof(int64_t));
-            memcpy(out->strides, t->strides, t->ndim * sizeof(int64_t));
-        }
+        out->ndim = (int64_t)t->ndim; /* aclCreateTensor keeps ndim <= EMU_OP_MAX_DIMS */
+        memcpy(out->shape, t->view, t->ndim * sizeof(int64_t));
+        memcpy(out->strides, t->strides, t->ndim * sizeof(int64_t));
         out->offset = t->offset;
         out->addr = (uintptr_t)t->data;
     }
@@ -433,71 +438,69 @@ EMU_API void aclemuExecutorRelease(emu_executor_info *info) {
     info->op_data = NULL;
 }
 
+/* The executor APIs answer as nnopbase's common/api/acl_op_api.cpp does: a NULL pointer is
+ * ACLNN_ERR_INNER_NULLPTR (561103) and an object that is not a live executor ACLNN_ERR_INNER
+ * (561000), not the parameter codes 161001/161002 the op's two phases use. */
+static int executor_missing(const char *api, aclOpExecutor *executor) {
+    if (!executor) {
+        aclemuSetErrMsg(api, ACLNN_ERR_INNER_NULLPTR, "executor is NULL");
+        return ACLNN_ERR_INNER_NULLPTR;
+    }
+    aclemuSetErrMsg(api, ACLNN_ERR_INNER, k_dead_executor, (void *)executor);
+    return ACLNN_ERR_INNER;
+}
+
 EMU_API aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor) {
     EMU_ENTRY(ACLNN_ERR_INNER);
-    if (!executor) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "executor is NULL");
-        return ACLNN_ERR_PARAM_NULLPTR;
-    }
     pthread_mutex_lock(&g_lock);
-    struct aclOpExecutor *ex = emu_ht_get(&g_executors, executor);
+    struct aclOpExecutor *ex = executor ? emu_ht_get(&g_executors, executor) : NULL;
     if (ex) ex->info.repeatable = 1;
     pthread_mutex_unlock(&g_lock);
-    if (!ex) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID, k_dead_executor, (void *)executor);
-        return ACLNN_ERR_PARAM_INVALID;
-    }
-    return ACLNN_SUCCESS;
+    return ex ? ACLNN_SUCCESS : executor_missing(api, executor);
 }
 
 EMU_API aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor) {
     EMU_ENTRY(ACLNN_ERR_INNER);
-    if (!executor) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "executor is NULL");
-        return ACLNN_ERR_PARAM_NULLPTR;
-    }
     pthread_mutex_lock(&g_lock);
-    struct aclOpExecutor *ex = emu_ht_remove(&g_executors, executor);
+    struct aclOpExecutor *ex = executor ? emu_ht_remove(&g_executors, executor) : NULL;
     pthread_mutex_unlock(&g_lock);
-    if (!ex) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID, k_dead_executor, (void *)executor);
-        return ACLNN_ERR_PARAM_INVALID;
-    }
+    if (!ex) return executor_missing(api, executor);
     executor_free(ex);
     return ACLNN_SUCCESS;
 }
 
+/* nnopbase's order: the tensor first (NULL: 561103), whose address is updated before the
+ * executor is even looked at; then the executor (NULL: 561103, not live: 561000) and the
+ * index (161002). Any executor may be rebound, repeatable or not: a one-shot executor's next
+ * launch uses the new address. */
 static aclnnStatus set_io_addr(const char *api, aclOpExecutor *executor, size_t index,
                                aclTensor *tensor, void *addr, int is_output) {
-    if (!executor || !tensor) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "%s is NULL", executor ? "tensor" : "executor");
-        return ACLNN_ERR_PARAM_NULLPTR;
+    if (!tensor) {
+        aclemuSetErrMsg(api, ACLNN_ERR_INNER_NULLPTR, "tensor is NULL");
+        return ACLNN_ERR_INNER_NULLPTR;
     }
     pthread_mutex_lock(&g_lock);
     int st = 0;
-    struct aclOpExecutor *ex = emu_ht_get(&g_executors, executor);
     struct aclTensor *t = emu_ht_get(&g_tensors, tensor);
-    if (!ex) {
-        st = ACLNN_ERR_PARAM_INVALID;
-        aclemuSetErrMsg(api, st, k_dead_executor, (void *)executor);
-    } else if (!ex->info.repeatable) {
-        st = ACLNN_ERR_PARAM_INVALID;
-        aclemuSetErrMsg(api, st,
-                        "executor %p is not repeatable: call aclSetAclOpExecutorRepeatable first",
-                        (void *)executor);
-    } else if (!t) {
+    struct aclOpExecutor *ex = executor ? emu_ht_get(&g_executors, executor) : NULL;
+    if (!t) {
         st = ACLNN_ERR_PARAM_INVALID;
         aclemuSetErrMsg(api, st, "%p is not a live aclTensor", (void *)tensor);
     } else {
-        int n = is_output ? ex->info.n_outputs : ex->info.n_inputs;
-        if (index >= (size_t)n) {
-            st = ACLNN_ERR_PARAM_INVALID;
-            aclemuSetErrMsg(api, st, "%s index %zu is out of range: the op has %d",
-                            is_output ? "output" : "input", index, n);
+        t->data = addr;
+        if (!ex) {
+            st = executor_missing(api, executor);
         } else {
-            if (is_output) ex->info.output_addr[index] = (uintptr_t)addr;
-            else ex->info.input_addr[index] = (uintptr_t)addr;
-            t->data = addr;
+            int n = is_output ? ex->info.n_outputs : ex->info.n_inputs;
+            if (index >= (size_t)n) {
+                st = ACLNN_ERR_PARAM_INVALID;
+                aclemuSetErrMsg(api, st, "%s index %zu is out of range: the op has %d",
+                                is_output ? "output" : "input", index, n);
+            } else if (is_output) {
+                ex->info.output_addr[index] = (uintptr_t)addr;
+            } else {
+                ex->info.input_addr[index] = (uintptr_t)addr;
+            }
         }
     }
     pthread_mutex_unlock(&g_lock);

@@ -1,11 +1,15 @@
 /*
- * Emulated libopapi.so: the two phases of aclnnMoeInitRoutingV2Grad.
+ * Emulated libopapi.so: the two phases of aclnnMoeInitRoutingV2Grad, with the generic aclnn
+ * layer (nnopbase) around them.
  *
- * The first phase checks what the vendor checks, in the vendor's order and with its status
- * codes: null tensors (161001), data types (161002), then the tiling conditions (561002). It
- * reads no tensor memory. The second phase checks workspace, executor and stream, queues the
- * kernel on the stream and returns at once; a one-shot executor is consumed by every launch
- * that passes the argument checks, as the vendor's nnopbase recycles it.
+ * The first phase answers in nnopbase's order: null tensors and output pointers (161001),
+ * data types and formats against the op's support list (161002), the current device (361001);
+ * then, unless every output is empty (success, nothing tiled, nothing ever launched), the
+ * op's tiling conditions (561002). It reads no tensor memory. The workspace is the tiling's
+ * plus the dense copies of non-contiguous inputs. The second phase checks its arguments,
+ * queues the kernel on the stream and returns at once; a one-shot executor is consumed by
+ * every launch that passes the argument checks, as nnopbase recycles it. docs/emulator.md,
+ * "The generic aclnn layer", says where each rule was read.
  */
 #define _GNU_SOURCE
 #include <limits.h>
@@ -23,6 +27,7 @@ static const char *const API1 = "aclnnMoeInitRoutingV2GradGetWorkspaceSize";
 typedef struct moe_op {
     moe_kernel_args args; /* addresses are refreshed from the executor at each launch */
     int unchecked;        /* built with the checks skipped: never launched */
+    int empty;            /* out has no elements: tiling skipped, nothing is ever launched */
 } moe_op;
 
 static const char *dtype_name(aclDataType dt) {
@@ -41,27 +46,101 @@ static const char *dtype_name(aclDataType dt) {
     }
 }
 
-/* Formats an ND-only operator accepts: ND and the plain layouts that are ND in memory. Private
- * (fractal, C0-blocked) formats are rejected. */
-static int format_is_nd_compatible(aclFormat f) {
+/* The formats nnopbase stores as ND before matching the op's support list (FormatsLikeND in
+ * its individual_op/executor/indv_executor_tensor.cpp); any other format, HWCN, NDHWC and NC
+ * included, fails the match. */
+static int format_is_nd_like(aclFormat f) {
+    /* acl_base.h names no DHWCN; aclFormat values are the graph engine's format numbers, where
+     * DHWCN is 31 (FORMAT_DHWCN in 8.1.RC1's include/proto/dump_data.proto). */
+    if ((int)f == 31) return 1;
     switch (f) {
-    case ACL_FORMAT_ND: case ACL_FORMAT_NCHW: case ACL_FORMAT_NHWC: case ACL_FORMAT_HWCN:
-    case ACL_FORMAT_NDHWC: case ACL_FORMAT_NCDHW: case ACL_FORMAT_NC: case ACL_FORMAT_NCL:
+    case ACL_FORMAT_ND: case ACL_FORMAT_NCHW: case ACL_FORMAT_NHWC: case ACL_FORMAT_NCL:
+    case ACL_FORMAT_NCDHW:
         return 1;
     default:
         return 0;
     }
 }
 
+/* Elements of a view: 0 when a dimension is 0 (whatever the others), -1 when a dimension is
+ * negative or the count does not fit in int64. */
+static int64_t view_numel(const emu_tensor_desc *t) {
+    int64_t n = 1;
+    int overflow = 0;
+    for (int64_t d = 0; d < t->ndim; d++) {
+        if (t->shape[d] == 0) return 0;
+        if (t->shape[d] < 0) return -1;
+        overflow |= __builtin_mul_overflow(n, t->shape[d], &n);
+    }
+    return overflow ? -1 : n;
+}
+
+/* nnopbase's contiguity test (IsContiguousShape, individual_op/executor/indv_executor_utils.h):
+ * a view of 0 or 1 element is contiguous; otherwise every dimension but those of size 1 must
+ * have the row-major stride. The view offset plays no part. Only called on views without
+ * negative dimensions whose element count fits in int64, so the running product cannot
+ * overflow. */
 static int is_contiguous(const emu_tensor_desc *t) {
-    for (int64_t d = 0; d < t->ndim; d++)
-        if (t->shape[d] == 0) return 1; /* no elements: nothing is laid out */
+    int64_t n = view_numel(t);
+    if (n == 0 || n == 1) return 1;
     int64_t expect = 1;
     for (int64_t d = t->ndim - 1; d >= 0; d--) {
-        if (t->shape[d] != 1 && t->strides[d] != expect) return 0;
+        if (t->shape[d] == 1) continue;
+        if (t->strides[d] != expect) return 0;
         expect *= t->shape[d];
     }
     return 1;
+}
+
+/* The emulator's own guard, not a CANN check: the kernel maps the byte range a view touches,
+ * [offset + the negative spans, offset + the positive spans] elements scaled by the element
+ * size, so every term must be computable in int64 or the mapped range would wrap and the host
+ * would read outside it. A view with an empty dimension touches nothing. CANN has no such
+ * check (a device would fault or read garbage), so the code is the one for an invalid
+ * parameter, 161002. */
+static int check_extent(const emu_tensor_desc *t, const char *name) {
+    for (int64_t d = 0; d < t->ndim; d++)
+        if (t->shape[d] <= 0) return 0;
+    const int64_t es = (int64_t)moe_dtype_size(t->dtype);
+    int64_t lo = t->offset, hi = t->offset, span, bytes;
+    int bad = 0;
+    for (int64_t d = 0; d < t->ndim && !bad; d++) {
+        bad |= __builtin_mul_overflow(t->shape[d] - 1, t->strides[d], &span);
+        if (!bad) bad |= span < 0 ? __builtin_add_overflow(lo, span, &lo)
+                                  : __builtin_add_overflow(hi, span, &hi);
+    }
+    /* lo * es and (hi + 1) * es are the byte offsets the kernel computes from the address. */
+    if (!bad) bad |= __builtin_mul_overflow(lo, es, &bytes) || __builtin_add_overflow(hi, 1, &span) ||
+                     __builtin_mul_overflow(span, es, &bytes) ||
+                     __builtin_sub_overflow(span, lo, &span) || __builtin_mul_overflow(span, es, &bytes);
+    if (!bad) return 0;
+    aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
+                    "%s: the memory its view spans cannot be addressed: offset %lld and "
+                    "(dimension - 1) * stride, in elements of %lld bytes, overflow int64",
+                    name, (long long)t->offset, (long long)es);
+    return ACLNN_ERR_PARAM_INVALID;
+}
+
+/* Workspace for the dense copy nnopbase makes of a non-contiguous input before the kernel
+ * runs: the op's aclnn entry asks the contiguous-copy executor for its workspace and adds it
+ * to the op's own. That executor places each copy as an intermediate tensor, sized like the
+ * composite-op allocator does (composite_op/mem_mgr/memory_allocator.cpp): the bytes plus 32,
+ * rounded up to 512. Both copies are alive when the kernel runs, so they do not share space.
+ * Returns 0 and adds to *total, or 161002 when a size does not fit in 64 bits (an uncountable
+ * view included). */
+static int add_copy_scratch(const emu_tensor_desc *t, const char *name, uint64_t *total) {
+    int64_t n = view_numel(t);
+    if (n >= 0 && is_contiguous(t)) return 0;
+    uint64_t bytes = 0;
+    int bad = n < 0 || __builtin_mul_overflow((uint64_t)n, (uint64_t)moe_dtype_size(t->dtype), &bytes) ||
+              __builtin_add_overflow(bytes, (uint64_t)(32 + 511), &bytes);
+    if (!bad) bad = __builtin_add_overflow(*total, bytes & ~(uint64_t)511, total);
+    if (!bad) return 0;
+    aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
+                    "%s: its element count or the workspace of its dense copy does not fit in 64 "
+                    "bits",
+                    name);
+    return ACLNN_ERR_PARAM_INVALID;
 }
 
 /* Dimension d of a shape, or INT64_MIN when the rank is too small (as the vendor's shape
@@ -123,9 +202,9 @@ static int check_tiling(const emu_tensor_desc *x, const emu_tensor_desc *idx,
                             (long long)out->ndim);
     int64_t hidden = mode == 0 ? dim(x, 1) : dim(x, 2);
     if (dim(out, 1) != hidden)
-        return tiling_error("out's last dimension is %lld but gradExpandedX's is %lld; they must "
-                            "be equal",
-                            (long long)dim(out, 1), (long long)hidden);
+        return tiling_error("out's dim 1 is %lld but gradExpandedX's dim %d (H) is %lld; they "
+                            "must be equal",
+                            (long long)dim(out, 1), mode == 0 ? 1 : 2, (long long)hidden);
     if (dim(out, 0) != dim(idx, 0) / top_k)
         return tiling_error("out has %lld rows: it must have len(expandedRowIdx) / topK = %lld",
                             (long long)dim(out, 0), (long long)(dim(idx, 0) / top_k));
@@ -141,19 +220,105 @@ static int check_tiling(const emu_tensor_desc *x, const emu_tensor_desc *idx,
 }
 
 static int get_desc(const aclTensor *t, const char *name, emu_tensor_desc *d) {
-    int r = aclemuTensorDesc(t, d);
-    if (r == -1) {
+    if (aclemuTensorDesc(t, d)) {
         aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID, "%s (%p) is not a live aclTensor", name,
                         (const void *)t);
         return ACLNN_ERR_PARAM_INVALID;
     }
-    if (r == -2) {
+    return 0;
+}
+
+/* The support-list match of nnopbase: data types and formats (161002). */
+static int check_dtypes_and_formats(const emu_tensor_desc *x, const emu_tensor_desc *idx,
+                                    const emu_tensor_desc *o) {
+    if (x->dtype != ACL_FLOAT && x->dtype != ACL_FLOAT16 && x->dtype != ACL_BF16) {
         aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
-                        "%s has %lld dimensions: operator tensors have at most %d", name,
-                        (long long)d->ndim, EMU_OP_MAX_DIMS);
+                        "gradExpandedX has data type %s (%d): it must be FLOAT16, BF16 or FLOAT",
+                        dtype_name(x->dtype), (int)x->dtype);
         return ACLNN_ERR_PARAM_INVALID;
     }
+    if (idx->dtype != ACL_INT32) {
+        aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
+                        "expandedRowIdx has data type %s (%d): it must be INT32",
+                        dtype_name(idx->dtype), (int)idx->dtype);
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (o->dtype != x->dtype) {
+        aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
+                        "out has data type %s (%d) but gradExpandedX has %s (%d): they must match",
+                        dtype_name(o->dtype), (int)o->dtype, dtype_name(x->dtype), (int)x->dtype);
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    const emu_tensor_desc *all[3] = {x, idx, o};
+    const char *names[3] = {"gradExpandedX", "expandedRowIdx", "out"};
+    for (int i = 0; i < 3; i++) {
+        if (!format_is_nd_like(all[i]->format)) {
+            aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
+                            "%s has format %d: the operator supports ND, and NCHW, NHWC, NCL, "
+                            "NCDHW and DHWCN as ND",
+                            names[i], (int)all[i]->format);
+            return ACLNN_ERR_PARAM_INVALID;
+        }
+    }
     return 0;
+}
+
+/* nnopbase's test for "every output is empty" (aclTensor::IsEmpty): a dimension equal to 0. */
+static int is_empty(const emu_tensor_desc *t) {
+    for (int64_t d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 1;
+    return 0;
+}
+
+/* What the first phase checks once the data types, formats and device are known. An empty
+ * out skips the op's tiling, as nnopbase skips it when every output is empty: the executor
+ * then launches nothing. Then the tiling conditions (561002) and the emulator's extent guard
+ * (161002), and the workspace: the tiling's fixed 16 MiB plus the dense copies of
+ * non-contiguous inputs. */
+static int check_shapes(moe_op *op, int64_t top_k, int64_t mode, int64_t active,
+                        uint64_t *workspace) {
+    const emu_tensor_desc *x = &op->args.x, *idx = &op->args.idx, *o = &op->args.out;
+    int st = 0;
+    op->empty = is_empty(o);
+    *workspace = op->empty ? 0 : MOE_WORKSPACE_BYTES;
+    if (!op->empty) {
+        st = check_tiling(x, idx, o, top_k, mode, active);
+        /* nnopbase accepts a strided out, and the kernel writes [N, H] densely from the view's
+         * address (data + offset) whatever its strides: the kernel is handed that dense view,
+         * so it maps (and a launch faults on) the memory it really writes. The tiling made out
+         * 2-D with positive dimensions. */
+        if (!st) {
+            op->args.out.strides[0] = o->shape[1];
+            op->args.out.strides[1] = 1;
+        }
+        if (!st) st = check_extent(x, "gradExpandedX");
+        if (!st) st = check_extent(idx, "expandedRowIdx");
+        if (!st) st = check_extent(o, "out");
+        /* The tiling bounds no element count: a broadcast (stride 0) view may count more
+         * elements than int64 holds while spanning little memory. */
+        if (!st && view_numel(x) < 0) {
+            st = ACLNN_ERR_PARAM_INVALID;
+            aclemuSetErrMsg(API1, st, "gradExpandedX has more elements than int64 can count");
+        }
+    } else {
+        /* Nothing is tiled, but the dense copies of the inputs are still sized; a view with
+         * a negative dimension or an uncountable one has no size (the copy's own first phase
+         * would refuse it; which code CANN gives was not verified). */
+        const emu_tensor_desc *in[2] = {x, idx};
+        const char *names[2] = {"gradExpandedX", "expandedRowIdx"};
+        for (int i = 0; i < 2 && !st; i++) {
+            if (view_numel(in[i]) < 0) {
+                st = ACLNN_ERR_PARAM_INVALID;
+                aclemuSetErrMsg(API1, st,
+                                "%s has a negative dimension or more elements than int64 can "
+                                "count",
+                                names[i]);
+            }
+        }
+    }
+    if (!st) st = add_copy_scratch(x, "gradExpandedX", workspace);
+    if (!st) st = add_copy_scratch(idx, "expandedRowIdx", workspace);
+    return st;
 }
 
 EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
@@ -173,12 +338,6 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
         aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_NULLPTR, "%s is a null pointer", null_name);
         return ACLNN_ERR_PARAM_NULLPTR;
     }
-    int32_t device;
-    if (aclemuRequireDevice(API1, &device)) {
-        aclemuSetErrMsg(API1, ACLNN_ERR_RUNTIME_ERROR,
-                        "no device context: call aclInit and aclrtSetDevice on this thread first");
-        return ACLNN_ERR_RUNTIME_ERROR;
-    }
     /* The descriptors are large; keep them off the caller's stack. */
     moe_op *op = calloc(1, sizeof *op);
     if (!op) {
@@ -189,40 +348,17 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     int st = get_desc(gradExpandedX, "gradExpandedX", x);
     if (!st) st = get_desc(expandedRowIdx, "expandedRowIdx", idx);
     if (!st) st = get_desc(out, "out", o);
-    if (unchecked) goto checked;
-    if (!st && x->dtype != ACL_FLOAT && x->dtype != ACL_FLOAT16 && x->dtype != ACL_BF16) {
-        st = ACLNN_ERR_PARAM_INVALID;
+    /* nnopbase matches data types and formats against the op's support list before it
+     * registers the kernel on the current device. */
+    if (!st && !unchecked) st = check_dtypes_and_formats(x, idx, o);
+    int32_t device = 0;
+    if (!st && aclemuRequireDevice(API1, &device)) {
+        st = ACLNN_ERR_RUNTIME_ERROR;
         aclemuSetErrMsg(API1, st,
-                        "gradExpandedX has data type %s (%d): it must be FLOAT16, BF16 or FLOAT",
-                        dtype_name(x->dtype), (int)x->dtype);
+                        "no device context: call aclInit and aclrtSetDevice on this thread first");
     }
-    if (!st && idx->dtype != ACL_INT32) {
-        st = ACLNN_ERR_PARAM_INVALID;
-        aclemuSetErrMsg(API1, st, "expandedRowIdx has data type %s (%d): it must be INT32",
-                        dtype_name(idx->dtype), (int)idx->dtype);
-    }
-    if (!st && o->dtype != x->dtype) {
-        st = ACLNN_ERR_PARAM_INVALID;
-        aclemuSetErrMsg(API1, st,
-                        "out has data type %s (%d) but gradExpandedX has %s (%d): they must match",
-                        dtype_name(o->dtype), (int)o->dtype, dtype_name(x->dtype), (int)x->dtype);
-    }
-    const emu_tensor_desc *all[3] = {x, idx, o};
-    const char *names[3] = {"gradExpandedX", "expandedRowIdx", "out"};
-    for (int i = 0; !st && i < 3; i++) {
-        if (!format_is_nd_compatible(all[i]->format)) {
-            st = ACLNN_ERR_PARAM_INVALID;
-            aclemuSetErrMsg(API1, st, "%s has format %d: the operator supports ND only", names[i],
-                            (int)all[i]->format);
-        }
-    }
-    if (!st && !is_contiguous(o)) {
-        st = ACLNN_ERR_PARAM_INVALID;
-        aclemuSetErrMsg(API1, st, "out is not contiguous: the operator writes its output densely "
-                                  "and does not support a strided out");
-    }
-    if (!st) st = check_tiling(x, idx, o, topK, dropPadMode, activeNum);
-checked:
+    uint64_t workspace = MOE_WORKSPACE_BYTES;
+    if (!st && !unchecked) st = check_shapes(op, topK, dropPadMode, activeNum, &workspace);
     if (st) {
         free(op);
         return st;
@@ -239,16 +375,15 @@ checked:
      * 1 in dropless/active mode and dim 2 in drop/pad mode. For a 2-D input and for drop/pad
      * that is the view's last dimension; a 3-D input in dropless/active mode passes the tiling
      * too, and is then read as flat runs of H. Rows that exist: numel / H. */
-    int64_t numel = 1;
-    for (int64_t d = 0; d < x->ndim; d++) numel *= x->shape[d] > 0 ? x->shape[d] : 0;
-    a->rows = a->h > 0 ? numel / a->h : 0;
+    int64_t numel = view_numel(x);
+    a->rows = a->h > 0 && numel > 0 ? numel / a->h : 0;
     a->flat = x->ndim == 3 && dropPadMode != 1;
     a->c = x->ndim == 3 && !a->flat ? x->shape[1] : 0;
     op->unchecked = unchecked;
     emu_executor_info info;
     memset(&info, 0, sizeof info);
     info.device = device;
-    info.workspace_size = MOE_WORKSPACE_BYTES;
+    info.workspace_size = workspace;
     info.n_inputs = 2;
     info.n_outputs = 1;
     info.input_addr[0] = x->addr;
@@ -265,7 +400,7 @@ checked:
         aclemuSetErrMsg(API1, ACLNN_ERR_INNER, "out of host memory");
         return ACLNN_ERR_INNER;
     }
-    *workspaceSize = MOE_WORKSPACE_BYTES;
+    *workspaceSize = workspace;
     *executor = ex;
     return ACLNN_SUCCESS;
 }
@@ -275,12 +410,19 @@ static void kernel_release(void *p) { free(p); }
 EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspaceSize,
                                               aclOpExecutor *executor, aclrtStream stream) {
     EMU_ENTRY(ACLNN_ERR_INNER);
-    /* The vendor's argument checks (nnopbase's NnopbaseRunWithWorkspace) return without
-     * touching the executor: null executor, null workspace, workspaceSize below what the first
-     * phase asked for. Past them a guard recycles a one-shot executor whatever happens next,
-     * so every later failure (device, stream, workspace block) consumes it too. */
+    /* nnopbase's argument checks (NnopbaseRunWithWorkspace) return without touching the
+     * executor: a null executor, then a null workspace for a non-zero workspaceSize (both
+     * 161001), then a workspaceSize below what the first phase asked for (161002). Past them
+     * a guard recycles a one-shot executor whatever happens next, so every later failure
+     * (device, stream, workspace block) consumes it too. */
     if (!executor) {
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "executor is a null pointer");
+        return ACLNN_ERR_PARAM_NULLPTR;
+    }
+    if (workspaceSize > 0 && !workspace) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR,
+                        "workspace is a null pointer but workspaceSize is %llu",
+                        (unsigned long long)workspaceSize);
         return ACLNN_ERR_PARAM_NULLPTR;
     }
     emu_executor_info info;
@@ -300,17 +442,17 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
                         (unsigned long long)info.workspace_size);
         return ACLNN_ERR_PARAM_INVALID;
     }
-    if (info.workspace_size && !workspace) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR,
-                        "workspace is a null pointer but %llu bytes are needed",
-                        (unsigned long long)info.workspace_size);
-        return ACLNN_ERR_PARAM_NULLPTR;
-    }
     if (!info.repeatable) {
         /* Take it now (another thread may have launched it meanwhile: then it is stale). */
         st = aclemuExecutorAcquire(api, executor, &info, 1);
         if (st) return st;
         op = info.op_data;
+    }
+    if (op->empty) {
+        /* Every output is empty: nnopbase launches no kernel, so neither the device nor the
+         * stream is looked at. */
+        aclemuExecutorRelease(&info);
+        return ACLNN_SUCCESS;
     }
     moe_kernel_args *k = malloc(sizeof *k);
     if (!k) {

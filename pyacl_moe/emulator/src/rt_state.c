@@ -237,6 +237,12 @@ EMU_API int aclemuGetStats(aclemuStats *stats) {
 
 /* ------------------------------------------------------------------ acl.h */
 
+/* acl.h allows one aclInit per process and no service after aclFinalize. CANN's acl.cpp of
+ * that generation keeps its "initialized" flag set through aclFinalize, so a later aclInit
+ * answers as a repeated one (100002); versions that added aclFinalizeReference (after 8.1.RC1)
+ * count references and allow it. The emulator follows 8.1.RC1. A fork() child starts over. */
+static int g_finalized;
+
 EMU_API aclError aclInit(const char *configPath) {
     EMU_ENTRY(ACL_ERROR_INTERNAL_ERROR);
     (void)configPath; /* no configuration items are emulated */
@@ -246,6 +252,11 @@ EMU_API aclError aclInit(const char *configPath) {
     if (g_initialized) {
         st = ACL_ERROR_REPEAT_INITIALIZE;
         aclemuSetErrMsg(api, st, "aclInit was already called in this process");
+    } else if (g_finalized) {
+        st = ACL_ERROR_REPEAT_INITIALIZE;
+        aclemuSetErrMsg(api, st,
+                        "aclFinalize was already called in this process: aclInit can be called "
+                        "only once per process, and CANN cannot be used after aclFinalize");
     } else {
         g_initialized = 1;
         count_set(EMU_C_INITIALIZED, 1);
@@ -271,6 +282,7 @@ EMU_API aclError aclFinalize(void) {
         }
         release_host_blocks_locked();
         g_initialized = 0;
+        g_finalized = 1;
         count_set(EMU_C_INITIALIZED, 0);
         /* Every queue is empty now: the engine has nothing left to do. The next aclInit
          * starts a new one when work is queued. */
@@ -346,6 +358,7 @@ static void atfork_child(void) {
     g_waiters = 0;
     engine_forget_after_fork();
     g_initialized = 0;
+    g_finalized = 0;
     for (int d = 0; d < EMU_MAX_DEVICES; d++) {
         emu_device *dev = &g_devices[d];
         dev->refcount = 0;

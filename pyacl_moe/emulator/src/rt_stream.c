@@ -534,7 +534,9 @@ EMU_API int aclemuLaunch(const char *api, int32_t device, aclrtStream stream, ui
     }
     if (!st && workspace_size) {
         emu_block *b = find_block_locked(workspace, NULL);
-        if (!b || b->device != device || workspace + workspace_size > b->addr + b->padded) {
+        /* The block holds `workspace`, so the room left in it is computed without the sum
+         * workspace + workspace_size, which a huge size would wrap. */
+        if (!b || b->device != device || workspace_size > b->addr + b->padded - workspace) {
             st = ACLNN_ERR_PARAM_INVALID;
             aclemuSetErrMsg(api, st,
                             "workspace [%p, +%llu) is not inside a live device allocation of device %d",
