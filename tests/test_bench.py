@@ -13,8 +13,9 @@ from pyacl_moe.tools import bench
 def test_bench_quick_json_has_exactly_the_keys():
     r = subprocess.run([sys.executable, "-m", "pyacl_moe.cli", "--emulator", "bench", "--quick", "--json"],
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
+    # Timings on a shared machine may miss a target: the exit status says which it was.
+    assert r.returncode == (0 if bench.targets_met(data) else 1), r.stderr
     assert tuple(data) == bench.KEYS
     assert data["backend"] == "emulator"
     assert all(isinstance(data[k], float) and data[k] > 0 for k in bench.KEYS[1:] if k != "numpy_call_mallocs")
