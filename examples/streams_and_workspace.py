@@ -5,6 +5,8 @@ Run with an installed CANN, or on the bundled emulator:
     PYACL_MOE_EMULATOR=1 python examples/streams_and_workspace.py
 """
 
+from contextlib import closing
+
 import numpy as np
 
 import pyacl_moe as pm
@@ -14,7 +16,7 @@ rng = np.random.default_rng(1)
 x_host = rng.standard_normal((tokens * top_k, hidden)).astype(np.float16)
 idx_host = rng.permutation(tokens * top_k).astype(np.int32)
 
-with pm.Device(0) as dev, pm.Stream(dev) as stream:
+with pm.Device(0) as dev, closing(pm.Stream(dev)) as stream:
     # Copies are queued on the stream; the host arrays are kept alive until it syncs.
     x = pm.to_device(x_host, stream=stream)
     idx = pm.to_device(idx_host, stream=stream)
@@ -44,6 +46,6 @@ with pm.Device(0) as dev, pm.Stream(dev) as stream:
     # A strided view goes to CANN as a strided aclTensor, without a copy: here every other
     # hidden column of the input, and an output of matching width.
     half = pm.moe_init_routing_v2_grad(x[:, ::2], idx, top_k, stream=stream)
-    print("strided input:", x[:, ::2].strides, "->", half.to_host(stream).shape)
+    print("strided input:", x[:, ::2].element_strides, "->", half.to_host(stream).shape)
     start.close()
     end.close()

@@ -9,6 +9,7 @@ Run with an installed CANN, or on the bundled emulator:
 """
 
 import threading
+from contextlib import closing
 
 import numpy as np
 
@@ -22,12 +23,12 @@ idx_host = rng.permutation(tokens * top_k).astype(np.int32)
 dev = pm.Device(0)
 x, idx = pm.to_device(x_host), pm.to_device(idx_host)  # shared, read-only, by every thread
 expected = pm.moe_init_routing_v2_grad(x, idx, top_k).to_host()  # the kernel is deterministic
-results = {}
+results: dict[object, np.ndarray] = {}
 
 
 def worker(i: int) -> None:
     # Each thread: its own stream and its own plan (a plan writes one `out`), the same inputs.
-    with pm.Stream(dev) as own, pm.MoeInitRoutingV2Grad(x, idx, top_k) as plan:
+    with closing(pm.Stream(dev)) as own, pm.MoeInitRoutingV2Grad(x, idx, top_k) as plan:
         for _ in range(20):
             plan(own)
         results[i] = plan.out.to_host(own)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from . import emulator, reference
 from ._cann.loader import LibraryInfo, library_info, load, loaded_info
-from .array import DeviceArray, bfloat16, empty, from_pointer, to_device, zeros
+from .allocator import pinned_empty, set_caching
+from .array import DeviceArray, bfloat16, empty, from_pointer, from_torch, to_device, zeros
 from .device import Device, acl_version, current_device, device_count, soc_name
 from .emulator import use_emulator
 from .errors import (
@@ -28,7 +29,7 @@ from .errors import (
 from .op.executor import Executor, execute
 from .op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, get_workspace_size, moe_init_routing_v2_grad
 from .pool import empty_cache, memory_stats
-from .stream import Event, Stream
+from .stream import Event, Stream, current_stream
 from .tensor import AclTensor
 
 __version__ = "0.2.0"
@@ -53,19 +54,23 @@ __all__ = [
     "acl_version",
     "bfloat16",
     "current_device",
+    "current_stream",
     "device_count",
     "emulator",
     "empty",
     "empty_cache",
     "execute",
     "from_pointer",
+    "from_torch",
     "get_workspace_size",
     "library_info",
     "load",
     "loaded_info",
     "memory_stats",
+    "pinned_empty",
     "moe_init_routing_v2_grad",
     "reference",
+    "set_caching",
     "soc_name",
     "status_name",
     "to_device",

@@ -13,7 +13,7 @@ host waits for (or, on a stream, is ordered after) queued work that uses the mem
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
@@ -21,15 +21,19 @@ import numpy as np
 
 from . import _args, _lifetime
 from ._cann import acl, aclnn, declare
+from .allocator import Allocation, allocate, is_pinned, on_memory_pressure, pinned_block
 from .device import Device, resolve_device
-from .errors import AclRuntimeError, ClosedError, InvalidArgument
-from .stream import Event, Stream, StreamState, resolve_stream
+from .errors import ClosedError, InvalidArgument
+from .host import host_view
+from .stream import Event, Stream, StreamState, active_stream, resolve_stream
 
-__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "empty", "from_pointer", "may_overlap",
+__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "empty", "from_pointer", "from_torch",
+           "may_overlap",
            "host_array",
            "on_memory_pressure", "to_device", "zeros"]
 
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
+#: ml_dtypes' bfloat16 scalar type (``pm.bfloat16(1.5)``, ``x.astype(pm.bfloat16)``).
+bfloat16 = ml_dtypes.bfloat16
 
 # numpy dtype -> the aclDataType it is (values read from headers/).
 _ACL_NAMES: dict[np.dtype, str] = {
@@ -47,18 +51,8 @@ _ACL_NAMES: dict[np.dtype, str] = {
     np.dtype(np.bool_): "ACL_BOOL",
     np.dtype(np.complex64): "ACL_COMPLEX64",
     np.dtype(np.complex128): "ACL_COMPLEX128",
-    bfloat16: "ACL_BF16",
+    np.dtype(bfloat16): "ACL_BF16",
 }
-
-# Called with a device when an allocation on it fails for lack of memory, before one retry:
-# caches above (the workspace pool) give back what they hold idle.
-_pressure_hooks: list[Callable[[Device], None]] = []
-
-
-def on_memory_pressure(hook: Callable[[Device], None]) -> None:
-    """Register a cache to shrink when device memory runs out."""
-    _pressure_hooks.append(hook)
-
 
 def acl_data_type(dtype: Any) -> int:
     """The aclDataType code of a numpy dtype; InvalidArgument if CANN has none."""
@@ -93,67 +87,13 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class Allocation:
-    """One device allocation, shared by every DeviceArray that views it and by queued work
-    that uses it. Owned memory is freed (aclrtFree) once this object is gone.
-
-    ``users`` are the streams that queued work on it through pyacl_moe (a host write waits for
-    them), ``writers`` those that queued work writing it (a read back waits for them); dicts
-    used as ordered sets, changed by single dict operations under the GIL.
-    """
-
-    __slots__ = ("device", "ptr", "nbytes", "mem", "owner", "users", "writers", "__weakref__")
-
-    def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None) -> None:
-        self.device = device
-        self.nbytes = nbytes
-        self.ptr = ptr
-        self.owner = owner  # what keeps borrowed memory alive
-        self.mem: acl.DeviceMemory | None = None
-        self.users: dict[StreamState, None] = {}
-        self.writers: dict[StreamState, None] = {}
-
-    @property
-    def owned(self) -> bool:
-        return self.mem is not None
-
-    def used_on(self, state: StreamState, write: bool) -> None:
-        """Queued work on ``state`` reads (or writes) this memory."""
-        if state not in self.users:
-            self.users[state] = None
-        if write and state not in self.writers:
-            self.writers[state] = None
-
-
-def allocate(device: Device, nbytes: int) -> Allocation:
-    """A new allocation of ``nbytes`` (at least one byte: aclrtMalloc refuses 0)."""
-    _lifetime.collect()
-    device.activate()
-    alloc = Allocation(device, nbytes)
-    mem = alloc.mem = acl.DeviceMemory(device.context)
-    _lifetime.track(alloc, mem)  # before the memory exists: nothing can be lost in between
-    try:
-        acl.malloc(mem, max(nbytes, 1))
-    except AclRuntimeError as exc:
-        if exc.status not in (207001, 207018):  # ACL_ERROR_RT_MEMORY_ALLOCATION, ..._DEVICE_OOM
-            raise
-        # Out of memory: what completed work held, and idle caches, may be enough.
-        device.reclaim()
-        for hook in _pressure_hooks:
-            hook(device)
-        _lifetime.quiesce()
-        device.activate()
-        acl.malloc(mem, max(nbytes, 1))
-    alloc.ptr = mem.ptr
-    return alloc
-
-
 class DeviceArray:
     """An n-dimensional array in device memory.
 
-    ``shape`` and ``dtype`` as in NumPy; ``strides`` and ``offset`` are in elements, as
-    aclCreateTensor takes them. Create one with :func:`to_device`, :func:`empty`,
-    :func:`zeros` or :func:`from_pointer`; read it back with :meth:`to_host`.
+    ``shape``, ``dtype`` and ``strides`` (in bytes) as in NumPy and CuPy; ``element_strides``
+    and ``offset`` are in elements, as aclCreateTensor takes them. Create one with
+    :func:`to_device`, :func:`empty`, :func:`zeros` or :func:`from_pointer`; read it back with
+    :meth:`to_host`. NumPy never converts one implicitly: the copy and its wait are explicit.
     """
 
     __slots__ = ("alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "_layout", "span",
@@ -223,7 +163,13 @@ class DeviceArray:
 
     @property
     def strides(self) -> tuple[int, ...]:
-        """Strides in elements (aclCreateTensor's unit)."""
+        """Strides in bytes, as NumPy and CuPy have them."""
+        item = self._dtype.itemsize
+        return tuple(s * item for s in self._strides)
+
+    @property
+    def element_strides(self) -> tuple[int, ...]:
+        """Strides in elements: what the aclTensor of the view gets (aclCreateTensor's unit)."""
         return self._strides
 
     @property
@@ -233,7 +179,8 @@ class DeviceArray:
 
     @property
     def layout(self) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
-        """(shape, dtype, strides): what an aclTensor of the view depends on, its address aside."""
+        """(shape, dtype, element strides): what an aclTensor of the view depends on, its
+        address aside."""
         return self._layout
 
     @property
@@ -304,21 +251,30 @@ class DeviceArray:
         if self.closed:
             return f"<DeviceArray closed shape={self._shape} dtype={self._dtype}>"
         return (
-            f"<DeviceArray shape={self._shape} dtype={self._dtype} strides={self._strides} "
+            f"<DeviceArray shape={self._shape} dtype={self._dtype} element_strides={self._strides} "
             f"offset={self._offset} device={self.device.device_id} address={self.address:#x}>"
         )
 
     # -- views
 
     def __getitem__(self, key: Any) -> DeviceArray:
-        """Basic slicing (ints, slices with positive steps, Ellipsis): a view, no copy."""
+        """Basic slicing (ints, slices with positive steps, Ellipsis): a view, no copy. Fancy
+        (integer-array) and boolean indexing are refused: they copy, which a view cannot."""
         alloc = self.allocation()
         if not isinstance(key, tuple):
             key = (key,)
-        if sum(k is Ellipsis for k in key) > 1:
+        for k in key:
+            if isinstance(k, (DeviceArray, np.ndarray, list)) or (hasattr(k, "__array__")
+                                                                  and not isinstance(k, np.generic)):
+                raise InvalidArgument(
+                    "key", "fancy (integer-array) and boolean indexing are not supported on a DeviceArray: they "
+                           "copy, and DeviceArray indexing gives views; index the host copy (to_host()[key]) instead")
+        # By identity: `in` would compare with ==, which NumPy scalars answer elementwise.
+        ellipses = [i for i, k in enumerate(key) if k is Ellipsis]
+        if len(ellipses) > 1:
             raise IndexError("an index can only have a single ellipsis ('...')")
-        if Ellipsis in key:
-            i = key.index(Ellipsis)
+        if ellipses:
+            i = ellipses[0]
             fill = self.ndim - (len(key) - 1)
             key = key[:i] + (slice(None),) * fill + key[i + 1:]
         if len(key) > self.ndim:
@@ -342,6 +298,8 @@ class DeviceArray:
                     offset += start * s
                 shape.append(length)
                 strides.append(s * step)
+            elif k is None:
+                raise InvalidArgument("key", "None (np.newaxis) is not supported: use reshape() to add an axis")
             else:
                 raise InvalidArgument("key", f"only ints, slices and '...' index a DeviceArray, got {type(k).__name__}")
         shape += self._shape[len(key):]
@@ -350,14 +308,24 @@ class DeviceArray:
 
     # -- copies
 
-    def to_host(self, stream: Stream | None = None) -> np.ndarray:
-        """Copy to a new NumPy array.
+    def to_host(self, stream: Stream | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Copy to a NumPy array: a new one, or ``out``.
 
-        With ``stream`` the copy is queued there and waited for, so earlier work on that stream
-        is visible. Without, it first waits for every stream that queued a write to this memory
-        through pyacl_moe, then copies.
+        With ``stream`` (or inside ``with stream:``) the copy is queued there and waited for, so
+        earlier work on that stream is visible. Without, it first waits for every stream that
+        queued a write to this memory through pyacl_moe, then copies.
+
+        With ``out`` (a writable C-contiguous NumPy array of this shape and dtype) and a stream,
+        the copy is queued into ``out`` and not waited for: ``out`` is complete once the stream
+        has run it (``stream.synchronize()``, an event). From pinned memory
+        (:func:`pinned_empty`) CANN copies asynchronously; into pageable memory
+        aclrtMemcpyAsync returns once the copy is done.
         """
         alloc = self.allocation()
+        if stream is None:
+            stream = active_stream(alloc.device)
+        if out is not None:
+            return self._to_host_into(alloc, out, stream)
         out = np.empty(self._shape, dtype=self._dtype)
         lo, hi = self.span
         if hi < lo:
@@ -381,28 +349,149 @@ class DeviceArray:
             out[...] = view
         return out
 
+    def _to_host_into(self, alloc: Allocation, out: Any, stream: Stream | None) -> np.ndarray:
+        if not isinstance(out, np.ndarray):
+            raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
+        if out.shape != self._shape or out.dtype != self._dtype:
+            raise InvalidArgument("out", f"must have shape {self._shape} and dtype {self._dtype}, got "
+                                         f"{out.shape} {out.dtype}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgument("out", "must be C-contiguous and writable")
+        if not self.is_contiguous:
+            raise InvalidArgument("array", "to_host(out=...) needs a contiguous DeviceArray (copy() it first)")
+        n = self.nbytes
+        if not n:
+            return out
+        if stream is None:
+            _order_after(alloc.writers, alloc, None)
+            alloc.device.activate()
+            acl.memcpy(out.ctypes.data, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_HOST")
+            return out
+        state = resolve_stream(stream, alloc.device)
+        _order_after(alloc.writers, alloc, state)
+        alloc.used_on(state, write=False)
+        state.enqueue((out, alloc), acl.memcpy_async, out.ctypes.data, n, self.address, n,
+                      "ACL_MEMCPY_DEVICE_TO_HOST")
+        return out
+
     def numpy(self, stream: Stream | None = None) -> np.ndarray:
         """Same as :meth:`to_host`."""
         return self.to_host(stream)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        arr = self.to_host()
-        return arr if dtype is None else arr.astype(dtype)
+        """Refused: an implicit conversion would hide a device-to-host copy and a wait (as in
+        CuPy). ``copy=False`` gets the ValueError NumPy 2 asks for when no view is possible."""
+        if copy is False:
+            raise ValueError("a DeviceArray lives in device memory: NumPy cannot view it without a copy; "
+                             "use to_host() for a copy")
+        raise TypeError("implicit conversion of a DeviceArray to a NumPy array is not allowed: it would copy from "
+                        "the device and wait; call to_host() (or numpy()) for an explicit copy")
+
+    def item(self) -> Any:
+        """The one element of a size-1 array as a Python scalar (copied from the device)."""
+        if self.size != 1:
+            raise InvalidArgument("array", f"item() needs exactly one element, this array has {self.size}")
+        return self.to_host().item()
+
+    def reshape(self, *shape: Any) -> DeviceArray:
+        """The same elements in another shape (one entry may be -1). A view of the same memory
+        when the array is C-contiguous; otherwise a contiguous copy (see :meth:`copy`)."""
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            shape = tuple(shape[0])
+        size = self.size
+        dims = list(shape)
+        unknown = [i for i, d in enumerate(dims) if isinstance(d, (int, np.integer)) and int(d) == -1]
+        if len(unknown) > 1:
+            raise InvalidArgument("shape", "can only have one -1 entry")
+        if unknown:
+            known = 1
+            for i, d in enumerate(dims):
+                if i != unknown[0]:
+                    known *= _args.int64("shape", d, lo=0)
+            if known == 0 or size % known:
+                raise InvalidArgument("shape", f"cannot infer the -1 entry of {tuple(shape)} from {size} elements")
+            dims[unknown[0]] = size // known
+        shp = _args.shape("shape", dims)
+        n = 1
+        for d in shp:
+            n *= d
+        if n != size:
+            raise InvalidArgument("shape", f"{shp} has {n} elements, the array {size}")
+        base = self if self.is_contiguous else self.copy()
+        return DeviceArray(base.allocation(), shp, self._dtype, _contiguous_strides(shp), base._offset)
+
+    def copy(self, stream: Stream | None = None) -> DeviceArray:
+        """A new contiguous DeviceArray with the same values. A contiguous array is copied on
+        the device (on ``stream``, or the current stream inside ``with stream:``, else now);
+        a strided one goes through the host, since CANN's runtime copies only dense bytes."""
+        alloc = self.allocation()
+        if not self.is_contiguous:
+            return to_device(self.to_host(stream), stream=stream, device=alloc.device)
+        out = empty(self._shape, self._dtype, alloc.device)
+        n = self.nbytes
+        if n:
+            dst = out.allocation()
+            if stream is None:
+                stream = active_stream(alloc.device)
+            if stream is not None:
+                state = resolve_stream(stream, alloc.device)
+                alloc.used_on(state, write=False)
+                dst.used_on(state, write=True)
+                state.enqueue((alloc, dst), acl.memcpy_async, dst.ptr, n, self.address, n,
+                              "ACL_MEMCPY_DEVICE_TO_DEVICE")
+            else:
+                _order_after(alloc.writers, alloc, None)
+                alloc.device.activate()
+                acl.memcpy(dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE")
+        return out
+
+    def fill(self, value: Any, stream: Stream | None = None) -> None:
+        """Set every element to ``value`` (converted to the dtype as NumPy converts it). Zero is
+        a memset on the device; other values are copied from the host. Needs a contiguous
+        array: a strided view shares its gaps with other views."""
+        if not self.is_contiguous:
+            raise InvalidArgument("array", "fill() needs a contiguous DeviceArray")
+        try:
+            v = np.asarray(value).astype(self._dtype, casting="unsafe")
+        except (TypeError, ValueError):
+            raise InvalidArgument("value", f"must convert to {self._dtype}, got {value!r}") from None
+        if v.ndim:
+            raise InvalidArgument("value", f"must be a scalar, got shape {v.shape}")
+        alloc = self.allocation()
+        if stream is None:
+            stream = active_stream(alloc.device)
+        n = self.nbytes
+        if not n:
+            return
+        if not v.tobytes().strip(b"\0"):  # all-zero bits (not -0.0): a memset
+            if stream is not None:
+                state = resolve_stream(stream, alloc.device)
+                alloc.used_on(state, write=True)
+                state.enqueue(alloc, acl.memset_async, self.address, n, 0, n)
+            else:
+                _order_after(alloc.users, alloc, None)
+                alloc.device.activate()
+                acl.memset(self.address, n, 0, n)
+            return
+        self.copy_from_host(np.full(self._shape, v, self._dtype), stream)
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
 
-        With ``stream`` the copy is queued there, after queued work of other streams that uses
-        this memory (through events); without, it waits for such work first, then copies.
+        With ``stream`` (or inside ``with stream:``) the copy is queued there, after queued work
+        of other streams that uses this memory (through events); without, it waits for such
+        work first, then copies.
         """
         alloc = self.allocation()
         if not self.is_contiguous:
             raise InvalidArgument("array", "copy_from_host needs a contiguous DeviceArray")
-        host = host_array(np.asarray(array), "array")
+        host = host_array(host_view(array, "array")[0], "array")
         if host.shape != self._shape or host.dtype != self._dtype:
             raise InvalidArgument(
                 "array", f"must have shape {self._shape} and dtype {self._dtype}, got {host.shape} {host.dtype}"
             )
+        if stream is None:
+            stream = active_stream(alloc.device)
         state = resolve_stream(stream, alloc.device) if stream is not None else None
         _copy_in(alloc, self.address, host, state)
 
@@ -443,7 +532,7 @@ class _AddressOnly:
         self.__array_interface__ = {
             "data": (a.address, True),
             "shape": a.shape,
-            "strides": tuple(s * a.itemsize for s in a.strides),
+            "strides": a.strides,
             "typestr": f"|V{a.itemsize}",
             "version": 3,
         }
@@ -493,6 +582,13 @@ def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState |
         return
     _order_after(alloc.users, alloc, state)
     if state is not None:
+        if not is_pinned(host):
+            # A snapshot now, in pinned memory: later writes to the caller's array cannot
+            # change what is copied, and CANN copies from pinned memory asynchronously (from
+            # pageable memory aclrtMemcpyAsync returns only once the copy is done).
+            stage = pinned_block(alloc.device, n)
+            np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
+            host = stage
         alloc.used_on(state, write=True)
         state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
     else:
@@ -515,15 +611,18 @@ def _dtype(dtype: Any) -> np.dtype:
     except TypeError:
         raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
     acl_data_type(dt)
-    return dt
+    return dt  # type: ignore[no-any-return]  # np.dtype() of Any is typed Any
 
 
 def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
-    """A new contiguous DeviceArray of zeros (memset on ``stream`` if given, else now)."""
+    """A new contiguous DeviceArray of zeros (memset on ``stream``, or the thread's current
+    stream inside ``with stream:``; else now)."""
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
     arr = empty(shape, dtype, device if device is not None or stream is None else stream.device)
     alloc = arr.allocation()
+    if stream is None:
+        stream = active_stream(alloc.device)
     n = alloc.nbytes
     if n:
         if stream is not None:
@@ -539,17 +638,18 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     """Copy a NumPy array (or anything np.asarray takes) to a new contiguous DeviceArray.
 
     Fortran-ordered, strided or byte-swapped input is first made C-contiguous and native on
-    the host. With ``stream`` the copy is queued on it (the host data is held until the copy
-    has run); without, it is done before returning.
+    the host. With ``stream`` (or inside ``with stream:``) the copy is queued on it (the host
+    data is held until the copy has run); without, it is done before returning.
     """
-    host = host_array(np.asarray(array), "array")
+    host = host_array(host_view(array, "array")[0], "array")
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
         dev = stream.device if device is None else resolve_device(device)
         state: StreamState | None = resolve_stream(stream, dev)
     else:
         dev = resolve_device(device)
-        state = None
+        cur = active_stream(dev)
+        state = resolve_stream(cur, dev) if cur is not None else None
     alloc = allocate(dev, host.nbytes)
     arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
     _copy_in(alloc, alloc.ptr, host, state)
@@ -582,3 +682,37 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
     alloc = Allocation(dev, nbytes, ptr=p, owner=owner)
     return DeviceArray(alloc, shp, dt, st, off)
 
+
+
+# torch's dtype names -> NumPy dtypes (torch itself is never imported here).
+_TORCH_DTYPES = {
+    "torch.float16": np.dtype(np.float16), "torch.bfloat16": np.dtype(bfloat16), "torch.float32": np.dtype(np.float32),
+    "torch.float64": np.dtype(np.float64), "torch.int8": np.dtype(np.int8), "torch.uint8": np.dtype(np.uint8),
+    "torch.int16": np.dtype(np.int16), "torch.int32": np.dtype(np.int32), "torch.int64": np.dtype(np.int64),
+    "torch.bool": np.dtype(np.bool_), "torch.complex64": np.dtype(np.complex64),
+    "torch.complex128": np.dtype(np.complex128),
+}
+
+
+def from_torch(tensor: Any) -> DeviceArray:
+    """A DeviceArray viewing a torch_npu tensor's device memory: no copy, same shape, strides,
+    storage offset and dtype, on the tensor's device. The tensor is kept alive as long as the
+    view or queued work uses the memory. Host (CPU) tensors need no wrapping: pass them to
+    the one-call function or to :func:`to_device` directly.
+
+    Run on the tensor's stream, or order the streams: ``pm.Stream.from_handle(
+    torch_npu.npu.current_stream().npu_stream)`` queues pyacl_moe's work where torch's is.
+    """
+    if type(tensor).__module__.partition(".")[0] != "torch" or not hasattr(tensor, "untyped_storage"):
+        raise InvalidArgument("tensor", f"must be a torch tensor, got {type(tensor).__name__}")
+    where = tensor.device
+    if where.type != "npu":
+        raise InvalidArgument("tensor", f"is on {where}, not an NPU: from_torch wraps torch_npu tensors; pass "
+                                        "host tensors to moe_init_routing_v2_grad or to_device directly")
+    dt = _TORCH_DTYPES.get(str(tensor.dtype))
+    if dt is None:
+        raise InvalidArgument("tensor", f"has dtype {tensor.dtype}, which CANN's tensors here do not take")
+    base = int(tensor.untyped_storage().data_ptr())
+    return from_pointer(base, tuple(int(n) for n in tensor.shape), dt, tuple(int(s) for s in tensor.stride()),
+                        int(tensor.storage_offset()), owner=tensor,
+                        device=where.index if where.index is not None else None)

@@ -56,6 +56,13 @@ def _run(args: argparse.Namespace) -> int:
 
     from .tools.cases import compare, make_case
 
+    if args.active_num is not None and args.mode != "active":
+        raise UsageError(f"--active-num applies to --mode active, not {args.mode}")
+    for flag, value in (("--experts", args.experts), ("--capacity", args.capacity)):
+        if value is not None and args.mode != "drop-pad":
+            raise UsageError(f"{flag} applies to --mode drop-pad, not {args.mode}")
+    if args.active_num is not None and args.active_num > args.tokens * args.top_k:
+        raise UsageError(f"--active-num must be at most N*K = {args.tokens * args.top_k}, got {args.active_num}")
     case = make_case(
         args.tokens, args.top_k, args.hidden, args.dtype, args.mode,
         active_num=args.active_num, experts=args.experts, capacity=args.capacity, seed=args.seed,
@@ -258,7 +265,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(json.dumps(res, indent=2))
     else:
         print(bench.report(res, extra))
-    return 0
+    return 0 if bench.targets_met(res) else 1
 
 
 def _emulator(args: argparse.Namespace) -> int:
@@ -266,6 +273,23 @@ def _emulator(args: argparse.Namespace) -> int:
 
     print(emulator.build(force=getattr(args, "force", False)))
     return 0
+
+
+def _count(name: str, lo: int = 1) -> Any:
+    """An argparse type: an integer >= lo, refused in one line naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {value}")
+        return value
+    parse.__name__ = name  # what argparse names in "invalid <name> value"
+    return parse
+
+
+_HELP = argparse.ArgumentDefaultsHelpFormatter
 
 
 class _Parser(argparse.ArgumentParser):
@@ -279,33 +303,45 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pyacl-moe",
         description="Drive CANN's aclnnMoeInitRoutingV2Grad from the command line.",
+        formatter_class=_HELP,
     )
     p.add_argument("--version", action="version", version=f"pyacl-moe {__version__}")
     p.add_argument("--emulator", action="store_true",
                    help="use the bundled CANN emulator instead of an installed CANN")
     sub = p.add_subparsers(dest="command", required=True)
+    # --emulator is taken after the subcommand too (`pyacl-moe run --emulator`); SUPPRESS keeps
+    # the subcommand from resetting a --emulator given before it.
+    emulator_flag: dict[str, Any] = {"action": "store_true", "default": argparse.SUPPRESS,
+                                     "help": "use the bundled CANN emulator instead of an installed CANN"}
 
-    info = sub.add_parser("info", help="which CANN is loaded, from where, and its devices")
+    info = sub.add_parser("info", help="which CANN is loaded, from where, and its devices", formatter_class=_HELP)
+    info.add_argument("--emulator", **emulator_flag)
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=_info)
 
-    run = sub.add_parser("run", help="run one random case and check it against the NumPy reference")
-    run.add_argument("--tokens", type=int, default=64, help="N, tokens (default 64)")
-    run.add_argument("--top-k", type=int, default=4, help="K, experts per token (default 4)")
-    run.add_argument("--hidden", type=int, default=256, help="H, hidden size (default 256)")
-    run.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float32")
-    run.add_argument("--mode", choices=("dropless", "active", "drop-pad"), default="dropless")
-    run.add_argument("--active-num", type=int, default=None, help="A, rows in active mode (default N*K/2)")
-    run.add_argument("--experts", type=int, default=None, help="E in drop-pad mode (default 8)")
-    run.add_argument("--capacity", type=int, default=None, help="C in drop-pad mode (default N*K/E)")
-    run.add_argument("--seed", type=int, default=0)
+    run = sub.add_parser("run", help="run one random case and check it against the NumPy reference",
+                         formatter_class=_HELP)
+    run.add_argument("--emulator", **emulator_flag)
+    run.add_argument("--tokens", type=_count("--tokens"), default=64, help="N, tokens")
+    run.add_argument("--top-k", type=_count("--top-k"), default=4, help="K, experts per token")
+    run.add_argument("--hidden", type=_count("--hidden"), default=256, help="H, hidden size")
+    run.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float32", help="element type")
+    run.add_argument("--mode", choices=("dropless", "active", "drop-pad"), default="dropless", help="scenario")
+    run.add_argument("--active-num", type=_count("--active-num"), default=None,
+                     help="A, rows in active mode, at most N*K (None: N*K/2)")
+    run.add_argument("--experts", type=_count("--experts"), default=None, help="E in drop-pad mode (None: 8)")
+    run.add_argument("--capacity", type=_count("--capacity"), default=None,
+                     help="C in drop-pad mode (None: N*K/E)")
+    run.add_argument("--seed", type=_count("--seed", 0), default=0, help="seed of the random inputs")
     run.add_argument("--json", action="store_true", help="print JSON")
     run.set_defaults(func=_run)
 
     conf = sub.add_parser("conformance", help="check the op against its contract: results, refusals, determinism",
+                          formatter_class=_HELP,
                           description="Run the conformance catalogue. Exit status: 0 every case passed; 1 the op "
                                       "failed a case (or a case could not run); 2 a usage or environment error, "
                                       "found before any case runs. See docs/conformance.md.")
+    conf.add_argument("--emulator", **emulator_flag)
     prof = conf.add_mutually_exclusive_group()
     prof.add_argument("--quick", action="store_true", help="small shapes, under a minute on the emulator (default)")
     prof.add_argument("--full", action="store_true",
@@ -337,7 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "that went from pass to fail")
     conf.set_defaults(func=_conformance)
 
-    bench = sub.add_parser("bench", help="host cost of each launch path, reference and kernel speed, side by side")
+    bench = sub.add_parser("bench", help="host cost of each launch path, reference and kernel speed, side by side",
+                           description="Exit status: 0 every target met, 1 a target missed (see BENCHMARKS.md).",
+                           formatter_class=_HELP)
+    bench.add_argument("--emulator", **emulator_flag)
     bench.add_argument("--quick", action="store_true", help="fewer repetitions, 128 MiB cases (under a minute)")
     bench.add_argument("--json", action="store_true", help="print the figures as JSON")
     bench.set_defaults(func=_bench)
@@ -365,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PyaclMoeError, EmulatorBuildError, UsageError) as exc:
         print(f"pyacl-moe: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("pyacl-moe: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader left (``| head``): nothing more to say, and no traceback at exit either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

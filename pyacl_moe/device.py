@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -52,6 +53,14 @@ class _Process:
 
 
 _tls = threading.local()  # .device: the Device this thread last used through pyacl_moe
+# .saved: the devices current when this thread's open `with device:` blocks began
+
+
+def _saved() -> list[Device | None]:
+    saved: list[Device | None] | None = getattr(_tls, "saved", None)
+    if saved is None:
+        saved = _tls.saved = []
+    return saved
 _closing: set[Device] = set()  # devices whose close() was interrupted before the end
 
 
@@ -59,9 +68,10 @@ class Device:
     """An Ascend device (NPU), by id.
 
     ``Device(0)`` returns the process's shared object for device 0, opening it on first use.
-    ``close()`` waits for the device, releases every stream, event and array of it in CANN's
-    order and resets it; the next ``Device(0)`` opens it again. As a context manager it is
-    re-entrant: the outermost ``with`` closes it.
+    ``with device:`` makes it the calling thread's current device and restores the previous
+    one on exit, closing nothing (as CuPy's and torch's device contexts do). ``close()`` waits
+    for the device, releases every stream, event and array of it in CANN's order and resets
+    it; the next ``Device(0)`` opens it again.
     """
 
     # Objects that layers above attach to every open device, by name: the stream module
@@ -70,6 +80,9 @@ class Device:
     # Called with the device at the start of close(), before anything is released: caches of
     # layers above (the workspace pool) register here.
     close_hooks: list[Callable[[Device], None]] = []
+    # Kinds of holders (with a ``context``) that close() releases before the reset, after the
+    # streams: events, memory; the allocator adds its cached-block holder.
+    memory_kinds: list[type] = [acl.EventHandle, acl.DeviceMemory, acl.HostMemory]
 
     def __new__(cls, device_id: int = 0) -> Device:
         did = _args.int32("device_id", device_id, lo=0)
@@ -87,8 +100,7 @@ class Device:
         self._id = device_id
         self._closed = False
         self._torn_down = False
-        self._depth = 0
-        self._lock = threading.RLock()  # guards _queues, _attached, _depth
+        self._lock = threading.RLock()  # guards _queues, _attached
         self._queues: set[Queue] = set()
         self._attached: dict[str, Any] = {}
         if not _Process.initialized:
@@ -153,6 +165,10 @@ class Device:
                     obj = self._attached[name] = Device.attachments[name](self)
         return obj
 
+    def attached_if_made(self, name: str) -> Any:
+        """The object attached under ``name`` if it was made, else None (never makes one)."""
+        return self._attached.get(name)
+
     @property
     def default_stream(self) -> Any:
         """The device's default Stream (CANN's NULL stream), attached by the stream module."""
@@ -171,6 +187,7 @@ class Device:
             self._queues.add(q)
 
     def remove_queue(self, q: Queue) -> None:
+        """A stream of this device that is gone (destroyed, or closed with the device)."""
         with self._lock:
             self._queues.discard(q)
 
@@ -239,7 +256,7 @@ class Device:
                 errors.append(exc)
             for q in queues:
                 errors += q.close_for_device()
-            for kind in (acl.EventHandle, acl.DeviceMemory):
+            for kind in Device.memory_kinds:
                 errors += _lifetime.release_where(
                     lambda h, kind=kind: isinstance(h, kind) and h.context is ctx  # type: ignore[misc]
                 )
@@ -260,17 +277,23 @@ class Device:
                 raise errors[0]
 
     def __enter__(self) -> Device:
-        self.activate()
-        with self._lock:
-            self._depth += 1
+        saved = _saved()
+        saved.append(getattr(_tls, "device", None))
+        try:
+            self.activate()
+        except BaseException:
+            saved.pop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._depth -= 1
-            outermost = self._depth == 0
-        if outermost:
-            self.close()
+        previous = _saved().pop()
+        if previous is None or previous.closed:
+            # The thread had no current device (or it was closed meanwhile): the next call
+            # without a device picks device 0 again, as before the block.
+            _tls.device = None
+        else:
+            previous.activate()
 
 
 def _closed_reason() -> str:
@@ -341,8 +364,13 @@ def _close_all_at_exit() -> None:
         for dev in sorted([*_Process.open_devices.values(), *_closing], key=lambda d: d.device_id):
             try:
                 dev.close()
-            except Exception:
-                pass
+            except Exception as exc:
+                # Nobody is left to catch it: a device fault of work never waited for, say.
+                # Said once on stderr rather than dropped.
+                try:
+                    sys.stderr.write(f"pyacl_moe: at exit, closing device {dev.device_id} reported: {exc}\n")
+                except Exception:
+                    pass
         if _Process.owns_init:
             _Process.owns_init = False
             try:

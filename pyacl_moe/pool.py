@@ -15,7 +15,7 @@ import weakref
 from typing import Any
 
 from . import _lifetime
-from .array import Allocation, allocate, on_memory_pressure
+from .allocator import Allocation, allocate, cache_stats, on_memory_pressure, trim_caches
 from .device import Device, open_devices, resolve_device
 from .stream import StreamState
 
@@ -141,15 +141,21 @@ def workspace_for(state: StreamState, nbytes: int) -> Allocation:
 
 
 def memory_stats(device: Device | int | None = None) -> dict[str, int]:
-    """The workspace pool's figures for a device (default: the current one): hits, misses,
-    cross-stream reuses, blocks free and in use, bytes held."""
-    return resolve_device(device).attached("workspace_pool").stats()  # type: ignore[no-any-return]
+    """Memory figures for a device (default: the current one). The workspace pool: hits,
+    misses, cross-stream reuses, blocks free and in use, bytes held. The block caches of
+    DeviceArrays (``array_*``) and of pinned host memory (``pinned_*``): hits, misses,
+    bytes idle and in use, blocks idle."""
+    dev = resolve_device(device)
+    stats: dict[str, int] = dev.attached("workspace_pool").stats()
+    stats.update(cache_stats(dev))
+    return stats
 
 
 def empty_cache(device: Device | int | None = None) -> None:
     """Release what is cached for speed on ``device`` (all open devices if None): each
     stream's cached executors and workspace, once the work queued on the stream is done, and
-    the pool's idle blocks at once. Never waits for the device."""
+    the idle blocks of the workspace pool and of the DeviceArray and pinned caches at once.
+    Never waits for the device."""
     devices = [resolve_device(device)] if device is not None else open_devices()
     for dev in devices:
         if dev.closed:
@@ -157,4 +163,7 @@ def empty_cache(device: Device | int | None = None) -> None:
         for q in dev.queues():
             q.drop_caches()
         dev.attached("workspace_pool").trim()
-    _lifetime.quiesce()
+    _lifetime.quiesce()  # what died goes to the block caches first, then they are emptied
+    for dev in devices:
+        if not dev.closed:
+            trim_caches(dev)

@@ -9,6 +9,10 @@ began after it, or a fence), whichever thread synchronizes and whenever.
 Ordering between two different streams is the caller's job, through events, as in CUDA:
 ``consumer.wait_event(producer.record())``.
 
+``with stream:`` makes the stream the calling thread's current stream on its device (and the
+device current), as CuPy's and torch's stream contexts do: calls without ``stream=`` on that
+device use it. It closes nothing.
+
 Closing a stream waits for it. A stream dropped without ``close()`` is released without
 blocking anyone: once the device reports it idle (aclrtStreamQuery), at a later safe point.
 """
@@ -27,7 +31,19 @@ from ._cann.errcheck import check
 from .device import Device, resolve_device
 from .errors import ClosedError, InvalidArgument
 
-__all__ = ["Event", "Stream", "StreamState"]
+__all__ = ["Event", "Stream", "StreamState", "active_stream", "current_stream"]
+
+
+class _Current(threading.local):
+    """The calling thread's current stream (set by ``with stream:``) and the ones it replaced."""
+
+    stream: Stream | None = None
+
+    def __init__(self) -> None:
+        self.saved: list[Stream | None] = []
+
+
+thread_current = _Current()  # read on every launch of a plan (see op.plan)
 
 
 class Launcher(Protocol):
@@ -49,7 +65,7 @@ class StreamState:
     """
 
     __slots__ = ("device", "context", "handle", "lock", "ledger", "closing", "closed", "caches", "launchers",
-                 "shut_caches", "waiters", "__weakref__")
+                 "shut_caches", "waiters", "owner", "__weakref__")
 
     def __init__(self, device: Device, handle: acl.StreamHandle | None) -> None:
         self.device = device
@@ -63,6 +79,7 @@ class StreamState:
         self.shut_caches: dict[Any, Any] = {}  # the caches once shut, until the stream is destroyed
         self.waiters = 0  # threads in synchronize() or query() (the handle in use outside the lock)
         self.launchers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.owner: Any = None  # what keeps a borrowed stream alive (Stream.from_handle)
 
     # -- use
 
@@ -274,8 +291,9 @@ class Stream:
     """A CANN stream: tasks on it run in order, asynchronously to the host.
 
     ``Stream(device)`` creates one (aclrtCreateStream); ``Device.default_stream`` is the
-    device's default stream. ``close()`` waits for the stream and destroys it; it is safe twice
-    and is what the context manager calls. Any thread may use a stream; closing one that
+    device's default stream. ``with stream:`` makes it the thread's current stream (and its
+    device the current device) until the block ends; it closes nothing. ``close()`` waits for
+    the stream and destroys it; it is safe twice. Any thread may use a stream; closing one that
     another thread is using makes that thread's call complete or raise ClosedError.
     """
 
@@ -293,6 +311,29 @@ class Stream:
         _lifetime.track(self, state)  # before the handle exists: a dropped stream is released
         acl.create_stream(handle)
         dev.add_queue(state)
+
+    @classmethod
+    def from_handle(cls, handle: Any, device: Device | int | None = None, owner: Any = None) -> Stream:
+        """Wrap an aclrtStream created elsewhere (e.g. ``torch_npu.npu.current_stream().npu_stream``)
+        to queue pyacl_moe's work on it. The stream is borrowed: ``close()`` waits for it but
+        never destroys it, nor does anything else here; ``owner`` (the object the handle comes
+        from) is kept alive while pyacl_moe may still use the handle. ``handle`` is an integer
+        address on ``device`` (default: the current device); 0 is CANN's default stream."""
+        address = _args.integer("handle", handle, 0, 2**64 - 1)
+        dev = resolve_device(device)
+        if address == 0:
+            return dev.default_stream  # type: ignore[no-any-return]
+        _lifetime.collect()
+        dev.activate()
+        h = acl.BorrowedStreamHandle(dev.context, address)
+        s = cls.__new__(cls)
+        state = StreamState(dev, h)
+        state.owner = owner
+        s.state = state
+        s._is_default = False
+        _lifetime.track(s, state)
+        dev.add_queue(state)
+        return s
 
     @classmethod
     def _default(cls, device: Device) -> Stream:
@@ -366,26 +407,56 @@ class Stream:
     # -- release
 
     def close(self) -> None:
-        """Wait for the stream, then destroy it. Safe twice; a no-op on a default stream."""
+        """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice;
+        a no-op on a default stream."""
         if self._is_default:
             return
         self.state.close()
 
     def __enter__(self) -> Stream:
+        self.state.check_open()
+        self.state.device.__enter__()
+        cur = thread_current
+        cur.saved.append(cur.stream)
+        cur.stream = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        cur = thread_current
+        cur.stream = cur.saved.pop()
+        self.state.device.__exit__()
 
 
 Device.attachments["default_stream"] = Stream._default
 
 
+def active_stream(device: Device) -> Stream | None:
+    """The stream a ``with stream:`` block made current on this thread, if it is on
+    ``device``; else None (calls then take their stream-less path)."""
+    s = thread_current.stream
+    return s if s is not None and s.state.device is device else None
+
+
+def current_stream(device: Device | int | None = None) -> Stream:
+    """The stream calls without ``stream=`` use on ``device`` (default: the current device):
+    the one a ``with stream:`` block made current on this thread, else the device's default
+    stream."""
+    dev = resolve_device(device)
+    s = thread_current.stream
+    if s is not None and s.state.device is dev:
+        return s
+    return dev.default_stream  # type: ignore[no-any-return]
+
+
 def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") -> StreamState:
-    """The state of ``stream`` (the device's default stream if None), checked open and on
-    ``device``."""
+    """The state of ``stream`` (if None, the thread's current stream on ``device``, else the
+    device's default stream), checked open and on ``device``."""
     if stream is None:
-        return device.default_stream.state
+        cur = thread_current.stream
+        if cur is None or cur.state.device is not device:
+            state: StreamState = device.default_stream.state
+            return state
+        stream = cur
     if not isinstance(stream, Stream):
         raise InvalidArgument(name, f"must be a Stream or None, got {type(stream).__name__}")
     state = stream.state

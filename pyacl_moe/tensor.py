@@ -117,4 +117,5 @@ class AclTensor(_lifetime.Owner):
 
     def __repr__(self) -> str:
         a = self._array
-        return f"<AclTensor {self.handle:#x} shape={a.shape} dtype={a.dtype} strides={a.strides} offset={a.offset}>"
+        return (f"<AclTensor {self.handle:#x} shape={a.shape} dtype={a.dtype} element_strides={a.element_strides} "
+                f"offset={a.offset}>")

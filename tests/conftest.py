@@ -142,3 +142,12 @@ def guards_intact():
         return
     corrupt = pyacl_moe.emulator.check_guards()
     assert corrupt == 0, f"emulator: {corrupt} live device allocation(s) with corrupt guard bytes after the run"
+
+
+@pytest.fixture
+def uncached():
+    """Blocks of dropped DeviceArrays freed as soon as they are idle (no array cache), for
+    tests that watch when memory goes back to CANN."""
+    pyacl_moe.set_caching(False)
+    yield
+    pyacl_moe.set_caching(True)

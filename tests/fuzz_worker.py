@@ -14,6 +14,7 @@ import os
 import pickle
 import struct
 import sys
+from contextlib import closing
 
 
 def _read(stream):
@@ -43,7 +44,7 @@ def main() -> None:
         try:
             args = (req["x"], req["idx"], req["top_k"], req["drop_pad_mode"], req["active_num"])
             if req["device"] and req.get("stream"):
-                with pm.Stream() as s:
+                with closing(pm.Stream()) as s:
                     x, idx = pm.to_device(args[0], stream=s), pm.to_device(args[1], stream=s)
                     res = pm.moe_init_routing_v2_grad(x, idx, *args[2:], stream=s, validate=req["validate"]).to_host(s)
             elif req["device"]:

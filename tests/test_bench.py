@@ -13,11 +13,13 @@ from pyacl_moe.tools import bench
 def test_bench_quick_json_has_exactly_the_keys():
     r = subprocess.run([sys.executable, "-m", "pyacl_moe.cli", "--emulator", "bench", "--quick", "--json"],
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
+    # Timings on a shared machine may miss a target: the exit status says which it was.
+    assert r.returncode == (0 if bench.targets_met(data) else 1), r.stderr
     assert tuple(data) == bench.KEYS
     assert data["backend"] == "emulator"
-    assert all(isinstance(data[k], float) and data[k] > 0 for k in bench.KEYS[1:])
+    assert all(isinstance(data[k], float) and data[k] > 0 for k in bench.KEYS[1:] if k != "numpy_call_mallocs")
+    assert data["numpy_call_mallocs"] == 0  # the steady state allocates nothing
 
 
 def test_bench_json_has_the_raw_launch_floor():
@@ -36,4 +38,8 @@ def test_report_states_each_target():
     assert "MISSED" in text and "met" in text
     assert not bench.targets_met(res)
     res["plan_launch_ns"] = 3.5
+    res["numpy_kernel_ns"] = 0.0
+    res["numpy_call_mallocs"] = 0.0
     assert bench.targets_met(res)
+    res["numpy_call_mallocs"] = 1.0  # one allocation per NumPy call misses its target
+    assert not bench.targets_met(res) and "numpy_call_mallocs == 0: 1  MISSED" in bench.report(res, extra)

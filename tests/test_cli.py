@@ -249,3 +249,50 @@ def test_full_help_gives_the_real_input_size():
                 if "--full" in a.option_strings)
     largest = max(c.nbytes for c in conformance.catalogue("full"))
     assert "inputs up to 1 GiB" in conf.help and 1 << 30 < largest < 3 << 29
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--experts", "0"], "--experts must be >= 1, got 0"),
+    (["--active-num", "0", "--mode", "active"], "--active-num must be >= 1, got 0"),
+    (["--tokens", "-3"], "--tokens must be >= 1, got -3"),
+    (["--hidden", "x"], "--hidden must be an integer, got 'x'"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--mode", "dropless", "--experts", "4"], "--experts applies to --mode drop-pad, not dropless"),
+    (["--mode", "active", "--active-num", "1000"], "--active-num must be at most N*K = 256, got 1000"),
+])
+def test_run_refuses_bad_numbers_in_one_line(flags, says):
+    r = run_cli("--emulator", "run", *flags)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_emulator_flag_after_the_subcommand_and_defaults_in_help():
+    r = run_cli("run", "--emulator", "--tokens", "8", env={"PYACL_MOE_EMULATOR": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "on emulator" in r.stdout
+    h = run_cli("run", "--help")
+    assert "(default: 64)" in h.stdout and "(default: float32)" in h.stdout
+
+
+@pytest.mark.parametrize("command", [["conformance", "--list"], ["run"], ["info"]])
+def test_a_reader_that_leaves_early_gets_no_traceback(command):
+    p = subprocess.Popen([sys.executable, "-m", "pyacl_moe.cli", "--emulator", *command],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None
+    p.stdout.close()  # the reader is gone before anything is written, as after `| head -0`
+    _, err = p.communicate(timeout=300)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err and b"Exception ignored" not in err, err
+
+
+def test_bench_exit_status_follows_its_targets(monkeypatch, capsys):
+    from pyacl_moe.tools import bench
+
+    res = dict.fromkeys(bench.KEYS, 1.0)
+    res.update(backend="emulator", numpy_kernel_ns=0.0, numpy_call_mallocs=0.0)
+    extra = {"oneshot_uncached_ns": 1, "input_mib": 1, "reference_peak_extra_mib": 1, "kernel_gb_per_s": 1,
+             "copy_gb_per_s": 1}
+    monkeypatch.setattr(bench, "run", lambda quick=False, log=None: (dict(res), extra))
+    assert cli.main(["bench", "--quick"]) == 0
+    res["numpy_call_mallocs"] = 2.0  # a missed target
+    assert cli.main(["bench", "--quick", "--json"]) == 1
+    capsys.readouterr()

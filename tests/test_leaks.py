@@ -12,6 +12,7 @@ import pytest
 
 SOAK = """
 import gc, json, os, numpy as np, pyacl_moe as pm
+from contextlib import closing
 from pyacl_moe.tools.cases import make_case, compare
 pm.use_emulator()
 PLAN, ONESHOT, NUMPY = {plan}, {oneshot}, {numpy}
@@ -27,7 +28,7 @@ def settle():
     dev.synchronize(); pm.empty_cache(); gc.collect()
     return pm.emulator.stats()
 def loops(plan_n, oneshot_n, numpy_n):
-    with pm.Stream(dev) as s:
+    with closing(pm.Stream(dev)) as s:
         x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
         with pm.MoeInitRoutingV2Grad(x, idx, 4) as plan:
             for i in range(plan_n):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import closing
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -43,7 +45,7 @@ def test_low_level_two_phases(device, no_leaks):
     assert size == 16 << 20 and ex.workspace_size == size and not ex.closed and not ex.repeatable
     assert ex.handle != 0 and ex.device is device and ex.tensors == (tx, ti, to)
     ws = pm.empty((size,), np.uint8)
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         pm.execute(ws, size, ex, s)
         assert ex.closed and ex.handle == 0  # a one-shot executor is consumed by its launch
         with pytest.raises(pm.ClosedError, match="executor"):
@@ -177,7 +179,7 @@ def test_execute_refuses_what_cann_would_not_recycle(device, no_leaks):
     ex.close()
 
 
-def test_a_one_shot_executor_is_consumed_even_when_its_launch_fails(device, no_leaks):
+def test_a_one_shot_executor_is_consumed_even_when_its_launch_fails(device, no_leaks, uncached):
     x, idx = pm.to_device(np.ones((8, 4), np.float32)), pm.to_device(np.arange(8, dtype=np.int32))
     size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((4, 4), np.float32))
     ws = pm.empty((size,), np.uint8)

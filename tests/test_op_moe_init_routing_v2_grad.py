@@ -4,6 +4,8 @@ test_op_executor.py, prepared plans and the executor cache in test_op_plan.py.""
 
 from __future__ import annotations
 
+from contextlib import closing
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -44,7 +46,7 @@ def test_numpy_in_numpy_out(device, mode, dtype, no_leaks):
 @pytest.mark.parametrize("mode", MODES)
 def test_device_arrays_run_asynchronously(device, mode, lazy_streams, no_leaks):
     case = make_case(16, 2, 8, "float32", mode, seed=3)
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x = pm.to_device(case.grad_expanded_x, stream=s)
         idx = pm.to_device(case.expanded_row_idx, stream=s)
         pending = pm.emulator.stats()["pending_tasks"]

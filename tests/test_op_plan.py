@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def test_plan_relaunches_and_rebinds(device, no_leaks):
     b = make_case(16, 4, 32, "float32", "dropless", seed=2)
     xa, ia = _on_device(a)
     xb, ib = _on_device(b)
-    with pm.Stream(device) as s, pm.MoeInitRoutingV2Grad(xa, ia, 4) as plan:
+    with closing(pm.Stream(device)) as s, pm.MoeInitRoutingV2Grad(xa, ia, 4) as plan:
         assert plan.workspace_size == 16 << 20 and plan.device is device and not plan.closed
         assert plan.executor.repeatable and plan.executor.workspace_size == plan.workspace_size
         assert "repeatable" in repr(plan)
@@ -83,9 +84,10 @@ def test_close_and_use_after_close(device, no_leaks):
         plan(workspace=pm.empty((16 << 20,), np.uint8))
 
 
-def test_close_destroys_the_executor_at_once_and_the_arrays_once_the_launches_ran(device, lazy_streams, no_leaks):
+def test_close_destroys_the_executor_at_once_and_the_arrays_once_the_launches_ran(device, lazy_streams, no_leaks,
+                                                                                  uncached):
     case = make_case(64, 4, 64, "float32", "dropless", seed=40)
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x, idx = _on_device(case, s)
         s.synchronize()
         plan = pm.MoeInitRoutingV2Grad(x, idx, 4)
@@ -163,7 +165,7 @@ def test_rebind_refuses_an_out_over_an_input(device, no_leaks):
 
 def test_a_thousand_relaunches_leave_the_counters_where_they_were(device):
     case = make_case(2, 2, 4, "float32", "dropless", seed=6)
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x, idx = _on_device(case, s)
         plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
         plan(s)
@@ -186,7 +188,7 @@ def test_a_thousand_relaunches_leave_the_counters_where_they_were(device):
 def test_plan_keeps_its_arrays_alive_while_launches_are_queued(device, lazy_streams, no_leaks):
     case = make_case(8, 2, 16, "float32", "dropless", seed=7)
     faults = pm.emulator.stats()["device_faults"]
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x, idx = _on_device(case, s)
         plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
         out = plan(s)
@@ -202,7 +204,7 @@ def test_function_caches_executors_per_layout(device, no_leaks):
     pm.empty_cache()
     executors, tensors = pm.emulator.stats()["executors"], pm.emulator.stats()["tensors"]
     cases = [make_case(8, 2, 16, "bfloat16", "dropless", seed=i) for i in range(4)]
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         arrays = [_on_device(c, s) for c in cases]
         outs = [pm.moe_init_routing_v2_grad(x, i, 2, stream=s) for x, i in arrays]
         st = pm.emulator.stats()
@@ -221,7 +223,7 @@ def test_function_caches_executors_per_layout(device, no_leaks):
     assert pm.emulator.stats()["executors"] == executors and pm.emulator.stats()["tensors"] == tensors
 
 
-def test_cached_executor_does_not_keep_arrays_alive(device):
+def test_cached_executor_does_not_keep_arrays_alive(device, uncached):
     pm.empty_cache()
     gc.collect()
     allocs, executors = pm.emulator.stats()["device_allocations"], pm.emulator.stats()["executors"]
@@ -244,7 +246,7 @@ def test_function_from_many_threads_with_one_layout(device, no_leaks):
     def worker(i: int) -> None:
         try:
             case = make_case(8, 2, 16, "float32", "dropless", seed=100 + i)
-            with pm.Stream(device) as s:
+            with closing(pm.Stream(device)) as s:
                 x, idx = _on_device(case, s)
                 for _ in range(20):
                     out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
@@ -267,7 +269,7 @@ def test_the_cache_is_per_stream_keyed_by_layout_and_attributes_and_holds_eight(
     pm.empty_cache()
     executors = pm.emulator.stats()["executors"]
     x, idx = pm.to_device(np.ones((8, 4), np.float32)), pm.to_device(np.arange(8, dtype=np.int32))
-    with pm.Stream(device) as a, pm.Stream(device) as b:
+    with closing(pm.Stream(device)) as a, closing(pm.Stream(device)) as b:
         pm.moe_init_routing_v2_grad(x, idx, 2, stream=a)
         pm.moe_init_routing_v2_grad(x, idx, 2, stream=a)
         assert pm.emulator.stats()["executors"] == executors + 1
@@ -301,7 +303,7 @@ def test_a_dropped_plan_keeps_its_arrays_until_its_launches_ran(device, lazy_str
     faults = pm.emulator.stats()["device_faults"]
     out = None
     try:
-        with pm.Stream(device) as s:
+        with closing(pm.Stream(device)) as s:
             x, idx = _on_device(case)  # copied before returning: nothing on s holds them
             plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
             out = plan(s)  # queued, not run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -11,21 +12,26 @@ import pyacl_moe as pm
 from pyacl_moe.tools.cases import compare, make_case
 
 MIB16 = 16 << 20  # the op's workspace
+WORKSPACE_KEYS = {"hits", "misses", "cross_stream_reuses", "blocks_free", "blocks_in_use", "bytes_held"}
+
+
+def _workspace_stats() -> dict[str, int]:
+    return {k: v for k, v in pm.memory_stats().items() if k in WORKSPACE_KEYS}
 
 
 def test_steady_state_launches_allocate_nothing(device, no_leaks):
     case = make_case(8, 2, 16, "float32", "dropless", seed=1)
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
         out = pm.empty((8, 16), np.float32)
         pm.moe_init_routing_v2_grad(x, idx, 2, out=out, stream=s)  # warm: the stream gets its block
         before = pm.emulator.stats()["mallocs_total"]
-        pool_before = pm.memory_stats()
+        pool_before = _workspace_stats()
         for _ in range(200):
             pm.moe_init_routing_v2_grad(x, idx, 2, out=out, stream=s)
         s.synchronize()
         assert pm.emulator.stats()["mallocs_total"] == before
-        pool_after = pm.memory_stats()
+        pool_after = _workspace_stats()
         assert pool_after == pool_before  # the steady state never touches the pool
         assert pool_after["bytes_held"] >= MIB16 and pool_after["blocks_in_use"] >= 1  # the stream holds its block
         np.testing.assert_array_equal(out.to_host(s), pm.reference.moe_init_routing_v2_grad(*case.args()))
@@ -40,7 +46,7 @@ def test_each_live_stream_keeps_its_own_block(device, no_leaks):
     x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
     st0 = pm.memory_stats()
     assert st0["bytes_held"] == 0
-    with pm.Stream(device) as a, pm.Stream(device) as b:
+    with closing(pm.Stream(device)) as a, closing(pm.Stream(device)) as b:
         out_a = pm.moe_init_routing_v2_grad(x, idx, 2, stream=a)
         out_b = pm.moe_init_routing_v2_grad(x, idx, 2, stream=b)
         st = pm.memory_stats()
@@ -144,8 +150,9 @@ def test_empty_cache_never_waits_for_queued_work(device, lazy_streams):
 
 
 def test_memory_stats_refuses_a_bad_device(device):
-    assert set(pm.memory_stats()) == {"hits", "misses", "cross_stream_reuses", "blocks_free", "blocks_in_use",
-                                      "bytes_held"}
+    caches = {f"{kind}_{k}" for kind in ("array", "pinned")
+              for k in ("hits", "misses", "bytes_idle", "bytes_in_use", "blocks_idle")}
+    assert set(pm.memory_stats()) == WORKSPACE_KEYS | caches
     assert pm.memory_stats(device) == pm.memory_stats(0)
     with pytest.raises(pm.InvalidArgument, match="device"):
         pm.memory_stats("0")

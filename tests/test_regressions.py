@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -97,7 +98,7 @@ def test_02_empty_cache_never_frees_a_workspace_a_queued_kernel_uses(device):
     expected = pm.moe_init_routing_v2_grad(*case.args())  # the kernel is deterministic: bit-exact
 
     def launcher(stop):
-        with pm.Stream(device) as s:
+        with closing(pm.Stream(device)) as s:
             x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
             while not stop.is_set():
                 outs = [pm.moe_init_routing_v2_grad(x, idx, 4, stream=s) for _ in range(4)]
@@ -207,7 +208,7 @@ def test_06_a_plan_never_launches_on_a_closed_stream(device, no_leaks):
         s1 = pm.Stream(device)
         plan(s1)
         s1.close()
-        with pm.Stream(device) as s2:
+        with closing(pm.Stream(device)) as s2:
             launched = pm.emulator.stats()["kernels_launched"]
             with pytest.raises(ClosedError):
                 plan(s1)
@@ -220,7 +221,7 @@ def test_06_a_plan_never_launches_on_a_closed_stream(device, no_leaks):
 
 def test_07_an_asynchronous_call_never_blocks_and_a_fault_keeps_its_own_error(device, lazy):
     case = make_case(8, 2, 16, "float32", "dropless", seed=7)
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
         bad = pm.to_device(np.full(16, 99, np.int32), stream=s)
         pm.moe_init_routing_v2_grad(x, bad, 2, stream=s, validate=False)  # faults when it runs
@@ -239,6 +240,7 @@ def test_07_an_asynchronous_call_never_blocks_and_a_fault_keeps_its_own_error(de
 def test_08_keyboard_interrupt_anywhere_leaks_nothing_and_frees_nothing_early(isolated):
     r = isolated(f"""
 import _thread, random, threading, time, gc, numpy as np, pyacl_moe as pm
+from contextlib import closing
 pm.use_emulator()
 LIVE = {LIVE!r}
 dev = pm.Device(0)
@@ -261,7 +263,7 @@ while time.time() < deadline:
     try:
         got = pm.moe_init_routing_v2_grad(x, idx, 4)
         if not np.array_equal(got, expected): wrong += 1
-        with pm.Stream(dev) as s:
+        with closing(pm.Stream(dev)) as s:
             dx = pm.to_device(x, stream=s); di = pm.to_device(idx, stream=s)
             ev = pm.Event(dev); ev.record(s)
             with pm.MoeInitRoutingV2Grad(dx, di, 4) as plan:
@@ -369,6 +371,7 @@ print(base, pm.emulator.stats()['devices_set'])
 def test_11_fork_while_another_thread_is_inside_never_hangs_the_child(isolated):
     r = isolated("""
 import os, sys, threading, numpy as np, pyacl_moe as pm
+from contextlib import closing
 pm.use_emulator()
 Closed = getattr(pm, 'ClosedError', None)
 dev = pm.Device(0)
@@ -378,7 +381,7 @@ stop = threading.Event()
 def busy():
     while not stop.is_set():
         pm.moe_init_routing_v2_grad(x, idx, 4)
-        with pm.Stream(dev) as t:
+        with closing(pm.Stream(dev)) as t:
             pm.to_device(x, stream=t).to_host(t)
         pm.empty_cache()
 ts = [threading.Thread(target=busy) for _ in range(2)]
@@ -442,12 +445,12 @@ def test_12_an_out_overlapping_an_input_is_refused(device, no_leaks):
 def test_12_a_host_write_waits_for_queued_work_that_reads_the_array(device, lazy):
     case = make_case(8, 2, 16, "float32", "dropless", seed=13)
     expected = pm.moe_init_routing_v2_grad(*case.args())
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
         out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)  # queued: reads x when it runs
         x.copy_from_host(np.zeros_like(case.grad_expanded_x))  # must not overtake the kernel
         assert np.array_equal(out.to_host(s), expected)
-        with pm.Stream(device) as t:
+        with closing(pm.Stream(device)) as t:
             out2 = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
             x.copy_from_host(case.grad_expanded_x, stream=t)  # on another stream: ordered by an event
             assert np.array_equal(out2.to_host(s), np.zeros_like(expected))
@@ -466,7 +469,7 @@ def test_13_wrong_types_and_out_of_range_integers_are_refused_by_name(device, no
         pm.empty("12", np.float32)
     with pytest.raises(pm.InvalidArgument, match="stream"):
         pm.moe_init_routing_v2_grad(x, idx, 2, stream=5)
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         with pytest.raises(pm.InvalidArgument, match="event"):
             s.wait_event(None)
         with pytest.raises(pm.InvalidArgument, match="timeout_ms"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import closing
 
 import ml_dtypes
 import numpy as np
@@ -158,7 +159,7 @@ def test_nan_and_inf_propagate(device):
 
 def test_device_fault_is_reported_at_synchronize_and_the_process_goes_on(device, no_leaks):
     x, idx = pm.to_device(np.ones((8, 4), F32)), pm.to_device(np.array([0, 1, 2, 3, 4, 5, 6, 99], np.int32))
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s, validate=False)  # queued: no error yet
         with pytest.raises(pm.AclRuntimeError) as info:
             s.synchronize()
@@ -187,7 +188,7 @@ def test_eight_threads_five_hundred_launches_each(device, no_leaks):
     def worker(t: int) -> None:
         try:
             cases = [make_case(8, 2, 16, "bfloat16", "dropless", seed=1000 * t + j) for j in range(4)]
-            with pm.Stream(device) as s:
+            with closing(pm.Stream(device)) as s:
                 arrays = [(pm.to_device(c.grad_expanded_x, stream=s), pm.to_device(c.expanded_row_idx, stream=s))
                           for c in cases]
                 outs = [pm.empty((8, 16), BF16) for _ in cases]
@@ -217,7 +218,7 @@ def test_one_plan_from_two_threads(device, no_leaks):
 
     def worker() -> None:
         try:
-            with pm.Stream(device) as s:
+            with closing(pm.Stream(device)) as s:
                 for _ in range(300):
                     plan(s)
                 s.synchronize()

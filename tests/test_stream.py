@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pyacl_moe as pm
 
 def test_stream_and_event_lifecycle(device, no_leaks):
     before = pm.emulator.stats()
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         assert s.handle != 0 and not s.closed and not s.is_default
         assert s.device is device and s.state.device is device
         assert pm.emulator.stats()["streams"] == before["streams"] + 1
@@ -46,7 +47,7 @@ def test_default_stream_wraps_null(device):
 
 
 def test_query_and_synchronize_follow_queued_work(device, lazy_streams, no_leaks):
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         assert s.query()  # nothing queued
         x = pm.to_device(np.ones((1024, 64), np.float32), stream=s)
         idx = pm.to_device(np.arange(1024, dtype=np.int32), stream=s)
@@ -68,7 +69,7 @@ def test_synchronize_refuses_a_bad_timeout(device, timeout):
 
 
 def test_events_time_work_on_a_stream(device, lazy_streams, no_leaks):
-    with pm.Stream(device) as s:
+    with closing(pm.Stream(device)) as s:
         x = pm.to_device(np.ones((4096, 256), np.float32), stream=s)
         idx = pm.to_device(np.arange(4096, dtype=np.int32), stream=s)
         start, end = pm.Event(device), pm.Event(device)
@@ -111,7 +112,7 @@ def test_event_arguments_are_checked(device, no_leaks):
 
 
 def test_stream_wait_event_orders_two_streams(device, no_leaks):
-    with pm.Stream(device) as a, pm.Stream(device) as b:
+    with closing(pm.Stream(device)) as a, closing(pm.Stream(device)) as b:
         host = np.arange(64, dtype=np.float32)
         arr = pm.zeros((64,), np.float32, stream=a)
         arr.copy_from_host(host, stream=a)
@@ -124,7 +125,7 @@ def test_stream_wait_event_orders_two_streams(device, no_leaks):
 
 
 def test_wait_event_holds_b_until_a_has_run(device, lazy_streams, no_leaks):
-    with pm.Stream(device) as a, pm.Stream(device) as b:
+    with closing(pm.Stream(device)) as a, closing(pm.Stream(device)) as b:
         x = pm.to_device(np.ones((512, 32), np.float32), stream=a)
         idx = pm.to_device(np.arange(512, dtype=np.int32), stream=a)
         out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=a)
@@ -140,7 +141,7 @@ def test_wait_event_holds_b_until_a_has_run(device, lazy_streams, no_leaks):
 
 
 def test_an_event_closed_while_queued_work_uses_it_lives_until_that_work_ran(device, lazy_streams, no_leaks):
-    with pm.Stream(device) as a, pm.Stream(device) as b:
+    with closing(pm.Stream(device)) as a, closing(pm.Stream(device)) as b:
         events = pm.emulator.stats()["events"]
         ev = a.record()
         b.wait_event(ev)

@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ def test_a_shared_stream(device, no_leaks, case, seconds):
             out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=shared)
             if i % 2:
                 ev = shared.record()
-                with pm.Stream(device) as own:
+                with closing(pm.Stream(device)) as own:
                     own.wait_event(ev)
                     got = out.to_host(own)
                 ev.close()
@@ -98,7 +99,7 @@ def test_a_shared_plan(device, no_leaks, case, seconds):
     closed_seen = []
 
     def launcher(stop, i):
-        with pm.Stream(device) as own:
+        with closing(pm.Stream(device)) as own:
             while not stop.is_set():
                 plan = current[0]
                 s = own if i % 2 else None
@@ -139,14 +140,14 @@ def test_a_shared_array(device, no_leaks, case, seconds):
     idx = pm.to_device(c.expanded_row_idx)
 
     def reader(stop, i):
-        with pm.Stream(device) as own:
+        with closing(pm.Stream(device)) as own:
             while not stop.is_set():
                 out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=own)
                 assert np.array_equal(out.to_host(own), expected)
                 assert np.array_equal(x[i % 32].to_host(), c.grad_expanded_x[i % 32])
 
     def writer(stop, i):
-        with pm.Stream(device) as own:
+        with closing(pm.Stream(device)) as own:
             while not stop.is_set():
                 # Same values, so every reader's result stays exact; the writes must still wait
                 # for (or be ordered after) the kernels that read x.
@@ -162,7 +163,7 @@ def test_the_pool_and_empty_cache(device, no_leaks, case, seconds):
 
     def launcher(stop, i):
         while not stop.is_set():
-            with pm.Stream(device) as s:  # each stream takes a workspace and gives it back
+            with closing(pm.Stream(device)) as s:  # each stream takes a workspace and gives it back
                 x = pm.to_device(c.grad_expanded_x, stream=s)
                 idx = pm.to_device(c.expanded_row_idx, stream=s)
                 outs = [pm.moe_init_routing_v2_grad(x, idx, 4, stream=s) for _ in range(3)]

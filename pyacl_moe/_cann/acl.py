@@ -92,7 +92,7 @@ def get_version() -> tuple[int, int, int]:
 
 def soc_name() -> str | None:
     p = loader.libs().acl.aclrtGetSocName()
-    return _ffi.string(p).decode("utf-8", "replace") if p != _NULL else None
+    return declare.text(p) if p != _NULL else None
 
 
 def call_probe() -> tuple[Callable[..., int], Any]:
@@ -203,7 +203,23 @@ class StreamHandle(_ContextHandle):
     API = "aclrtDestroyStream"
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().acl.aclrtDestroyStream
+        fn: Callable[[Any], int] = loader.libs().acl.aclrtDestroyStream
+        return fn
+
+
+class BorrowedStreamHandle(StreamHandle):
+    """An aclrtStream created by someone else (torch_npu, another library): used, never
+    destroyed."""
+
+    __slots__ = ()
+
+    def __init__(self, context: Context, address: int) -> None:
+        super().__init__(context)
+        self._slot[0] = _ffi.cast(declare.ctype("void *"), address)
+
+    def release(self) -> int:
+        self.forget()  # its creator destroys it
+        return 0
 
 
 def _stream(h: StreamHandle | None) -> Any:
@@ -242,7 +258,8 @@ class EventHandle(_ContextHandle):
     API = "aclrtDestroyEvent"
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().acl.aclrtDestroyEvent
+        fn: Callable[[Any], int] = loader.libs().acl.aclrtDestroyEvent
+        return fn
 
 
 def create_event(h: EventHandle) -> None:
@@ -283,12 +300,35 @@ class DeviceMemory(_ContextHandle):
         self.ptr = 0
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().acl.aclrtFree
+        fn: Callable[[Any], int] = loader.libs().acl.aclrtFree
+        return fn
 
 
 def malloc(mem: DeviceMemory, size: int) -> None:
     """aclrtMalloc(size) into ``mem`` (huge pages first, CANN's default policy)."""
     check(loader.libs().acl.aclrtMalloc(mem._slot, size, declare.const("ACL_MEM_MALLOC_HUGE_FIRST")), "aclrtMalloc")
+    mem.ptr = mem.address
+
+
+class HostMemory(_ContextHandle):
+    """Pinned host memory (aclrtMallocHost); ``ptr`` is its address as an int. Released under
+    its device's context, before the device is reset."""
+
+    __slots__ = ("ptr",)
+    API = "aclrtFreeHost"
+
+    def __init__(self, context: Context) -> None:
+        super().__init__(context)
+        self.ptr = 0
+
+    def _release_function(self) -> Callable[[Any], int]:
+        fn: Callable[[Any], int] = loader.libs().acl.aclrtFreeHost
+        return fn
+
+
+def malloc_host(mem: HostMemory, size: int) -> None:
+    """aclrtMallocHost(size) into ``mem``."""
+    check(loader.libs().acl.aclrtMallocHost(mem._slot, size), "aclrtMallocHost")
     mem.ptr = mem.address
 
 

@@ -24,7 +24,7 @@ def _acl() -> Any:
 
 
 def _text(p: Any) -> str:
-    return declare.ffi.string(p).decode()
+    return declare.text(p)
 
 
 def stats() -> dict[str, int]:

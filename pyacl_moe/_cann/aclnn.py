@@ -61,7 +61,8 @@ class TensorHandle(handles.Handle):
     API = "aclDestroyTensor"
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().nn.aclDestroyTensor
+        fn: Callable[[Any], int] = loader.libs().nn.aclDestroyTensor
+        return fn
 
 
 def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> None:
@@ -136,7 +137,8 @@ class ExecutorHandle(handles.Handle):
     API = "aclDestroyAclOpExecutor"
 
     def _release_function(self) -> Callable[[Any], int]:
-        return loader.libs().nn.aclDestroyAclOpExecutor
+        fn: Callable[[Any], int] = loader.libs().nn.aclDestroyAclOpExecutor
+        return fn
 
 
 def set_repeatable(ex: ExecutorHandle) -> None:

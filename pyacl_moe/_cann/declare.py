@@ -68,6 +68,12 @@ def add_declarations(text: str, type_names: tuple[str, ...] = ()) -> None:
         _pending.append((text, tuple(type_names)))
 
 
+def text(p: Any) -> str:
+    """A C string (char *) as str; undecodable bytes replaced."""
+    raw = ffi.string(p)
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+
+
 def ctype(name: str) -> Any:
     """A pre-parsed C type (one of those declared up front)."""
     t = _types.get(name)

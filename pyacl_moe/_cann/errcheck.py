@@ -17,7 +17,7 @@ def recent_message() -> str:
         p = lib.acl.aclGetRecentErrMsg()
     except Exception:  # a library without the symbol: no message
         return ""
-    return declare.ffi.string(p).decode("utf-8", "replace") if p != declare.NULL else ""
+    return declare.text(p) if p != declare.NULL else ""
 
 
 def check(status: int, api: str) -> None:

@@ -72,7 +72,7 @@ class Handle:
         return int(declare.ffi.cast(declare.ctype("uintptr_t"), self._slot[0]))
 
     def __bool__(self) -> bool:
-        return self._slot[0] != declare.NULL
+        return bool(self._slot[0] != declare.NULL)
 
     def forget(self) -> None:
         """Drop the handle without releasing it: CANN took it (a one-shot executor consumed by

@@ -20,8 +20,9 @@ from .. import _args, _contract
 from ..array import DeviceArray, empty, host_array, may_overlap, to_device
 from ..device import Device, current_device, resolve_device
 from ..errors import InvalidArgument
+from ..host import TORCH, host_view, in_family
 from ..pool import workspace_for
-from ..stream import Stream, resolve_stream
+from ..stream import Stream, current_stream, resolve_stream, thread_current
 from ..tensor import AclTensor
 from .executor import Executor, build, launch, mark_uses
 from .executor import execute as execute
@@ -240,6 +241,13 @@ def moe_init_routing_v2_grad(grad_expanded_x: np.ndarray, expanded_row_idx: np.n
                              validate: bool = ...) -> np.ndarray: ...
 
 
+@overload
+def moe_init_routing_v2_grad(grad_expanded_x: Any, expanded_row_idx: Any, top_k: int,
+                             drop_pad_mode: int = ..., active_num: int = ..., *, out: Any = ...,
+                             stream: Stream | None = ..., workspace: DeviceArray | None = ...,
+                             validate: bool = ...) -> Any: ...
+
+
 def moe_init_routing_v2_grad(
     grad_expanded_x: Any,
     expanded_row_idx: Any,
@@ -260,13 +268,15 @@ def moe_init_routing_v2_grad(
     top_k, drop_pad_mode (0 or 1), active_num (>= 0): the op's attributes.
     out: optional output [N, H], same dtype as grad_expanded_x, contiguous, sharing no memory
         with the inputs.
-    stream: where to run (default: the device's default stream).
+    stream: where to run (default: the thread's current stream; see `with stream:`).
     workspace: a DeviceArray of at least the op's workspace size (default: the stream's).
     validate: check the contract on the host first (index values too when the indices are a
         NumPy array) and raise InvalidArgument; False hands everything to CANN untouched.
 
-    NumPy in: copies in, runs, synchronizes, returns a NumPy array. DeviceArray in: returns a
-    DeviceArray at once, the kernel queued on the stream.
+    Host arrays in (NumPy, torch CPU tensors, anything with DLPack, the buffer or array
+    interface): copies in, runs, synchronizes, returns the result in the inputs' family (a
+    torch tensor for torch inputs, else NumPy). DeviceArray in: returns a DeviceArray at once,
+    the kernel queued on the stream.
     """
     on_device = isinstance(grad_expanded_x, DeviceArray)
     if on_device != isinstance(expanded_row_idx, DeviceArray):
@@ -308,7 +318,11 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
         if workspace is not None:
             arrays["workspace"] = workspace
         _device_of(arrays)
-    state = dev.default_stream.state if stream is None else stream.state
+    if stream is None:
+        cur = thread_current.stream
+        state = cur.state if cur is not None and cur.state.device is dev else dev.default_stream.state
+    else:
+        state = stream.state
     if state.device is not dev:
         resolve_stream(stream, dev)  # raises, naming the devices
     if validate:
@@ -338,7 +352,8 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
         # A layout seen before on this stream relaunches its cached executor, rebound.
         launch_cached(SPEC, key, (x, idx, out), (xa, ia, oa), (xlo, ilo, olo), (top_k, mode, active), state,
                       workspace)
-        return out
+        result: DeviceArray = out
+        return result
     attrs = _attrs(top_k, mode, active)
     k = attrs["top_k"]
     n = idx.shape[0] // k if idx.ndim and k > 0 else 0
@@ -357,14 +372,20 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
             execute(workspace, size, executor, stream)
     finally:
         executor.close()
-    return out
+    written: DeviceArray = out
+    return written
 
 
 def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, stream: Stream | None,
-              workspace: DeviceArray | None, validate: bool) -> np.ndarray:
-    hx, hi = _contract.native(np.asarray(x)), _contract.native(np.asarray(idx))
-    if out is not None and not isinstance(out, np.ndarray):
-        raise InvalidArgument("out", f"must be a NumPy array when the inputs are, got {type(out).__name__}")
+              workspace: DeviceArray | None, validate: bool) -> Any:
+    vx, family = host_view(x, "grad_expanded_x")
+    vi, _ = host_view(idx, "expanded_row_idx")
+    hx, hi = _contract.native(vx), _contract.native(vi)
+    out_given = out
+    if out is not None:
+        if not isinstance(out, np.ndarray) and family is not TORCH:
+            raise InvalidArgument("out", f"must be a NumPy array when the inputs are, got {type(out).__name__}")
+        out, _ = host_view(out, "out")  # a torch tensor's own memory, written in place
     if validate:
         geo = _contract.check_shapes(
             hx.shape, hx.dtype, hi.shape, hi.dtype, top_k, mode, active,
@@ -375,7 +396,7 @@ def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, st
         _contract.check_indices(hi, geo, int(top_k), int(active))
     hx, hi = host_array(hx, "grad_expanded_x"), host_array(hi, "expanded_row_idx")
     dev = stream.device if stream is not None else current_device()
-    s = stream if stream is not None else dev.default_stream
+    s = stream if stream is not None else current_stream(dev)
     dx = to_device(hx, stream=s)
     di = to_device(hi, stream=s)
     # The indices were checked above; the layout check below is a memo lookup.
@@ -386,5 +407,5 @@ def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, st
     dout.close()
     if out is not None:
         out[...] = result
-        return out
-    return result
+        return out_given
+    return in_family(result, family)

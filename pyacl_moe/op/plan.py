@@ -26,7 +26,7 @@ import time
 import types
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import _lifetime
 from .._cann import acl, aclnn, declare
@@ -35,13 +35,14 @@ from ..array import Allocation, DeviceArray, may_overlap
 from ..device import Device
 from ..errors import ClosedError, InvalidArgument
 from ..pool import workspace_for
-from ..stream import Stream, StreamState, resolve_stream
+from ..stream import Stream, StreamState, resolve_stream, thread_current
 from ..tensor import AclTensor, TensorCore
 from .executor import Executor, build, checked_workspace, launch, mark_uses
 from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "launch_cached"]
 
+_P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
 
 
@@ -316,13 +317,19 @@ class Plan:
             return slot
 
     def __call__(self, stream: Stream | None = None, workspace: DeviceArray | None = None) -> Any:
-        """Queue the kernel on ``stream`` (default: the device's default stream) and return the
+        """Queue the kernel on ``stream`` (default: the thread's current stream) and return the
         output(s). ``workspace``: your own DeviceArray of at least ``workspace_size`` bytes; by
         default the stream's workspace from the device's pool."""
         # The steady state, inlined (a call here is a measurable share of a launch): one
         # foreign call with the tuple of arguments as it is, no lock (see _Slot). ``context``
         # is None while one device is open: a launch on a thread without its context then
         # fails cleanly and goes the slow way, which makes it current.
+        if stream is None:
+            # Inside `with stream:` a call without a stream goes there (and publishes for it,
+            # never for None, which means the default stream).
+            cur = thread_current.stream
+            if cur is not None and cur.state.device is self._device:
+                stream = cur
         s, fn, args, result, context = self._now
         if s is stream and workspace is None and (context is None or _thread.context is context):
             st = fn(*args)
@@ -389,7 +396,7 @@ class Plan:
         _lifetime.collect()
         check(status, "aclDestroyAclOpExecutor")
 
-    def __enter__(self) -> Plan:
+    def __enter__(self: _P) -> _P:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -68,7 +68,7 @@ class Case:
 
     @property
     def tokens(self) -> int:
-        return self.expanded_row_idx.shape[0] // self.top_k
+        return int(self.expanded_row_idx.shape[0]) // self.top_k
 
     def args(self) -> tuple[Any, ...]:
         return (self.grad_expanded_x, self.expanded_row_idx, self.top_k, self.drop_pad_mode, self.active_num)
@@ -112,11 +112,11 @@ def make_case(
         idx = rng.permutation(bsk).astype(np.int32)
         return Case(random_values(rng, (bsk, hidden), dt), idx, top_k)
     if mode == "active":
-        a = active_num if active_num else max(1, bsk // 2)
+        a = active_num if active_num is not None else max(1, bsk // 2)
         idx = rng.permutation(bsk).astype(np.int32)
         return Case(random_values(rng, (a, hidden), dt), idx, top_k, 0, a)
     if mode == "drop-pad":
-        e = experts or 8
+        e = experts if experts is not None else 8
         c = capacity if capacity is not None else max(1, bsk // e)
         idx = drop_pad_indices(rng, tokens, top_k, e, c)
         return Case(random_values(rng, (e, c, hidden), dt), idx, top_k, 1, 0)

@@ -26,6 +26,7 @@ import time
 import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
+from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -136,10 +137,10 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, values
         return (rng.integers(1, 50, size=shape).astype(np.float32) * tiny).astype(dt), False
     if values == "near-max":
         # Each token's K terms add up to between 0.3 and 0.9 of the dtype's largest value.
-        top = float(ml_dtypes.finfo(dt).max)
+        top = float(ml_dtypes.finfo(dt).max)  # type: ignore[no-untyped-call]
         return (rng.uniform(0.3, 0.9, size=shape) * (top / k)).astype(np.float32).astype(dt), False
     if values == "overflow":
-        top = float(ml_dtypes.finfo(dt).max)
+        top = float(ml_dtypes.finfo(dt).max)  # type: ignore[no-untyped-call]
         return np.full(shape, top * 0.75, np.float32).astype(dt), False
     raise ValueError(values)
 
@@ -678,7 +679,8 @@ def load_baseline(path: str) -> dict[str, Any]:
     if not any(c.get("digest") for c in cases):
         raise ValueError(f"--baseline {path}: its cases carry no output digest (a report of pyacl-moe 0.2.0 "
                          f"or older); write a new one")
-    return data
+    report: dict[str, Any] = data
+    return report
 
 
 def compare_baseline(report: Report, baseline: dict[str, Any], path: str = "") -> dict[str, Any]:
@@ -854,7 +856,7 @@ def _run_here(selected: list[Case], device: int, seed: int, exact: bool, stds: d
     dev = Device(device)
     dev.set_current()
     results = []
-    with Stream(dev) as stream:
+    with closing(Stream(dev)) as stream:
         ctx = Context(seed, stream, exact, stds)
         for case in selected:
             bar.start(case.name)

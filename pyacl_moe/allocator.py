@@ -1,0 +1,362 @@
+"""Device and pinned host memory: allocations, and the caches that make steady state free of
+aclrtMalloc and aclrtFree.
+
+An :class:`Allocation` is one block shared by the DeviceArrays that view it and by the queued
+work that uses it. When the last of them is gone (see :mod:`._lifetime`: queued work holds it
+until it is known complete), its block does not go back to CANN: it goes to the device's
+:class:`BlockCache`, idle, and the next allocation of the same rounded size takes it, on any
+stream, with no event (the same stream-ordered rule as the workspace pool). On real CANN this
+matters more than the call itself: aclrtFree may synchronize the device.
+
+Pinned host memory (aclrtMallocHost) is cached the same way, per device: the binding stages
+asynchronous copies from the host through it, and :func:`pinned_empty` hands it to users.
+
+The caches give their idle blocks back on ``empty_cache()``, when an allocation fails for lack
+of memory (then it retries once), and when the device closes; ``set_caching(False)`` (or
+``PYACL_MOE_CACHE_ALLOCATIONS=0`` at import) frees every block as soon as it is idle.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _lifetime
+from ._cann import acl
+from ._cann.errcheck import check
+from .device import Device
+from .errors import AclRuntimeError, InvalidArgument
+from .stream import StreamState
+
+__all__ = ["Allocation", "BlockCache", "allocate", "cache_stats", "caching", "is_pinned", "on_memory_pressure",
+           "pinned_block",
+           "pinned_empty", "set_caching", "trim_caches"]
+
+_ROUND = 512  # CANN aligns device blocks to at least this; rounding makes sizes meet in bins
+_OOM = (207001, 207018)  # ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_DEVICE_OOM
+
+
+def _rounded(nbytes: int) -> int:
+    return max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+
+
+def _env_caching() -> bool:
+    value = os.environ.get("PYACL_MOE_CACHE_ALLOCATIONS", "1").strip()
+    if value not in ("0", "1"):
+        raise InvalidArgument("PYACL_MOE_CACHE_ALLOCATIONS", f"must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+class _Settings:
+    caching = _env_caching()
+
+
+def caching() -> bool:
+    """Whether idle blocks are kept for reuse (the default)."""
+    return _Settings.caching
+
+
+def set_caching(enabled: bool) -> None:
+    """Keep idle device and pinned blocks for reuse (True, the default) or free each one as
+    soon as it is idle (False; what is cached now is freed)."""
+    if not isinstance(enabled, bool):
+        raise InvalidArgument("enabled", f"must be a bool, got {type(enabled).__name__}")
+    _Settings.caching = enabled
+    if not enabled:
+        from .device import open_devices
+
+        for dev in open_devices():
+            trim_caches(dev)
+
+
+# ---------------------------------------------------------------------------- block caches
+
+class BlockCache:
+    """A device's idle blocks of one kind, by rounded size. ``lock`` guards every field."""
+
+    def __init__(self, device: Device, kind: str) -> None:
+        self.device = device
+        self.kind = kind  # "device" or "pinned"
+        self.lock = threading.Lock()
+        self.idle: dict[int, list[Any]] = {}  # rounded size -> idle memory handles
+        self.closed = False
+        self.hits = 0
+        self.misses = 0
+        self.bytes_idle = 0
+        self.bytes_in_use = 0
+
+    # Moves between the cache and a block's holder follow the rule of _lifetime: the new place
+    # gets the handle before the old one lets go, with no call in between that an interrupt
+    # could fall on, and every step may be repeated (an interrupted release is retried).
+
+    def take_into(self, block: _Block) -> bool:
+        """Give ``block`` an idle handle of its size; False when none is idle."""
+        with self.lock:
+            blocks = self.idle.get(block.size)
+            if not blocks:
+                self.misses += 1
+                return False
+            block.mem = blocks[-1]
+            del blocks[-1]
+            self.bytes_idle -= block.size
+            self.bytes_in_use += block.size
+            self.hits += 1
+            return True
+
+    def made(self, block: _Block, mem: Any) -> None:
+        """``block`` gets a new (not yet allocated) handle."""
+        with self.lock:
+            block.mem = mem
+            self.bytes_in_use += block.size
+
+    def keep(self, block: _Block) -> bool:
+        """Take ``block``'s handle as idle; False when it must be freed instead (caching off,
+        device closing, nothing allocated)."""
+        with self.lock:
+            mem = block.mem
+            if mem is None:
+                return True  # kept by an earlier, interrupted call
+            if self.closed or not _Settings.caching or self.device.closed or not mem:
+                return False
+            bucket = self.idle.get(block.size)
+            if bucket is None:
+                bucket = self.idle[block.size] = []
+            if not any(m is mem for m in bucket):
+                bucket.append(mem)
+                self.bytes_idle += block.size
+                self.bytes_in_use -= block.size
+            block.mem = None
+            return True
+
+    def drop(self, block: _Block) -> None:
+        """``block``'s handle was freed."""
+        with self.lock:
+            if block.mem is not None:
+                block.mem = None
+                self.bytes_in_use -= block.size
+
+    def trim(self, close: bool = False) -> list[BaseException]:
+        """Free the idle blocks (and with ``close``, keep nothing from now on)."""
+        with self.lock:
+            idle, self.idle = self.idle, {}
+            self.bytes_idle = 0
+            if close:
+                self.closed = True
+        errors: list[BaseException] = []
+        for blocks in idle.values():
+            for mem in blocks:
+                status = mem.release()
+                if status:
+                    try:
+                        check(status, mem.API)
+                    except Exception as exc:
+                        errors.append(exc)
+        return errors
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {"hits": self.hits, "misses": self.misses, "bytes_idle": self.bytes_idle,
+                    "bytes_in_use": self.bytes_in_use, "blocks_idle": sum(len(b) for b in self.idle.values())}
+
+
+def _device_cache(device: Device) -> BlockCache:
+    return BlockCache(device, "device")
+
+
+def _pinned_cache(device: Device) -> BlockCache:
+    return BlockCache(device, "pinned")
+
+
+Device.attachments["block_cache"] = _device_cache
+Device.attachments["pinned_cache"] = _pinned_cache
+
+
+def _close_caches(device: Device) -> None:
+    # First in Device.close: idle blocks go before the streams are torn down, and nothing is
+    # cached afterwards (live blocks are then freed by the device's own release, in order).
+    for name in ("block_cache", "pinned_cache"):
+        cache = device.attached_if_made(name)
+        if cache is not None:
+            errors = cache.trim(close=True)
+            if errors:
+                raise errors[0]
+
+
+Device.close_hooks.append(_close_caches)
+
+
+class _Block:
+    """The holder of a cached block: its release gives the block to the cache (or frees it
+    when the cache keeps nothing). Exactly once, and safe to repeat, like every holder."""
+
+    __slots__ = ("mem", "cache", "size", "context")
+
+    def __init__(self, mem: Any, cache: BlockCache, size: int) -> None:
+        self.mem = mem
+        self.cache = cache
+        self.size = size
+        self.context = cache.device.context  # the device closing releases it (Device.memory_kinds)
+
+    def release(self) -> int:
+        mem = self.mem
+        if mem is None or self.cache.keep(self):
+            return 0
+        status = int(mem.release())  # exactly once: a repeat finds the handle empty
+        self.cache.drop(self)
+        return status
+
+
+Device.memory_kinds.append(_Block)
+
+_pressure_hooks: list[Callable[[Device], None]] = []
+
+
+def on_memory_pressure(hook: Callable[[Device], None]) -> None:
+    """Register a cache to shrink when device memory runs out."""
+    _pressure_hooks.append(hook)
+
+
+def trim_caches(device: Device) -> None:
+    """Free the device's idle device and pinned blocks."""
+    for name in ("block_cache", "pinned_cache"):
+        cache = device.attached_if_made(name)
+        if cache is not None:
+            errors = cache.trim()
+            if errors:
+                raise errors[0]
+
+
+on_memory_pressure(trim_caches)
+
+
+def _fresh(device: Device, make: Callable[[Any, int], None], mem: Any, size: int) -> None:
+    """``make(mem, size)``; on lack of memory, shrink every cache and retry once."""
+    try:
+        make(mem, size)
+    except AclRuntimeError as exc:
+        if exc.status not in _OOM:
+            raise
+        device.reclaim()  # what completed work held
+        for hook in _pressure_hooks:
+            hook(device)
+        _lifetime.quiesce()
+        device.activate()
+        make(mem, size)
+
+
+# ---------------------------------------------------------------------------- device memory
+
+class Allocation:
+    """One device allocation, shared by every DeviceArray that views it and by queued work
+    that uses it. Owned memory goes to the device's block cache (or back to CANN) once this
+    object is gone.
+
+    ``users`` are the streams that queued work on it through pyacl_moe (a host write waits for
+    them), ``writers`` those that queued work writing it (a read back waits for them); dicts
+    used as ordered sets, changed by single dict operations under the GIL.
+    """
+
+    __slots__ = ("device", "ptr", "nbytes", "owned", "owner", "users", "writers", "__weakref__")
+
+    def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.ptr = ptr
+        self.owner = owner  # what keeps borrowed memory alive
+        self.owned = False  # False for memory borrowed through from_pointer
+        self.users: dict[StreamState, None] = {}
+        self.writers: dict[StreamState, None] = {}
+
+    def used_on(self, state: StreamState, write: bool) -> None:
+        """Queued work on ``state`` reads (or writes) this memory."""
+        if state not in self.users:
+            self.users[state] = None
+        if write and state not in self.writers:
+            self.writers[state] = None
+
+
+def allocate(device: Device, nbytes: int) -> Allocation:
+    """A new allocation of ``nbytes``: an idle cached block of the same rounded size, else
+    aclrtMalloc."""
+    _lifetime.collect()
+    device.activate()
+    size = _rounded(nbytes)
+    cache: BlockCache = device.attached("block_cache")
+    alloc = Allocation(device, nbytes)
+    alloc.owned = True
+    block = _Block(None, cache, size)
+    _lifetime.track(alloc, block)  # before the block is taken or made: nothing can be lost in between
+    if not cache.take_into(block):
+        mem = acl.DeviceMemory(device.context)
+        cache.made(block, mem)
+        _fresh(device, acl.malloc, mem, size)
+    alloc.ptr = block.mem.address  # from the handle: an interrupted malloc may not have set .ptr
+    return alloc
+
+
+# ---------------------------------------------------------------------------- pinned host memory
+
+class _PinnedOwner:
+    """What a pinned NumPy array's base keeps alive: the block goes back when it dies."""
+
+    __slots__ = ("__array_interface__", "__weakref__")
+    __array_interface__: dict[str, Any]
+
+
+def pinned_block(device: Device, nbytes: int) -> np.ndarray:
+    """A 1-D uint8 NumPy array over a pinned host block of at least ``nbytes``, cached per
+    device; the block is reused once the array (and every view of it) is gone."""
+    _lifetime.collect()
+    device.activate()
+    size = _rounded(nbytes)
+    cache: BlockCache = device.attached("pinned_cache")
+    owner = _PinnedOwner()
+    block = _Block(None, cache, size)
+    _lifetime.track(owner, block)
+    if not cache.take_into(block):
+        mem = acl.HostMemory(device.context)
+        cache.made(block, mem)
+        _fresh(device, acl.malloc_host, mem, size)
+    owner.__array_interface__ = {"version": 3, "shape": (nbytes,), "typestr": "|u1",
+                                 "data": (block.mem.address, False)}
+    return np.asarray(owner)
+
+
+def is_pinned(array: np.ndarray) -> bool:
+    """Whether ``array`` lies in pinned memory handed out here (a view of a pinned block)."""
+    a: Any = array
+    while a is not None:
+        if isinstance(a, _PinnedOwner):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> np.ndarray:
+    """A NumPy array in pinned (page-locked) host memory, aclrtMallocHost: copies between it
+    and the device need no staging. Freed (to the device's cache) when the array is gone."""
+    from . import _args
+    from .device import resolve_device
+
+    shp = _args.shape("shape", shape)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
+    nbytes = _args.nbytes("shape", shp, dt.itemsize)
+    raw = pinned_block(resolve_device(device), nbytes)
+    out: np.ndarray = raw[:nbytes].view(dt).reshape(shp)
+    return out
+
+
+def cache_stats(device: Device) -> dict[str, int]:
+    """The block caches' figures for ``device``, prefixed ``array_`` and ``pinned_``."""
+    out: dict[str, int] = {}
+    for prefix, name in (("array_", "block_cache"), ("pinned_", "pinned_cache")):
+        for k, v in device.attached(name).stats().items():
+            out[prefix + k] = v
+    return out

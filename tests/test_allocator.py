@@ -1,0 +1,155 @@
+"""The block caches: steady state without aclrtMalloc/aclrtFree, pinned staging that snapshots
+the caller's array, asynchronous copies into the caller's buffer, and a cache that threads
+share safely."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import pyacl_moe as pm
+from pyacl_moe.tools.cases import make_case
+
+
+def _frees() -> int:
+    return pm.emulator.stats()["device_allocations"]
+
+
+def test_the_numpy_call_makes_no_malloc_or_free_in_steady_state(device):
+    case = make_case(16, 4, 64, "bfloat16", "dropless", seed=3)
+    want = pm.reference.moe_init_routing_v2_grad(*case.args())
+    np.testing.assert_array_equal(pm.moe_init_routing_v2_grad(*case.args()), want)  # warm
+    mallocs, live = pm.emulator.stats()["mallocs_total"], _frees()
+    hits = pm.memory_stats()["array_hits"]
+    for _ in range(20):
+        np.testing.assert_array_equal(pm.moe_init_routing_v2_grad(*case.args()), want)
+    st = pm.emulator.stats()
+    assert st["mallocs_total"] == mallocs, "aclrtMalloc in steady state"
+    assert st["device_allocations"] == live, "aclrtFree in steady state"
+    assert pm.memory_stats()["array_hits"] >= hits + 60  # x, idx and out, every call
+
+
+def test_empty_cache_and_set_caching_give_blocks_back(device):
+    pm.empty_cache()
+    live = _frees()
+    a = pm.empty((1000,), np.float32)
+    del a
+    assert _frees() == live + 1 and pm.memory_stats()["array_bytes_idle"] >= 4000  # cached
+    b = pm.empty((1000,), np.float32)  # the same rounded size: the cached block
+    assert pm.memory_stats()["array_hits"] >= 1 and _frees() == live + 1
+    del b
+    pm.empty_cache()
+    assert _frees() == live and pm.memory_stats()["array_bytes_idle"] == 0
+    pm.set_caching(False)
+    try:
+        c = pm.empty((1000,), np.float32)
+        assert _frees() == live + 1
+        del c
+        z = pm.zeros((1,), np.float32)  # a safe point: c's block is freed there, not cached
+        assert _frees() == live + 1 and pm.memory_stats()["array_bytes_idle"] == 0
+        del z
+    finally:
+        pm.set_caching(True)
+    pm.empty_cache()
+    assert _frees() == live
+    with pytest.raises(pm.InvalidArgument, match="enabled"):
+        pm.set_caching(1)
+
+
+def test_a_block_in_use_is_never_handed_out(device, lazy_streams):
+    s = pm.Stream(device)
+    a = pm.to_device(np.full(256, 1.0, np.float32), stream=s)
+    out = pm.empty((256,), np.float32)
+    pm.to_device(np.full(256, 2.0, np.float32), stream=s)  # dropped at once, its copy queued
+    b = pm.empty((256,), np.float32)  # must not reuse the block the queued copy writes
+    b.copy_from_host(np.full(256, 3.0, np.float32))
+    s.synchronize()
+    np.testing.assert_array_equal(b.to_host(), np.full(256, 3.0, np.float32))
+    np.testing.assert_array_equal(a.to_host(), np.full(256, 1.0, np.float32))
+    del out
+    s.close()
+
+
+def test_to_device_on_a_stream_snapshots_the_array_at_call_time(device, lazy_streams):
+    s = pm.Stream(device)
+    x = np.arange(1000, dtype=np.float32)
+    d = pm.to_device(x, stream=s)
+    x[:] = -1  # before the copy runs (lazy streams run nothing until waited for)
+    np.testing.assert_array_equal(d.to_host(s), np.arange(1000, dtype=np.float32))
+    s.close()
+
+
+def test_pinned_memory_and_an_asynchronous_copy_into_it(device, lazy_streams):
+    s = pm.Stream(device)
+    d = pm.to_device(np.arange(64, dtype=np.float32).reshape(8, 8), stream=s)
+    out = pm.pinned_empty((8, 8), np.float32)
+    assert isinstance(out, np.ndarray) and out.shape == (8, 8) and out.dtype == np.float32
+    assert pm.memory_stats()["pinned_bytes_in_use"] >= out.nbytes
+    out[:] = 0
+    assert d.to_host(s, out=out) is out
+    assert not out.any(), "the copy into out ran before the stream was waited for"
+    s.synchronize()
+    np.testing.assert_array_equal(out, np.arange(64, dtype=np.float32).reshape(8, 8))
+    # A pinned source is copied when the stream runs, as CANN does (no snapshot).
+    src = pm.pinned_empty((8, 8), np.float32)
+    src[:] = 1
+    e = pm.to_device(src, stream=s)
+    src[:] = 5
+    np.testing.assert_array_equal(e.to_host(s), np.full((8, 8), 5, np.float32))
+    with pytest.raises(pm.InvalidArgument, match="out"):
+        d.to_host(s, out=np.empty((8, 8), np.float64))
+    with pytest.raises(pm.InvalidArgument, match="out"):
+        d.to_host(s, out=np.empty((8, 16), np.float32)[:, ::2])
+    s.close()
+
+
+def test_threads_share_the_cache_without_handing_a_block_out_twice(device):
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            rng = np.random.default_rng(k)
+            for i in range(150):
+                n = int(rng.integers(1, 4)) * 128
+                v = float(k * 1000 + i)
+                a = pm.to_device(np.full(n, v, np.float32))
+                b = pm.empty((n,), np.float32)
+                b.fill(v + 0.5)
+                got_a, got_b = a.to_host(), b.to_host()
+                if not (got_a == v).all() or not (got_b == v + 0.5).all():
+                    raise AssertionError(f"thread {k} step {i}: a block was shared")
+                del a, b
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    device.synchronize()
+    pm.zeros((1,), np.float32)
+    st = pm.memory_stats()
+    assert st["array_bytes_in_use"] >= 0 and st["array_hits"] > 0
+    pm.empty_cache()
+
+
+def test_device_close_frees_cached_and_pinned_blocks(isolated):
+    r = isolated("""
+import numpy as np, pyacl_moe as pm
+pm.use_emulator()
+d = pm.Device(0)
+a = pm.to_device(np.ones(1000, np.float32), stream=pm.Stream(d))
+p = pm.pinned_empty((100,), np.float32)
+del a
+assert pm.emulator.stats()['device_allocations'] >= 1 and pm.emulator.stats()['host_allocations'] >= 1
+d.close()
+st = pm.emulator.stats()
+assert st['device_allocations'] == 0 and st['host_allocations'] == 0, st
+print('ok')
+""")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
