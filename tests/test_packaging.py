@@ -12,10 +12,12 @@ from pathlib import Path
 import cffi
 import ml_dtypes
 import numpy
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # builds a wheel and a virtualenv
 def test_wheel_installs_and_runs_quickstart(tmp_path):
     wheels = tmp_path / "wheels"
     r = subprocess.run(
