@@ -106,8 +106,8 @@ def find_compiler() -> list[str]:
     raise EmulatorBuildError(
         "no C compiler found (looked for $CC, cc, gcc and clang on PATH). The bundled CANN "
         "emulator is compiled on first use: install a C compiler, for example "
-        "'apt-get install gcc' (Debian/Ubuntu), 'dnf install gcc' (Fedora/RHEL) or "
-        "'xcode-select --install' (macOS), or set CC."
+        "'apt-get install gcc' (Debian/Ubuntu), 'dnf install gcc' (Fedora/RHEL, openEuler) or "
+        "'apk add gcc musl-dev' (Alpine), or set CC. (CANN, and so this package, runs on Linux only.)"
     )
 
 
