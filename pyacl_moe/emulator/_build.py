@@ -212,7 +212,7 @@ def _write_release_file(tmp: Path, home: Path, key: str) -> None:
     (rel / RELEASE_FILE).write_text("\n".join(lines) + "\n")
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def _kill(procs: list[subprocess.Popen[str]]) -> None:
     """Stop and reap whatever is still running, and close every pipe."""
     running = [p for p in procs if p.poll() is None]
     for proc in running:
@@ -235,7 +235,7 @@ def _timed_out(cmd: list[str], timeout: float) -> EmulatorBuildError:
     )
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
+def _start(cmd: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             text=True, start_new_session=True)
 
@@ -262,7 +262,7 @@ def _compile_into(tmp: Path, cc: list[str], timeout: float) -> None:
     includes = ["-I", str(_paths.headers_dir()), "-I", str(SRC_DIR)]
     cflags = _cflags()
     # Objects compile in parallel; links follow in dependency order.
-    jobs: list[tuple[list[str], subprocess.Popen]] = []
+    jobs: list[tuple[list[str], subprocess.Popen[str]]] = []
     try:
         for _, sources, _ in LIBRARIES:
             for src in sources:
