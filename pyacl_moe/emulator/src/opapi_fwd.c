@@ -242,7 +242,8 @@ static void densify(emu_tensor_desc *t) {
     int64_t s = 1;
     for (int64_t d = t->ndim - 1; d >= 0; d--) {
         t->strides[d] = s;
-        s *= t->shape[d] > 0 ? t->shape[d] : 1;
+        /* A stride past int64 saturates, so that the extent guard then refuses the view. */
+        if (__builtin_mul_overflow(s, t->shape[d] > 0 ? t->shape[d] : 1, &s)) s = INT64_MAX;
     }
 }
 
