@@ -14,7 +14,10 @@ import cffi
 from pyacl_moe import emulator as emulator_mod
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADER_FILES = ("acl_base.h", "acl_rt.h", "acl.h", "acl_meta.h", "aclnn_moe_init_routing_v2_grad.h")
+HEADER_FILES = (
+    "acl_base.h", "acl_rt.h", "acl.h", "acl_meta.h", "aclnn_moe_init_routing_v2_grad.h",
+    "aclnn_moe_init_routing_v2.h",
+)
 
 
 class Emu:

@@ -27,6 +27,7 @@ MIRRORS = {
     "acl.h": ["acl/acl.h"],
     "acl_meta.h": ["aclnn/acl_meta.h"],
     "aclnn_moe_init_routing_v2_grad.h": ["aclnnop/aclnn_moe_init_routing_v2_grad.h"],
+    "aclnn_moe_init_routing_v2.h": ["aclnnop/aclnn_moe_init_routing_v2.h"],
 }
 
 

@@ -1373,7 +1373,8 @@ EXPECTED_SYMBOLS = {
         aclGetStorageShape aclGetDataType aclGetFormat aclSetAclOpExecutorRepeatable
         aclDestroyAclOpExecutor aclSetInputTensorAddr aclSetOutputTensorAddr aclSetRawTensorAddr
         aclGetRawTensorAddr""",
-    "libopapi.so": "aclnnMoeInitRoutingV2GradGetWorkspaceSize aclnnMoeInitRoutingV2Grad",
+    "libopapi.so": """aclnnMoeInitRoutingV2GradGetWorkspaceSize aclnnMoeInitRoutingV2Grad
+        aclnnMoeInitRoutingV2GetWorkspaceSize aclnnMoeInitRoutingV2""",
 }
 
 

@@ -47,7 +47,7 @@ SRC_DIR = Path(__file__).resolve().parent / "src"
 LIBRARIES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("ascendcl", ("rt_state.c", "rt_device.c", "rt_stream.c", "rt_memory.c"), ()),
     ("nnopbase", ("nnopbase.c",), ("ascendcl",)),
-    ("opapi", ("opapi.c", "kernel.c"), ("nnopbase", "ascendcl")),
+    ("opapi", ("opapi.c", "kernel.c", "opapi_fwd.c", "kernel_fwd.c"), ("nnopbase", "ascendcl")),
 )
 
 CFLAGS: tuple[str, ...] = (

@@ -39,8 +39,8 @@ int aclemuGetStats(aclemuStats *stats);
 int aclemuInjectFault(const char *api, int64_t nth, int32_t status);
 void aclemuClearFaults(void);
 
-/* Deliberately wrong kernels: "" (none), "skip-last-k", "fp16-accumulate", "off-by-one-row".
- * Returns 0, or -1 for an unknown name. */
+/* Deliberately wrong kernels: "" (none), "skip-last-k", "fp16-accumulate", "off-by-one-row"
+ * (the backward), "fwd-unstable-sort" (the forward). Returns 0, or -1 for an unknown name. */
 int aclemuSetMutation(const char *name);
 const char *aclemuGetMutation(void);
 

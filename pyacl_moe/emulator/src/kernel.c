@@ -160,7 +160,7 @@ static void round_to_half(float *v, int64_t h) {
 /* ------------------------------------------------------------------ the kernel */
 
 /* Element-offset range [lo, hi] a view touches; returns 0 if it has no elements. */
-static int view_extent(const emu_tensor_desc *t, int64_t *lo, int64_t *hi) {
+EMU_HIDDEN int view_extent(const emu_tensor_desc *t, int64_t *lo, int64_t *hi) {
     int64_t a = t->offset, b = t->offset;
     for (int64_t d = 0; d < t->ndim; d++) {
         if (t->shape[d] <= 0) return 0;

@@ -29,4 +29,32 @@ EMU_HIDDEN int moe_kernel_run(void *args, char *msg, size_t msg_len);
 /* Rounding helpers, exposed for the first phase's dtype checks and for tests of the kernel. */
 EMU_HIDDEN size_t moe_dtype_size(aclDataType dt);
 
+/* The element range [*lo, *hi] a view touches; 0 when it has no elements (kernel.c). */
+EMU_HIDDEN int view_extent(const emu_tensor_desc *t, int64_t *lo, int64_t *hi);
+
+/* nnopbase rules and emulator guards shared by the ops' first phases (opapi.c). */
+EMU_HIDDEN const char *dtype_name(aclDataType dt);
+EMU_HIDDEN int format_is_nd_like(aclFormat f);
+EMU_HIDDEN int64_t view_numel(const emu_tensor_desc *t);
+EMU_HIDDEN int is_contiguous(const emu_tensor_desc *t);
+EMU_HIDDEN int is_empty(const emu_tensor_desc *t);
+EMU_HIDDEN int check_extent(const char *api, const emu_tensor_desc *t, const char *name);
+EMU_HIDDEN int add_copy_scratch(const char *api, const emu_tensor_desc *t, const char *name,
+                                uint64_t *total);
+
+/* The emulated MoeInitRoutingV2 kernel (kernel_fwd.c): what a launch captures. */
+typedef struct moe_fwd_args {
+    emu_tensor_desc x, idx;   /* inputs, any strides */
+    uintptr_t ex_addr, ri_addr, cnt_addr, bc_addr; /* outputs, written densely; 0: absent */
+    int64_t n, k, h;          /* tokens, experts per token, hidden size */
+    int64_t active_rows;      /* rows of expandedXOut in dropless/active mode */
+    int64_t capacity, expert_num, drop_pad_mode, count_flag;
+    int before_capacity;
+    uintptr_t workspace;
+    uint64_t workspace_size;
+    int mutation;
+} moe_fwd_args;
+
+EMU_HIDDEN int moe_fwd_kernel_run(void *args, char *msg, size_t msg_len);
+
 #endif

@@ -30,7 +30,7 @@ typedef struct moe_op {
     int empty;            /* out has no elements: tiling skipped, nothing is ever launched */
 } moe_op;
 
-static const char *dtype_name(aclDataType dt) {
+EMU_HIDDEN const char *dtype_name(aclDataType dt) {
     switch (dt) {
     case ACL_FLOAT: return "FLOAT";
     case ACL_FLOAT16: return "FLOAT16";
@@ -49,7 +49,7 @@ static const char *dtype_name(aclDataType dt) {
 /* The formats nnopbase stores as ND before matching the op's support list (FormatsLikeND in
  * its individual_op/executor/indv_executor_tensor.cpp); any other format, HWCN, NDHWC and NC
  * included, fails the match. */
-static int format_is_nd_like(aclFormat f) {
+EMU_HIDDEN int format_is_nd_like(aclFormat f) {
     /* acl_base.h names no DHWCN; aclFormat values are the graph engine's format numbers, where
      * DHWCN is 31 (FORMAT_DHWCN in 8.1.RC1's include/proto/dump_data.proto). */
     if ((int)f == 31) return 1;
@@ -64,7 +64,7 @@ static int format_is_nd_like(aclFormat f) {
 
 /* Elements of a view: 0 when a dimension is 0 (whatever the others), -1 when a dimension is
  * negative or the count does not fit in int64. */
-static int64_t view_numel(const emu_tensor_desc *t) {
+EMU_HIDDEN int64_t view_numel(const emu_tensor_desc *t) {
     int64_t n = 1;
     int overflow = 0;
     for (int64_t d = 0; d < t->ndim; d++) {
@@ -80,7 +80,7 @@ static int64_t view_numel(const emu_tensor_desc *t) {
  * have the row-major stride. The view offset plays no part. Only called on views without
  * negative dimensions whose element count fits in int64, so the running product cannot
  * overflow. */
-static int is_contiguous(const emu_tensor_desc *t) {
+EMU_HIDDEN int is_contiguous(const emu_tensor_desc *t) {
     int64_t n = view_numel(t);
     if (n == 0 || n == 1) return 1;
     int64_t expect = 1;
@@ -98,7 +98,7 @@ static int is_contiguous(const emu_tensor_desc *t) {
  * would read outside it. A view with an empty dimension touches nothing. CANN has no such
  * check (a device would fault or read garbage), so the code is the one for an invalid
  * parameter, 161002. */
-static int check_extent(const emu_tensor_desc *t, const char *name) {
+EMU_HIDDEN int check_extent(const char *api, const emu_tensor_desc *t, const char *name) {
     for (int64_t d = 0; d < t->ndim; d++)
         if (t->shape[d] <= 0) return 0;
     const int64_t es = (int64_t)moe_dtype_size(t->dtype);
@@ -114,7 +114,7 @@ static int check_extent(const emu_tensor_desc *t, const char *name) {
                      __builtin_mul_overflow(span, es, &bytes) ||
                      __builtin_sub_overflow(span, lo, &span) || __builtin_mul_overflow(span, es, &bytes);
     if (!bad) return 0;
-    aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
+    aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
                     "%s: the memory its view spans cannot be addressed: offset %lld and "
                     "(dimension - 1) * stride, in elements of %lld bytes, overflow int64",
                     name, (long long)t->offset, (long long)es);
@@ -128,7 +128,8 @@ static int check_extent(const emu_tensor_desc *t, const char *name) {
  * rounded up to 512. Both copies are alive when the kernel runs, so they do not share space.
  * Returns 0 and adds to *total, or 161002 when a size does not fit in 64 bits (an uncountable
  * view included). */
-static int add_copy_scratch(const emu_tensor_desc *t, const char *name, uint64_t *total) {
+EMU_HIDDEN int add_copy_scratch(const char *api, const emu_tensor_desc *t, const char *name,
+                                uint64_t *total) {
     int64_t n = view_numel(t);
     if (n >= 0 && is_contiguous(t)) return 0;
     uint64_t bytes = 0;
@@ -136,7 +137,7 @@ static int add_copy_scratch(const emu_tensor_desc *t, const char *name, uint64_t
               __builtin_add_overflow(bytes, (uint64_t)(32 + 511), &bytes);
     if (!bad) bad = __builtin_add_overflow(*total, bytes & ~(uint64_t)511, total);
     if (!bad) return 0;
-    aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
+    aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
                     "%s: its element count or the workspace of its dense copy does not fit in 64 "
                     "bits",
                     name);
@@ -264,7 +265,7 @@ static int check_dtypes_and_formats(const emu_tensor_desc *x, const emu_tensor_d
 }
 
 /* nnopbase's test for "every output is empty" (aclTensor::IsEmpty): a dimension equal to 0. */
-static int is_empty(const emu_tensor_desc *t) {
+EMU_HIDDEN int is_empty(const emu_tensor_desc *t) {
     for (int64_t d = 0; d < t->ndim; d++)
         if (t->shape[d] == 0) return 1;
     return 0;
@@ -291,9 +292,9 @@ static int check_shapes(moe_op *op, int64_t top_k, int64_t mode, int64_t active,
             op->args.out.strides[0] = o->shape[1];
             op->args.out.strides[1] = 1;
         }
-        if (!st) st = check_extent(x, "gradExpandedX");
-        if (!st) st = check_extent(idx, "expandedRowIdx");
-        if (!st) st = check_extent(o, "out");
+        if (!st) st = check_extent(API1, x, "gradExpandedX");
+        if (!st) st = check_extent(API1, idx, "expandedRowIdx");
+        if (!st) st = check_extent(API1, o, "out");
         /* The tiling bounds no element count: a broadcast (stride 0) view may count more
          * elements than int64 holds while spanning little memory. */
         if (!st && view_numel(x) < 0) {
@@ -316,8 +317,8 @@ static int check_shapes(moe_op *op, int64_t top_k, int64_t mode, int64_t active,
             }
         }
     }
-    if (!st) st = add_copy_scratch(x, "gradExpandedX", workspace);
-    if (!st) st = add_copy_scratch(idx, "expandedRowIdx", workspace);
+    if (!st) st = add_copy_scratch(API1, x, "gradExpandedX", workspace);
+    if (!st) st = add_copy_scratch(API1, idx, "expandedRowIdx", workspace);
     return st;
 }
 
@@ -429,6 +430,13 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
     int st = aclemuExecutorAcquire(api, executor, &info, 0);
     if (st) return st;
     const moe_op *op = info.op_data;
+    if (info.op_free != free) {
+        /* Each op keeps its plan in its own form: another op's executor is not run here. */
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
+                        "executor was made by another op's first phase, not by "
+                        "aclnnMoeInitRoutingV2GradGetWorkspaceSize");
+        return ACLNN_ERR_PARAM_INVALID;
+    }
     if (op->unchecked) {
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
                         "this executor was built with the first phase's checks skipped by fault "

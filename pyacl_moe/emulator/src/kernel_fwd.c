@@ -1,0 +1,193 @@
+/*
+ * The emulated MoeInitRoutingV2 kernel: sort the flattened expert ids, gather the token rows
+ * into expert order (dropping and padding to a capacity in drop/pad mode), and count the
+ * tokens of each expert. Results are those of the vendor's kernel as read from its source
+ * (docs/emulator.md, "The forward op"); its multi-core split and sort passes are not modelled,
+ * since they do not change the result.
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_kernel.h"
+
+/* A flattened position of expertIdx and its expert id: the sort's key and value. */
+typedef struct slot {
+    int32_t expert;
+    int64_t pos;
+} slot;
+
+/* Equal ids keep the order of their flattened positions (token * k + j), as the vendor's
+ * sort leaves them. */
+static int by_expert_then_position(const void *pa, const void *pb) {
+    const slot *a = pa, *b = pb;
+    if (a->expert != b->expert) return a->expert < b->expert ? -1 : 1;
+    return (a->pos > b->pos) - (a->pos < b->pos);
+}
+
+/* The fwd-unstable-sort mutation: equal ids in reverse order of position. */
+static int by_expert_then_reverse_position(const void *pa, const void *pb) {
+    const slot *a = pa, *b = pb;
+    if (a->expert != b->expert) return a->expert < b->expert ? -1 : 1;
+    return (a->pos < b->pos) - (a->pos > b->pos);
+}
+
+enum { V_X, V_IDX, V_EX, V_RI, V_CNT, V_BC, V_WS, V_COUNT };
+
+EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
+    const moe_fwd_args *a = payload;
+    aclemuCountAdd(EMU_C_KERNELS_RUN, 1);
+    static const char *const names[V_COUNT] = {
+        "x", "expertIdx", "expandedXOut", "expandedRowIdxOut", "expertTokensCountOrCumsumOut",
+        "expertTokensBeforeCapacityOut", "the workspace"};
+    const int64_t total = a->n * a->k, h = a->h;
+    const size_t es = moe_dtype_size(a->x.dtype);
+    const int droppad = a->drop_pad_mode == 1;
+    const int64_t ex_rows = droppad ? a->expert_num * a->capacity : a->active_rows;
+
+    /* The device ranges to pin: the inputs' views, the outputs written densely, the workspace. */
+    uintptr_t start[V_COUNT] = {0};
+    size_t bytes[V_COUNT] = {0};
+    int64_t xlo = 0, ilo = 0, hi;
+    if (view_extent(&a->x, &xlo, &hi)) {
+        start[V_X] = a->x.addr + (uintptr_t)(xlo * (int64_t)es);
+        bytes[V_X] = (size_t)(hi - xlo + 1) * es;
+    }
+    if (view_extent(&a->idx, &ilo, &hi)) {
+        start[V_IDX] = a->idx.addr + (uintptr_t)(ilo * 4);
+        bytes[V_IDX] = (size_t)(hi - ilo + 1) * 4;
+    }
+    start[V_EX] = a->ex_addr;
+    bytes[V_EX] = (size_t)(ex_rows * h) * es;
+    start[V_RI] = a->ri_addr;
+    bytes[V_RI] = (size_t)total * 4;
+    start[V_CNT] = a->cnt_addr;
+    bytes[V_CNT] = a->cnt_addr ? (size_t)a->expert_num * 4 : 0;
+    start[V_BC] = a->bc_addr;
+    bytes[V_BC] = a->bc_addr ? (size_t)a->expert_num * 4 : 0;
+    start[V_WS] = a->workspace;
+    bytes[V_WS] = a->workspace_size;
+    uintptr_t starts[V_COUNT];
+    size_t lens[V_COUNT];
+    int which[V_COUNT], n = 0;
+    for (int v = 0; v < V_COUNT; v++) {
+        if (!bytes[v]) continue;
+        starts[n] = start[v];
+        lens[n] = bytes[v];
+        which[n++] = v;
+    }
+    emu_pin pins[V_COUNT];
+    int bad = aclemuPinMany(starts, lens, pins, n);
+    if (bad >= 0) {
+        snprintf(msg, len,
+                 "device fault (AI Core exception): %s spans [%p, +%zu) but that is not inside a "
+                 "live device allocation (freed before the kernel ran?)",
+                 names[which[bad]], (void *)starts[bad], lens[bad]);
+        return ACL_ERROR_RT_AICORE_EXCEPTION;
+    }
+    unsigned char *host[V_COUNT] = {NULL};
+    for (int i = 0; i < n; i++) host[which[i]] = pins[i].host;
+
+    int status = ACL_ERROR_RT_AICORE_EXCEPTION;
+    slot *s = malloc((size_t)(total ? total : 1) * sizeof *s);
+    /* Only a count output needs the histogram, and then expertNum is its (mapped) length. */
+    const int counts = host[V_CNT] || host[V_BC];
+    int32_t *hist = counts ? calloc((size_t)(a->expert_num ? a->expert_num : 1), sizeof *hist) : NULL;
+    if (!s || (counts && !hist)) {
+        snprintf(msg, len, "emulator out of host memory");
+        status = ACL_ERROR_RT_INTERNAL_ERROR;
+        goto done;
+    }
+    /* The ids, copied once in row-major order of the view: checked and used from this
+     * snapshot, never re-read, so a concurrent write cannot slip an unchecked id past the
+     * check. */
+    for (int64_t p = 0; p < total; p++) {
+        int64_t off = a->idx.offset + (p / a->k) * a->idx.strides[0] + (p % a->k) * a->idx.strides[1];
+        memcpy(&s[p].expert, host[V_IDX] + (off - ilo) * 4, sizeof(int32_t));
+        s[p].pos = p;
+    }
+    /* The documented ranges: [0, expertNum) where an expert's slots or counts are addressed by
+     * its id (drop/pad mode, or a count output), else 0 or greater. The vendor's kernel does
+     * not check them; on a device a bad id writes out of bounds, here it is a fault. */
+    const int bounded = droppad || a->count_flag != 0;
+    for (int64_t p = 0; p < total; p++) {
+        int32_t v = s[p].expert;
+        if (v < 0 || (bounded && (int64_t)v >= a->expert_num)) {
+            if (bounded)
+                snprintf(msg, len,
+                         "device fault (AI Core exception): expertIdx[%lld][%lld] = %d is outside "
+                         "[0, expertNum = %lld); no output was written",
+                         (long long)(p / a->k), (long long)(p % a->k), (int)v,
+                         (long long)a->expert_num);
+            else
+                snprintf(msg, len,
+                         "device fault (AI Core exception): expertIdx[%lld][%lld] = %d is "
+                         "negative; no output was written",
+                         (long long)(p / a->k), (long long)(p % a->k), (int)v);
+            goto done;
+        }
+    }
+    qsort(s, (size_t)total, sizeof *s,
+          a->mutation == EMU_MUT_FWD_UNSTABLE_SORT ? by_expert_then_reverse_position
+                                                   : by_expert_then_position);
+
+    int32_t *ri = (int32_t *)host[V_RI];
+    unsigned char *ex = host[V_EX];
+    const int64_t *xs = a->x.strides;
+    /* Token row r of x into slot row `row` of expandedXOut. */
+#define COPY_ROW(row, r)                                                                      \
+    do {                                                                                      \
+        unsigned char *dst_ = ex + (row) * h * (int64_t)es;                                   \
+        int64_t base_ = a->x.offset + (r) * xs[0] - xlo;                                      \
+        if (xs[1] == 1) memcpy(dst_, host[V_X] + base_ * (int64_t)es, (size_t)h * es);        \
+        else                                                                                  \
+            for (int64_t c_ = 0; c_ < h; c_++)                                                \
+                memcpy(dst_ + c_ * (int64_t)es, host[V_X] + (base_ + c_ * xs[1]) * (int64_t)es, es); \
+    } while (0)
+    if (!droppad) {
+        /* Slot i of the sorted order is row i of expandedXOut; rows past activeNum are not
+         * gathered, but every position still gets its slot number. */
+        for (int64_t i = 0; i < total; i++) {
+            ri[s[i].pos] = (int32_t)i;
+            if (i < ex_rows && h > 0) COPY_ROW(i, s[i].pos / a->k);
+        }
+    } else {
+        /* Each expert owns expertCapacity rows, filled in sorted order; a token past the
+         * capacity is dropped (-1), and rows no token reaches are zero. */
+        if (ex_rows * h > 0) memset(ex, 0, (size_t)(ex_rows * h) * es);
+        int32_t prev = -1;
+        int64_t rank = 0;
+        for (int64_t i = 0; i < total; i++) {
+            rank = s[i].expert == prev ? rank + 1 : 0;
+            prev = s[i].expert;
+            if (rank < a->capacity) {
+                int64_t row = (int64_t)s[i].expert * a->capacity + rank;
+                ri[s[i].pos] = (int32_t)row;
+                if (h > 0) COPY_ROW(row, s[i].pos / a->k);
+            } else {
+                ri[s[i].pos] = -1;
+            }
+        }
+    }
+#undef COPY_ROW
+    if (counts) {
+        for (int64_t i = 0; i < total; i++) hist[s[i].expert]++;
+    }
+    if (host[V_CNT]) {
+        int32_t *out = (int32_t *)host[V_CNT];
+        int32_t run = 0;
+        for (int64_t e = 0; e < a->expert_num; e++) {
+            run += hist[e];
+            out[e] = a->count_flag == 1 ? run : hist[e];
+        }
+    }
+    if (host[V_BC]) memcpy(host[V_BC], hist, (size_t)a->expert_num * sizeof(int32_t));
+    status = 0;
+
+done:
+    free(s);
+    free(hist);
+    aclemuUnpinMany(pins, n);
+    return status;
+}

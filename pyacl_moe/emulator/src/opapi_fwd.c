@@ -1,0 +1,444 @@
+/*
+ * Emulated libopapi.so: the two phases of aclnnMoeInitRoutingV2, the forward of the MoE token
+ * routing, on the same generic layer as the backward (opapi.c).
+ *
+ * The first phase answers in nnopbase's order: null inputs, null required outputs and null
+ * output pointers (161001); data types and formats against the op's support list (161002);
+ * the current device (361001); then, unless every output is empty (success, nothing tiled,
+ * nothing launched), the tiling's checks in the order of its source (561002), the emulator's
+ * extent guards (161002) and the workspace. It reads no tensor memory: expert ids out of the
+ * documented range are a device fault of the kernel (kernel_fwd.c). docs/emulator.md, "The
+ * forward op", says where each rule was read.
+ */
+#define _GNU_SOURCE
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_kernel.h"
+
+/* The tiling's fixed reserve (16 MiB), whatever the shapes. */
+#define FWD_FIXED_WORKSPACE ((uint64_t)16 * 1024 * 1024)
+/* Vector cores of the emulated SoC (Ascend910B3: 20 AI Cores of two vector units each); the
+ * tiling reserves two int32 flags per core. */
+#define FWD_AIV_CORES 40
+
+static const char *const API = "aclnnMoeInitRoutingV2GetWorkspaceSize";
+
+enum { T_X, T_IDX, T_EX, T_RI, T_CNT, T_BC, T_COUNT };
+static const char *const NAMES[T_COUNT] = {"x", "expertIdx", "expandedXOut", "expandedRowIdxOut",
+                                           "expertTokensCountOrCumsumOut",
+                                           "expertTokensBeforeCapacityOut"};
+
+typedef struct fwd_op {
+    moe_fwd_args args;
+    int present[T_COUNT];
+    emu_tensor_desc d[T_COUNT];
+    int unchecked; /* built with the checks skipped: never launched */
+    int empty;     /* every output is empty: nothing is ever launched */
+} fwd_op;
+
+/* The executor's destructor, which also marks an executor as the forward's. */
+static void fwd_op_free(void *p) { free(p); }
+
+static int tiling_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int tiling_error(const char *fmt, ...) {
+    char buf[EMU_MSG_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    aclemuSetErrMsg(API, ACLNN_ERR_INNER_TILING_ERROR, "%s", buf);
+    return ACLNN_ERR_INNER_TILING_ERROR;
+}
+
+static int invalid(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int invalid(const char *fmt, ...) {
+    char buf[EMU_MSG_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    aclemuSetErrMsg(API, ACLNN_ERR_PARAM_INVALID, "%s", buf);
+    return ACLNN_ERR_PARAM_INVALID;
+}
+
+/* Dimension d of a shape, or INT64_MIN when the rank is too small (as the vendor's shape
+ * accessor reports a missing dimension, which then fails every comparison). */
+static int64_t dim(const emu_tensor_desc *t, int64_t d) {
+    return d < t->ndim ? t->shape[d] : INT64_MIN;
+}
+
+/* The support list (moe_init_routing_v2_def.cpp, ascend910b): x and expandedXOut FLOAT16,
+ * BF16 or FLOAT and the same; expertIdx and every index or count output INT32; ND formats. */
+static int check_support_list(const fwd_op *op) {
+    const emu_tensor_desc *x = &op->d[T_X];
+    if (x->dtype != ACL_FLOAT && x->dtype != ACL_FLOAT16 && x->dtype != ACL_BF16)
+        return invalid("x has data type %s (%d): it must be FLOAT16, BF16 or FLOAT",
+                       dtype_name(x->dtype), (int)x->dtype);
+    if (op->d[T_IDX].dtype != ACL_INT32)
+        return invalid("expertIdx has data type %s (%d): it must be INT32 (INT64 is accepted "
+                       "only on Ascend 950-class SoCs, which the emulator does not model)",
+                       dtype_name(op->d[T_IDX].dtype), (int)op->d[T_IDX].dtype);
+    if (op->d[T_EX].dtype != x->dtype)
+        return invalid("expandedXOut has data type %s (%d) but x has %s (%d): they must match",
+                       dtype_name(op->d[T_EX].dtype), (int)op->d[T_EX].dtype,
+                       dtype_name(x->dtype), (int)x->dtype);
+    for (int i = T_RI; i < T_COUNT; i++) {
+        if (op->present[i] && op->d[i].dtype != ACL_INT32)
+            return invalid("%s has data type %s (%d): it must be INT32", NAMES[i],
+                           dtype_name(op->d[i].dtype), (int)op->d[i].dtype);
+    }
+    for (int i = 0; i < T_COUNT; i++) {
+        if (op->present[i] && !format_is_nd_like(op->d[i].format))
+            return invalid("%s has format %d: the operator supports ND, and NCHW, NHWC, NCL, "
+                           "NCDHW and DHWCN as ND",
+                           NAMES[i], (int)op->d[i].format);
+    }
+    return 0;
+}
+
+/* A token-count output the tiling checks (its CheckTokenCount): present, 1-D, [expertNum]. */
+static int check_token_count(const fwd_op *op, int which, int64_t expert_num) {
+    if (!op->present[which])
+        return tiling_error("%s is a null pointer, but the flag that switches it on is set",
+                            NAMES[which]);
+    const emu_tensor_desc *t = &op->d[which];
+    if (t->ndim != 1)
+        return tiling_error("%s has %lld dimensions: it must have 1, [expertNum]", NAMES[which],
+                            (long long)t->ndim);
+    if (t->shape[0] != expert_num)
+        return tiling_error("%s has %lld elements: it must have expertNum = %lld", NAMES[which],
+                            (long long)t->shape[0], (long long)expert_num);
+    return 0;
+}
+
+/* The tiling's checks (GetShapeAttrsInfo, then CheckOutShape), in the order of its source. */
+static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, int64_t mode,
+                        int64_t flag, int before) {
+    const emu_tensor_desc *x = &op->d[T_X], *idx = &op->d[T_IDX];
+    if (x->ndim != 2)
+        return tiling_error("x has %lld dimensions: it must have 2, [numRows, h]",
+                            (long long)x->ndim);
+    if (dim(x, 0) != dim(idx, 0))
+        return tiling_error("x has %lld rows but expertIdx has %lld: dim 0 of both must be equal",
+                            (long long)dim(x, 0), (long long)dim(idx, 0));
+    if (dim(x, 0) < 0) return tiling_error("dim 0 of x is %lld: it must be 0 or greater",
+                                           (long long)dim(x, 0));
+    if (dim(x, 1) < 0) return tiling_error("dim 1 of x is %lld: it must be 0 or greater",
+                                           (long long)dim(x, 1));
+    if (dim(idx, 0) < 0) return tiling_error("dim 0 of expertIdx is %lld: it must be 0 or greater",
+                                             (long long)dim(idx, 0));
+    if (cap < 0) return tiling_error("expertCapacity is %lld: it must be 0 or greater", (long long)cap);
+    if (num < 0) return tiling_error("expertNum is %lld: it must be 0 or greater", (long long)num);
+    if (mode != 0 && mode != 1)
+        return tiling_error("dropPadMode is %lld: it must be 0 (dropless/active) or 1 (drop/pad)",
+                            (long long)mode);
+    if (mode == 1 && (cap < 1 || num < 1))
+        return tiling_error("drop/pad mode (dropPadMode 1): expertCapacity is %lld and expertNum "
+                            "is %lld; both must be greater than 0",
+                            (long long)cap, (long long)num);
+    if (flag < 0 || flag > 2)
+        return tiling_error("expertTokensCountOrCumsumFlag is %lld: it must be 0 (no output), 1 "
+                            "(cumulative sum) or 2 (count)",
+                            (long long)flag);
+    if (flag > 0 && num <= 0)
+        return tiling_error("expertTokensCountOrCumsumFlag is %lld but expertNum is %lld: "
+                            "expertNum must be greater than 0 when the flag is set",
+                            (long long)flag, (long long)num);
+    if (mode == 1 && cap > dim(x, 0))
+        return tiling_error("expertCapacity is %lld but x has %lld rows: it must not exceed them",
+                            (long long)cap, (long long)dim(x, 0));
+    /* Each mode ignores the other mode's output flag from here on. */
+    if (mode == 1) flag = 0;
+    else before = 0;
+    if (active < 0)
+        return tiling_error("activeNum is %lld: it must be 0 or greater", (long long)active);
+    if (idx->ndim != 2)
+        return tiling_error("expertIdx has %lld dimensions: it must have 2, [numRows, k]",
+                            (long long)idx->ndim);
+    if (idx->shape[1] < 0)
+        return tiling_error("dim 1 of expertIdx is %lld: it must be 0 or greater",
+                            (long long)idx->shape[1]);
+    const int64_t n = idx->shape[0], k = idx->shape[1], h = x->shape[1];
+    int64_t total;
+    /* The emulator's guard: the tiling multiplies in int64 without a check. */
+    if (__builtin_mul_overflow(n, k, &total))
+        return invalid("expertIdx has %lld x %lld elements: more than int64 can count",
+                       (long long)n, (long long)k);
+    const emu_tensor_desc *ex = &op->d[T_EX], *ri = &op->d[T_RI];
+    int64_t rows = total;
+    if (mode == 1) {
+        if (ex->ndim != 3)
+            return tiling_error("drop/pad mode: expandedXOut has %lld dimensions: it must have 3, "
+                                "[expertNum, expertCapacity, h]",
+                                (long long)ex->ndim);
+        if (ex->shape[0] != num)
+            return tiling_error("dim 0 of expandedXOut is %lld: it must be expertNum = %lld",
+                                (long long)ex->shape[0], (long long)num);
+        if (ex->shape[1] != cap)
+            return tiling_error("dim 1 of expandedXOut is %lld: it must be expertCapacity = %lld",
+                                (long long)ex->shape[1], (long long)cap);
+        if (ex->shape[2] != h)
+            return tiling_error("dim 2 of expandedXOut is %lld: it must be h (dim 1 of x) = %lld",
+                                (long long)ex->shape[2], (long long)h);
+    } else {
+        if (ex->ndim != 2)
+            return tiling_error("expandedXOut has %lld dimensions: it must have 2, [rows, h]",
+                                (long long)ex->ndim);
+        rows = active == 0 ? total : emu_min64(total, active);
+        if (ex->shape[0] != rows)
+            return tiling_error("dim 0 of expandedXOut is %lld: it must be %s = %lld",
+                                (long long)ex->shape[0],
+                                active == 0 ? "numRows * k" : "min(activeNum, numRows * k)",
+                                (long long)rows);
+        if (ex->shape[1] != h)
+            return tiling_error("dim 1 of expandedXOut is %lld: it must be h (dim 1 of x) = %lld",
+                                (long long)ex->shape[1], (long long)h);
+    }
+    if (ri->ndim != 1)
+        return tiling_error("expandedRowIdxOut has %lld dimensions: it must have 1, [numRows * k]",
+                            (long long)ri->ndim);
+    if (ri->shape[0] != total)
+        return tiling_error("expandedRowIdxOut has %lld elements: it must have numRows * k = %lld",
+                            (long long)ri->shape[0], (long long)total);
+    int st = 0;
+    if (mode == 0 && flag != 0) st = check_token_count(op, T_CNT, num);
+    if (!st && mode == 1 && before) st = check_token_count(op, T_BC, num);
+    if (st) return st;
+    moe_fwd_args *a = &op->args;
+    a->n = n;
+    a->k = k;
+    a->h = h;
+    a->active_rows = rows;
+    a->capacity = cap;
+    a->expert_num = num;
+    a->drop_pad_mode = mode;
+    a->count_flag = flag;
+    a->before_capacity = before;
+    return 0;
+}
+
+/* The tiling's workspace (its GetWorkspaceSize, for SoCs other than 310P and Ascend 950):
+ * six floats a slot for the sort, two int32 a slot for the scatter, two int32 flags a vector
+ * core, and a fixed 16 MiB. Returns 0, or 161002 when it does not fit in 64 bits. */
+static int tiling_workspace(int64_t total, uint64_t *ws) {
+    uint64_t sort = 0, scatter = 0, sum = 0;
+    int bad = __builtin_mul_overflow((uint64_t)total, (uint64_t)(sizeof(float) * 2 * 3), &sort) ||
+              __builtin_mul_overflow((uint64_t)total, (uint64_t)(sizeof(int32_t) * 2), &scatter) ||
+              __builtin_add_overflow(sort, scatter, &sum) ||
+              __builtin_add_overflow(sum, (uint64_t)FWD_AIV_CORES * 2 * sizeof(int32_t), &sum) ||
+              __builtin_add_overflow(sum, FWD_FIXED_WORKSPACE, &sum);
+    if (bad) return invalid("the workspace for %lld slots does not fit in 64 bits", (long long)total);
+    *ws = sum;
+    return 0;
+}
+
+/* The output views the kernel writes: nnopbase accepts strided outputs, and the kernel writes
+ * each one densely from its view's address (data + offset) whatever the strides, so the kernel
+ * is handed that dense view and maps (and a launch faults on) the memory it really writes. */
+static void densify(emu_tensor_desc *t) {
+    int64_t s = 1;
+    for (int64_t d = t->ndim - 1; d >= 0; d--) {
+        t->strides[d] = s;
+        /* A stride past int64 saturates, so that the extent guard then refuses the view. */
+        if (__builtin_mul_overflow(s, t->shape[d] > 0 ? t->shape[d] : 1, &s)) s = INT64_MAX;
+    }
+}
+
+static int check_shapes(fwd_op *op, int64_t active, int64_t cap, int64_t num, int64_t mode,
+                        int64_t flag, int before, uint64_t *workspace) {
+    /* nnopbase's "every output is empty": each present output has a dimension equal to 0. */
+    op->empty = 1;
+    for (int i = T_EX; i < T_COUNT; i++)
+        if (op->present[i] && !is_empty(&op->d[i])) op->empty = 0;
+    *workspace = 0;
+    int st = 0;
+    if (!op->empty) {
+        st = check_tiling(op, active, cap, num, mode, flag, before);
+        for (int i = T_EX; i < T_COUNT && !st; i++) {
+            if (!op->present[i]) continue;
+            densify(&op->d[i]);
+            st = check_extent(API, &op->d[i], NAMES[i]);
+        }
+        if (!st) st = check_extent(API, &op->d[T_X], "x");
+        if (!st) st = check_extent(API, &op->d[T_IDX], "expertIdx");
+        if (!st) st = tiling_workspace(op->args.n * op->args.k, workspace);
+    } else {
+        for (int i = T_X; i <= T_IDX && !st; i++)
+            if (view_numel(&op->d[i]) < 0)
+                st = invalid("%s has a negative dimension or more elements than int64 can count",
+                             NAMES[i]);
+    }
+    if (!st) st = add_copy_scratch(API, &op->d[T_X], "x", workspace);
+    if (!st) st = add_copy_scratch(API, &op->d[T_IDX], "expertIdx", workspace);
+    return st;
+}
+
+EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
+    const aclTensor *x, const aclTensor *expertIdx, int64_t activeNumOptional,
+    int64_t expertCapacityOptional, int64_t expertNumOptional, int64_t dropPadModeOptional,
+    int64_t expertTokensCountOrCumsumFlagOptional, bool expertTokensBeforeCapacityFlagOptional,
+    const aclTensor *expandedXOut, const aclTensor *expandedRowIdxOut,
+    const aclTensor *expertTokensCountOrCumsumOutOptional,
+    const aclTensor *expertTokensBeforeCapacityOutOptional, uint64_t *workspaceSize,
+    aclOpExecutor **executor) {
+    int f = aclemuFaultPoint(API, ACLNN_ERR_INNER);
+    const int unchecked = f == ACLEMU_SKIP_CHECKS; /* validation weakened by fault injection */
+    if (f && !unchecked) return f;
+    /* The optional outputs may be null: nnopbase only requires the required tensors. */
+    const char *null_name = !x                   ? "x"
+                            : !expertIdx         ? "expertIdx"
+                            : !expandedXOut      ? "expandedXOut"
+                            : !expandedRowIdxOut ? "expandedRowIdxOut"
+                            : !workspaceSize     ? "workspaceSize"
+                            : !executor          ? "executor"
+                                                 : NULL;
+    if (null_name) {
+        aclemuSetErrMsg(API, ACLNN_ERR_PARAM_NULLPTR, "%s is a null pointer", null_name);
+        return ACLNN_ERR_PARAM_NULLPTR;
+    }
+    /* The descriptors are large; keep them off the caller's stack. */
+    fwd_op *op = calloc(1, sizeof *op);
+    if (!op) {
+        aclemuSetErrMsg(API, ACLNN_ERR_INNER, "out of host memory");
+        return ACLNN_ERR_INNER;
+    }
+    const aclTensor *t[T_COUNT] = {x, expertIdx, expandedXOut, expandedRowIdxOut,
+                                   expertTokensCountOrCumsumOutOptional,
+                                   expertTokensBeforeCapacityOutOptional};
+    int st = 0;
+    for (int i = 0; i < T_COUNT && !st; i++) {
+        op->present[i] = t[i] != NULL;
+        if (t[i] && aclemuTensorDesc(t[i], &op->d[i]))
+            st = invalid("%s (%p) is not a live aclTensor", NAMES[i], (const void *)t[i]);
+    }
+    if (!st && !unchecked) st = check_support_list(op);
+    int32_t device = 0;
+    if (!st && aclemuRequireDevice(API, &device)) {
+        st = ACLNN_ERR_RUNTIME_ERROR;
+        aclemuSetErrMsg(API, st,
+                        "no device context: call aclInit and aclrtSetDevice on this thread first");
+    }
+    uint64_t workspace = FWD_FIXED_WORKSPACE;
+    if (!st && !unchecked)
+        st = check_shapes(op, activeNumOptional, expertCapacityOptional, expertNumOptional,
+                          dropPadModeOptional, expertTokensCountOrCumsumFlagOptional,
+                          expertTokensBeforeCapacityFlagOptional, &workspace);
+    if (st) {
+        free(op);
+        return st;
+    }
+    op->unchecked = unchecked;
+    op->args.x = op->d[T_X];
+    op->args.idx = op->d[T_IDX];
+    emu_executor_info info;
+    memset(&info, 0, sizeof info);
+    info.device = device;
+    info.workspace_size = workspace;
+    info.n_inputs = 2;
+    info.input_addr[0] = op->d[T_X].addr;
+    info.input_addr[1] = op->d[T_IDX].addr;
+    info.input_tensor[0] = x;
+    info.input_tensor[1] = expertIdx;
+    for (int i = T_EX; i < T_COUNT; i++) {
+        if (!op->present[i]) continue;
+        info.output_addr[info.n_outputs] = op->d[i].addr;
+        info.output_tensor[info.n_outputs++] = t[i];
+    }
+    info.op_data = op;
+    info.op_free = fwd_op_free;
+    aclOpExecutor *ex = aclemuExecutorCreate(&info);
+    if (!ex) {
+        free(op);
+        aclemuSetErrMsg(API, ACLNN_ERR_INNER, "out of host memory");
+        return ACLNN_ERR_INNER;
+    }
+    *workspaceSize = workspace;
+    *executor = ex;
+    return ACLNN_SUCCESS;
+}
+
+static void kernel_release(void *p) { free(p); }
+
+/* The address a rebound output now has, plus its view offset, in bytes. */
+static uintptr_t out_addr(const emu_tensor_desc *d, uintptr_t base) {
+    return base + (uintptr_t)(d->offset * (int64_t)moe_dtype_size(d->dtype));
+}
+
+EMU_API aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSize,
+                                          aclOpExecutor *executor, aclrtStream stream) {
+    EMU_ENTRY(ACLNN_ERR_INNER);
+    /* nnopbase's argument checks, as for the backward (opapi.c, aclnnMoeInitRoutingV2Grad). */
+    if (!executor) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "executor is a null pointer");
+        return ACLNN_ERR_PARAM_NULLPTR;
+    }
+    if (workspaceSize > 0 && !workspace) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR,
+                        "workspace is a null pointer but workspaceSize is %llu",
+                        (unsigned long long)workspaceSize);
+        return ACLNN_ERR_PARAM_NULLPTR;
+    }
+    emu_executor_info info;
+    int st = aclemuExecutorAcquire(api, executor, &info, 0);
+    if (st) return st;
+    const fwd_op *op = info.op_data;
+    if (info.op_free != fwd_op_free) {
+        /* The emulator keeps each op's plan in its own form: an executor of another op is not
+         * run here (CANN would run that op's kernel; no caller relies on it). */
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
+                        "executor was made by another op's first phase, not by "
+                        "aclnnMoeInitRoutingV2GetWorkspaceSize");
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (op->unchecked) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
+                        "this executor was built with the first phase's checks skipped by fault "
+                        "injection; it is not launched, since its shapes were never validated");
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (workspaceSize < info.workspace_size) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
+                        "workspaceSize is %llu but the first phase asked for %llu bytes",
+                        (unsigned long long)workspaceSize,
+                        (unsigned long long)info.workspace_size);
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (!info.repeatable) {
+        st = aclemuExecutorAcquire(api, executor, &info, 1);
+        if (st) return st;
+        op = info.op_data;
+    }
+    if (op->empty) {
+        aclemuExecutorRelease(&info);
+        return ACLNN_SUCCESS;
+    }
+    moe_fwd_args *k = malloc(sizeof *k);
+    if (!k) {
+        aclemuExecutorRelease(&info);
+        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
+        return ACLNN_ERR_INNER;
+    }
+    /* A launch captures the addresses bound now; later rebinding affects later launches. */
+    *k = op->args;
+    k->x.addr = info.input_addr[0];
+    k->idx.addr = info.input_addr[1];
+    uintptr_t *slots[T_COUNT] = {NULL, NULL, &k->ex_addr, &k->ri_addr, &k->cnt_addr, &k->bc_addr};
+    for (int i = T_EX, o = 0; i < T_COUNT; i++) {
+        if (!op->present[i]) continue;
+        *slots[i] = out_addr(&op->d[i], info.output_addr[o++]);
+    }
+    /* An output the scenario does not switch on is not written. */
+    if (k->drop_pad_mode != 0 || k->count_flag == 0) k->cnt_addr = 0;
+    if (k->drop_pad_mode != 1 || !k->before_capacity) k->bc_addr = 0;
+    k->workspace = (uintptr_t)workspace;
+    k->workspace_size = info.workspace_size;
+    aclemuExecutorRelease(&info);
+    st = aclemuLaunch(api, info.device, stream, (uintptr_t)workspace, info.workspace_size,
+                      &k->mutation, moe_fwd_kernel_run, kernel_release, k);
+    if (st) return st;
+    aclemuCountAdd(EMU_C_KERNELS_LAUNCHED, 1);
+    return ACLNN_SUCCESS;
+}
