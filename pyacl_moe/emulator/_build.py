@@ -39,6 +39,7 @@ import warnings
 from pathlib import Path
 
 from .. import _paths
+from ._errors import EmulatorBuildError
 
 SRC_DIR = Path(__file__).resolve().parent / "src"
 
@@ -76,10 +77,6 @@ DEFAULT_BUILD_TIMEOUT = 300.0
 # What a CANN toolkit keeps in <home>/<arch>-linux/ to say which release it is.
 RELEASE_FILE = "ascend_toolkit_install.info"
 PACKAGE_NAME = "pyacl-moe-emulator"
-
-
-class EmulatorBuildError(RuntimeError):
-    """The emulator could not be compiled: no compiler, or the compiler failed."""
 
 
 def cache_root() -> Path:

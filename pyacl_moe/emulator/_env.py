@@ -16,7 +16,7 @@ import re
 import warnings
 from collections.abc import Callable, Mapping
 
-from ._build import EmulatorBuildError
+from ._errors import EmulatorBuildError
 
 PREFIX = "PYACL_MOE_EMU_"
 MAX_DEVICES = 64  # EMU_MAX_DEVICES in rt_internal.h
