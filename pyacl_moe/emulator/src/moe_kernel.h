@@ -42,6 +42,25 @@ EMU_HIDDEN int check_extent(const char *api, const emu_tensor_desc *t, const cha
 EMU_HIDDEN int add_copy_scratch(const char *api, const emu_tensor_desc *t, const char *name,
                                 uint64_t *total);
 
+/* What the shared second phase (opapi.c) needs to know of an op's plan. */
+typedef struct emu_op_kind {
+    void (*op_free)(void *);  /* the destructor its first phase gives executors: marks them */
+    const char *first_phase;  /* that first phase's name, for messages */
+    int (*unchecked)(const void *op_data);
+    int (*empty)(const void *op_data);
+} emu_op_kind;
+
+/* nnopbase's second phase up to the kernel: argument checks in its order, the executor taken
+ * (a one-shot one is consumed whatever follows). 0 with *nothing set when every output is empty
+ * (no launch; the executor released), or a status. */
+EMU_HIDDEN int emu_second_phase_take(const char *api, const emu_op_kind *kind, void *workspace,
+                                     uint64_t workspaceSize, aclOpExecutor *executor,
+                                     emu_executor_info *info, int *nothing);
+/* Then: release the executor and queue ``run(args)`` (args NULL: out of host memory). */
+EMU_HIDDEN int emu_second_phase_launch(const char *api, emu_executor_info *info, aclrtStream stream,
+                                       void *workspace, int *mutation, emu_task_run run,
+                                       emu_task_release release, void *args);
+
 /* The emulated MoeInitRoutingV2 kernel (kernel_fwd.c): what a launch captures. */
 typedef struct moe_fwd_args {
     emu_tensor_desc x, idx;   /* inputs, any strides */

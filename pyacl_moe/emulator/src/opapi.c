@@ -408,14 +408,15 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
 
 static void kernel_release(void *p) { free(p); }
 
-EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspaceSize,
-                                              aclOpExecutor *executor, aclrtStream stream) {
-    EMU_ENTRY(ACLNN_ERR_INNER);
+EMU_HIDDEN int emu_second_phase_take(const char *api, const emu_op_kind *kind, void *workspace,
+                                     uint64_t workspaceSize, aclOpExecutor *executor,
+                                     emu_executor_info *info, int *nothing) {
     /* nnopbase's argument checks (NnopbaseRunWithWorkspace) return without touching the
      * executor: a null executor, then a null workspace for a non-zero workspaceSize (both
      * 161001), then a workspaceSize below what the first phase asked for (161002). Past them
      * a guard recycles a one-shot executor whatever happens next, so every later failure
      * (device, stream, workspace block) consumes it too. */
+    *nothing = 0;
     if (!executor) {
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "executor is a null pointer");
         return ACLNN_ERR_PARAM_NULLPTR;
@@ -426,59 +427,81 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
                         (unsigned long long)workspaceSize);
         return ACLNN_ERR_PARAM_NULLPTR;
     }
-    emu_executor_info info;
-    int st = aclemuExecutorAcquire(api, executor, &info, 0);
+    int st = aclemuExecutorAcquire(api, executor, info, 0);
     if (st) return st;
-    const moe_op *op = info.op_data;
-    if (info.op_free != free) {
-        /* Each op keeps its plan in its own form: another op's executor is not run here. */
+    if (info->op_free != kind->op_free) {
+        /* Each op keeps its plan in its own form: another op's executor is not run here (CANN
+         * would run that op's kernel; no caller relies on it). */
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
-                        "executor was made by another op's first phase, not by "
-                        "aclnnMoeInitRoutingV2GradGetWorkspaceSize");
+                        "executor was made by another op's first phase, not by %s",
+                        kind->first_phase);
         return ACLNN_ERR_PARAM_INVALID;
     }
-    if (op->unchecked) {
+    if (kind->unchecked(info->op_data)) {
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
                         "this executor was built with the first phase's checks skipped by fault "
                         "injection; it is not launched, since its shapes were never validated");
         return ACLNN_ERR_PARAM_INVALID;
     }
-    if (workspaceSize < info.workspace_size) {
+    if (workspaceSize < info->workspace_size) {
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
                         "workspaceSize is %llu but the first phase asked for %llu bytes",
                         (unsigned long long)workspaceSize,
-                        (unsigned long long)info.workspace_size);
+                        (unsigned long long)info->workspace_size);
         return ACLNN_ERR_PARAM_INVALID;
     }
-    if (!info.repeatable) {
+    if (!info->repeatable) {
         /* Take it now (another thread may have launched it meanwhile: then it is stale). */
-        st = aclemuExecutorAcquire(api, executor, &info, 1);
+        st = aclemuExecutorAcquire(api, executor, info, 1);
         if (st) return st;
-        op = info.op_data;
     }
-    if (op->empty) {
+    if (kind->empty(info->op_data)) {
         /* Every output is empty: nnopbase launches no kernel, so neither the device nor the
          * stream is looked at. */
-        aclemuExecutorRelease(&info);
-        return ACLNN_SUCCESS;
+        aclemuExecutorRelease(info);
+        *nothing = 1;
     }
-    moe_kernel_args *k = malloc(sizeof *k);
-    if (!k) {
-        aclemuExecutorRelease(&info);
+    return ACLNN_SUCCESS;
+}
+
+EMU_HIDDEN int emu_second_phase_launch(const char *api, emu_executor_info *info, aclrtStream stream,
+                                       void *workspace, int *mutation, emu_task_run run,
+                                       emu_task_release release, void *args) {
+    aclemuExecutorRelease(info); /* frees a consumed one-shot executor */
+    if (!args) {
         aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
         return ACLNN_ERR_INNER;
     }
-    /* A launch captures the addresses bound now; later rebinding affects later launches. */
-    *k = op->args;
-    k->x.addr = info.input_addr[0];
-    k->idx.addr = info.input_addr[1];
-    k->out.addr = info.output_addr[0];
-    k->workspace = (uintptr_t)workspace;
-    k->workspace_size = info.workspace_size;
-    aclemuExecutorRelease(&info); /* frees a consumed one-shot executor */
-    st = aclemuLaunch(api, info.device, stream, (uintptr_t)workspace, info.workspace_size,
-                      &k->mutation, moe_kernel_run, kernel_release, k);
+    int st = aclemuLaunch(api, info->device, stream, (uintptr_t)workspace, info->workspace_size,
+                          mutation, run, release, args);
     if (st) return st;
     aclemuCountAdd(EMU_C_KERNELS_LAUNCHED, 1);
     return ACLNN_SUCCESS;
+}
+
+static int grad_unchecked(const void *op) { return ((const moe_op *)op)->unchecked; }
+static int grad_empty(const void *op) { return ((const moe_op *)op)->empty; }
+static const emu_op_kind GRAD = {free, "aclnnMoeInitRoutingV2GradGetWorkspaceSize", grad_unchecked,
+                                 grad_empty};
+
+EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspaceSize,
+                                              aclOpExecutor *executor, aclrtStream stream) {
+    EMU_ENTRY(ACLNN_ERR_INNER);
+    emu_executor_info info;
+    int nothing;
+    int st = emu_second_phase_take(api, &GRAD, workspace, workspaceSize, executor, &info, &nothing);
+    if (st || nothing) return st;
+    const moe_op *op = info.op_data;
+    moe_kernel_args *k = malloc(sizeof *k);
+    if (k) {
+        /* A launch captures the addresses bound now; later rebinding affects later launches. */
+        *k = op->args;
+        k->x.addr = info.input_addr[0];
+        k->idx.addr = info.input_addr[1];
+        k->out.addr = info.output_addr[0];
+        k->workspace = (uintptr_t)workspace;
+        k->workspace_size = info.workspace_size;
+    }
+    return emu_second_phase_launch(api, &info, stream, workspace, k ? &k->mutation : NULL,
+                                   moe_kernel_run, kernel_release, k);
 }

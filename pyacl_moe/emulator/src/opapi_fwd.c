@@ -367,78 +367,36 @@ static uintptr_t out_addr(const emu_tensor_desc *d, uintptr_t base) {
     return base + (uintptr_t)(d->offset * (int64_t)moe_dtype_size(d->dtype));
 }
 
+static int fwd_unchecked(const void *op) { return ((const fwd_op *)op)->unchecked; }
+static int fwd_empty(const void *op) { return ((const fwd_op *)op)->empty; }
+static const emu_op_kind FWD = {fwd_op_free, "aclnnMoeInitRoutingV2GetWorkspaceSize", fwd_unchecked,
+                                fwd_empty};
+
 EMU_API aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSize,
                                           aclOpExecutor *executor, aclrtStream stream) {
     EMU_ENTRY(ACLNN_ERR_INNER);
-    /* nnopbase's argument checks, as for the backward (opapi.c, aclnnMoeInitRoutingV2Grad). */
-    if (!executor) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "executor is a null pointer");
-        return ACLNN_ERR_PARAM_NULLPTR;
-    }
-    if (workspaceSize > 0 && !workspace) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR,
-                        "workspace is a null pointer but workspaceSize is %llu",
-                        (unsigned long long)workspaceSize);
-        return ACLNN_ERR_PARAM_NULLPTR;
-    }
     emu_executor_info info;
-    int st = aclemuExecutorAcquire(api, executor, &info, 0);
-    if (st) return st;
+    int nothing;
+    int st = emu_second_phase_take(api, &FWD, workspace, workspaceSize, executor, &info, &nothing);
+    if (st || nothing) return st;
     const fwd_op *op = info.op_data;
-    if (info.op_free != fwd_op_free) {
-        /* The emulator keeps each op's plan in its own form: an executor of another op is not
-         * run here (CANN would run that op's kernel; no caller relies on it). */
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
-                        "executor was made by another op's first phase, not by "
-                        "aclnnMoeInitRoutingV2GetWorkspaceSize");
-        return ACLNN_ERR_PARAM_INVALID;
-    }
-    if (op->unchecked) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
-                        "this executor was built with the first phase's checks skipped by fault "
-                        "injection; it is not launched, since its shapes were never validated");
-        return ACLNN_ERR_PARAM_INVALID;
-    }
-    if (workspaceSize < info.workspace_size) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
-                        "workspaceSize is %llu but the first phase asked for %llu bytes",
-                        (unsigned long long)workspaceSize,
-                        (unsigned long long)info.workspace_size);
-        return ACLNN_ERR_PARAM_INVALID;
-    }
-    if (!info.repeatable) {
-        st = aclemuExecutorAcquire(api, executor, &info, 1);
-        if (st) return st;
-        op = info.op_data;
-    }
-    if (op->empty) {
-        aclemuExecutorRelease(&info);
-        return ACLNN_SUCCESS;
-    }
     moe_fwd_args *k = malloc(sizeof *k);
-    if (!k) {
-        aclemuExecutorRelease(&info);
-        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
-        return ACLNN_ERR_INNER;
+    if (k) {
+        /* A launch captures the addresses bound now; later rebinding affects later launches. */
+        *k = op->args;
+        k->x.addr = info.input_addr[0];
+        k->idx.addr = info.input_addr[1];
+        uintptr_t *slots[T_COUNT] = {NULL, NULL, &k->ex_addr, &k->ri_addr, &k->cnt_addr, &k->bc_addr};
+        for (int i = T_EX, o = 0; i < T_COUNT; i++) {
+            if (!op->present[i]) continue;
+            *slots[i] = out_addr(&op->d[i], info.output_addr[o++]);
+        }
+        /* An output the scenario does not switch on is not written. */
+        if (k->drop_pad_mode != 0 || k->count_flag == 0) k->cnt_addr = 0;
+        if (k->drop_pad_mode != 1 || !k->before_capacity) k->bc_addr = 0;
+        k->workspace = (uintptr_t)workspace;
+        k->workspace_size = info.workspace_size;
     }
-    /* A launch captures the addresses bound now; later rebinding affects later launches. */
-    *k = op->args;
-    k->x.addr = info.input_addr[0];
-    k->idx.addr = info.input_addr[1];
-    uintptr_t *slots[T_COUNT] = {NULL, NULL, &k->ex_addr, &k->ri_addr, &k->cnt_addr, &k->bc_addr};
-    for (int i = T_EX, o = 0; i < T_COUNT; i++) {
-        if (!op->present[i]) continue;
-        *slots[i] = out_addr(&op->d[i], info.output_addr[o++]);
-    }
-    /* An output the scenario does not switch on is not written. */
-    if (k->drop_pad_mode != 0 || k->count_flag == 0) k->cnt_addr = 0;
-    if (k->drop_pad_mode != 1 || !k->before_capacity) k->bc_addr = 0;
-    k->workspace = (uintptr_t)workspace;
-    k->workspace_size = info.workspace_size;
-    aclemuExecutorRelease(&info);
-    st = aclemuLaunch(api, info.device, stream, (uintptr_t)workspace, info.workspace_size,
-                      &k->mutation, moe_fwd_kernel_run, kernel_release, k);
-    if (st) return st;
-    aclemuCountAdd(EMU_C_KERNELS_LAUNCHED, 1);
-    return ACLNN_SUCCESS;
+    return emu_second_phase_launch(api, &info, stream, workspace, k ? &k->mutation : NULL,
+                                   moe_fwd_kernel_run, kernel_release, k);
 }
