@@ -27,6 +27,7 @@ from .errors import (
     status_name,
 )
 from .op.executor import Executor, execute
+from .op.moe_init_routing_v2 import RoutingResult, moe_init_routing_v2
 from .op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, get_workspace_size, moe_init_routing_v2_grad
 from .pool import empty_cache, memory_stats
 from .stream import Event, Stream, current_stream
@@ -69,6 +70,8 @@ __all__ = [
     "memory_stats",
     "pinned_empty",
     "moe_init_routing_v2_grad",
+    "RoutingResult",
+    "moe_init_routing_v2",
     "reference",
     "set_caching",
     "soc_name",

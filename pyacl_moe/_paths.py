@@ -14,6 +14,7 @@ HEADER_FILES: tuple[str, ...] = (
     "acl.h",
     "acl_meta.h",
     "aclnn_moe_init_routing_v2_grad.h",
+    "aclnn_moe_init_routing_v2.h",
 )
 
 _PACKAGE = Path(__file__).resolve().parent

@@ -59,7 +59,7 @@ import numpy as np
 from . import _contract
 from .errors import InvalidArgument
 
-__all__ = ["moe_init_routing_v2_grad"]
+__all__ = ["moe_init_routing_v2", "moe_init_routing_v2_grad"]
 
 # Tiles of tokens (and columns) are sized so that their working set (the float32 buffers and
 # the gathered rows) stays around 2 MiB, within a core's L2 and its share of L3: main memory
@@ -217,3 +217,84 @@ def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, o
                 np.add(acc[0:b:step], acc[stride:b:step], out=acc[0:b:step])
                 stride = step
             out[t0:t1, c0:c1] = acc[0]  # the one rounding to the output dtype (nearest even)
+
+
+# ---------------------------------------------------------------------------- the forward op
+
+_FWD_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
+
+
+def moe_init_routing_v2(
+    x: Any,
+    expert_idx: Any,
+    active_num: int = 0,
+    expert_capacity: int = 0,
+    expert_num: int = 0,
+    drop_pad_mode: int = 0,
+    expert_tokens_count_or_cumsum_flag: int = 0,
+    expert_tokens_before_capacity_flag: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """aclnnMoeInitRoutingV2 (MoE token routing, forward) in NumPy: (expanded_x,
+    expanded_row_idx, expert_tokens_count_or_cumsum or None, expert_tokens_before_capacity or
+    None), as the vendor documents them (github:repo-mirror-test/ops-transformer,
+    moe/moe_init_routing_v2/docs and op_kernel).
+
+    The N*K slots (token i's t-th expert at flattened position i*K + t) are sorted by expert id;
+    equal ids keep the order of their positions, as the vendor's sort does.
+    ``expanded_row_idx[p]`` is where slot p went. Dropless/active (mode 0): row j of
+    expanded_x is x[token of the j-th sorted slot], for the first N*K rows (activeNum 0) or the
+    first min(activeNum, N*K). Drop/pad (mode 1): expert e keeps its first expert_capacity
+    slots at [e, rank], the others get -1, and rows nobody fills are zero. The count output
+    (mode 0, flag 1: cumulative sum, 2: count per expert) and the before-capacity output (mode
+    1, flag set: count per expert before dropping) have expert_num entries. Rows are copied,
+    never computed: the results are exact.
+    """
+    xs = _contract.native(np.asarray(x))
+    ids = np.asarray(expert_idx)
+    if xs.ndim != 2:
+        raise InvalidArgument("x", f"must be 2-D [N, H], got shape {xs.shape}")
+    if xs.dtype not in _FWD_DTYPES:
+        raise InvalidArgument("x", f"dtype must be float16, bfloat16 or float32, got {xs.dtype}")
+    if ids.ndim != 2 or ids.shape[0] != xs.shape[0]:
+        raise InvalidArgument("expert_idx", f"must be 2-D [N, K] with N = {xs.shape[0]} (x's rows), "
+                                            f"got shape {ids.shape}")
+    if ids.dtype != np.int32:
+        raise InvalidArgument("expert_idx", f"dtype must be int32, got {ids.dtype}")
+    mode, flag = int(drop_pad_mode), int(expert_tokens_count_or_cumsum_flag)
+    active, cap, num = int(active_num), int(expert_capacity), int(expert_num)
+    if mode not in (0, 1):
+        raise InvalidArgument("drop_pad_mode", f"must be 0 or 1, got {mode}")
+    if flag not in (0, 1, 2):
+        raise InvalidArgument("expert_tokens_count_or_cumsum_flag", f"must be 0, 1 or 2, got {flag}")
+    if active < 0 or cap < 0 or num < 0:
+        raise InvalidArgument("active_num", "active_num, expert_capacity and expert_num must not be negative")
+    if mode == 1 and (cap < 1 or num < 1):
+        raise InvalidArgument("expert_capacity", "drop/pad mode needs expert_capacity and expert_num above 0")
+    n, k = ids.shape
+    h = xs.shape[1]
+    total = n * k
+    flat = ids.reshape(-1).astype(np.int64)
+    counted = mode == 1 or flag != 0
+    if counted and total and (flat.min() < 0 or flat.max() >= num):
+        raise InvalidArgument("expert_idx", f"ids must be in [0, expert_num = {num}) here")
+    if not counted and total and flat.min() < 0:
+        raise InvalidArgument("expert_idx", "ids must not be negative")
+    order = np.argsort(flat, kind="stable")  # equal ids keep the order of their positions
+    row_idx = np.empty(total, np.int32)
+    if mode == 0:
+        rows = total if active == 0 else min(active, total)
+        row_idx[order] = np.arange(total, dtype=np.int32)
+        expanded = np.take(xs, order[:rows] // k, axis=0) if h else np.zeros((rows, h), xs.dtype)
+    else:
+        sorted_ids = flat[order]
+        rank = np.arange(total) - np.searchsorted(sorted_ids, sorted_ids, side="left")
+        keep = rank < cap
+        row_idx[order] = np.where(keep, sorted_ids * cap + rank, -1).astype(np.int32)
+        expanded = np.zeros((num, cap, h), xs.dtype)
+        expanded.reshape(num * cap, h)[sorted_ids[keep] * cap + rank[keep]] = xs[order[keep] // k]
+    hist = np.bincount(flat, minlength=num)[:num].astype(np.int32) if counted and num else np.zeros(num, np.int32)
+    count = None
+    if mode == 0 and flag:
+        count = np.cumsum(hist, dtype=np.int32) if flag == 1 else hist
+    before = hist if mode == 1 and expert_tokens_before_capacity_flag else None
+    return expanded, row_idx, count, before

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from .. import _lifetime
 from .._cann import aclemu, loader
-from ._build import SRC_DIR, EmulatorBuildError, build, cache_root
+from ._build import SRC_DIR, build, cache_root
 from ._env import EmulatorConfigError, check_environment
+from ._errors import EmulatorBuildError
 
 MUTATIONS: tuple[str, ...] = ("skip-last-k", "fp16-accumulate", "off-by-one-row")
 STREAM_MODES: tuple[str, ...] = ("async", "lazy")

@@ -1,0 +1,260 @@
+"""aclnnMoeInitRoutingV2: the forward of MoE token routing (sort the top-k expert ids, gather
+token rows into expert order, optionally drop and pad to a capacity, count tokens per expert).
+
+Low level, the two phases as CANN has them::
+
+    size, executor = get_workspace_size(x_t, idx_t, active_num, expert_capacity, expert_num,
+                                        drop_pad_mode, count_flag, before_capacity_flag,
+                                        expanded_x_t, expanded_row_idx_t, count_t, before_t)
+    execute(workspace, size, executor, stream)
+
+The one-call function :func:`moe_init_routing_v2` takes host arrays (copy in, run,
+synchronize, copy out) or DeviceArrays (queued on a stream, returns at once), and allocates the
+outputs the scenario switches on. Its ``expanded_row_idx`` is what the backward,
+:func:`~pyacl_moe.moe_init_routing_v2_grad`, takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _args
+from ..array import DeviceArray, empty, host_array, to_device
+from ..device import Device, current_device, resolve_device
+from ..errors import InvalidArgument
+from ..host import host_view, in_family
+from ..pool import workspace_for
+from ..stream import Stream, current_stream, resolve_stream
+from ..tensor import AclTensor
+from .executor import Executor, build, launch, mark_uses
+from .executor import execute as execute
+from .spec import OpSpec, Param
+
+__all__ = ["SPEC", "RoutingResult", "execute", "get_workspace_size", "moe_init_routing_v2"]
+
+SPEC = OpSpec(
+    "aclnnMoeInitRoutingV2",
+    (
+        Param("x", "input", "x"),
+        Param("expert_idx", "input", "expertIdx"),
+        Param("active_num", "attr", "activeNumOptional"),
+        Param("expert_capacity", "attr", "expertCapacityOptional"),
+        Param("expert_num", "attr", "expertNumOptional"),
+        Param("drop_pad_mode", "attr", "dropPadModeOptional"),
+        Param("expert_tokens_count_or_cumsum_flag", "attr", "expertTokensCountOrCumsumFlagOptional"),
+        Param("expert_tokens_before_capacity_flag", "attr", "expertTokensBeforeCapacityFlagOptional"),
+        Param("expanded_x", "output", "expandedXOut"),
+        Param("expanded_row_idx", "output", "expandedRowIdxOut"),
+        Param("expert_tokens_count_or_cumsum", "output", "expertTokensCountOrCumsumOutOptional"),
+        Param("expert_tokens_before_capacity", "output", "expertTokensBeforeCapacityOutOptional"),
+    ),
+)
+
+class RoutingResult(NamedTuple):
+    """The forward's outputs; the two optional ones are None unless the scenario switches them
+    on (count: drop_pad_mode 0 with a count flag; before-capacity: drop_pad_mode 1 with its
+    flag)."""
+
+    expanded_x: Any
+    expanded_row_idx: Any
+    expert_tokens_count_or_cumsum: Any
+    expert_tokens_before_capacity: Any
+
+
+def _attrs(active_num: Any, expert_capacity: Any, expert_num: Any, drop_pad_mode: Any, count_flag: Any,
+           before_flag: Any) -> dict[str, Any]:
+    return {
+        "active_num": _args.int64("active_num", active_num),
+        "expert_capacity": _args.int64("expert_capacity", expert_capacity),
+        "expert_num": _args.int64("expert_num", expert_num),
+        "drop_pad_mode": _args.int64("drop_pad_mode", drop_pad_mode),
+        "expert_tokens_count_or_cumsum_flag": _args.int64("expert_tokens_count_or_cumsum_flag", count_flag),
+        "expert_tokens_before_capacity_flag": _args.instance("expert_tokens_before_capacity_flag", before_flag,
+                                                             bool, "a bool"),
+    }
+
+
+# ---------------------------------------------------------------------------- the two phases
+
+def _as_tensor(value: Any, name: str, owned: list[AclTensor]) -> AclTensor | None:
+    if value is None or isinstance(value, AclTensor):
+        return value
+    if isinstance(value, DeviceArray):
+        t = AclTensor(value)
+        owned.append(t)
+        return t
+    raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
+
+
+def get_workspace_size(
+    x: AclTensor | DeviceArray | None,
+    expert_idx: AclTensor | DeviceArray | None,
+    active_num: int = 0,
+    expert_capacity: int = 0,
+    expert_num: int = 0,
+    drop_pad_mode: int = 0,
+    expert_tokens_count_or_cumsum_flag: int = 0,
+    expert_tokens_before_capacity_flag: bool = False,
+    expanded_x: AclTensor | DeviceArray | None = None,
+    expanded_row_idx: AclTensor | DeviceArray | None = None,
+    expert_tokens_count_or_cumsum: AclTensor | DeviceArray | None = None,
+    expert_tokens_before_capacity: AclTensor | DeviceArray | None = None,
+    device: Device | int | None = None,
+) -> tuple[int, Executor]:
+    """Phase one, as CANN has it: (workspace bytes, executor). Nothing of the contract is
+    checked on the host (the vendor validates; None passes a null pointer), only the
+    attributes' C types."""
+    attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
+                   expert_tokens_before_capacity_flag)
+    owned: list[AclTensor] = []
+    given = {"x": x, "expert_idx": expert_idx, "expanded_x": expanded_x, "expanded_row_idx": expanded_row_idx,
+             "expert_tokens_count_or_cumsum": expert_tokens_count_or_cumsum,
+             "expert_tokens_before_capacity": expert_tokens_before_capacity}
+    tensors = {n: _as_tensor(v, n, owned) for n, v in given.items()}
+    dev = resolve_device(device) if device is not None else None
+    for t in tensors.values():
+        if dev is None and t is not None:
+            dev = t.array.device
+    dev = dev or current_device()
+    core = build(SPEC, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
+    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
+
+
+# ---------------------------------------------------------------------------- one call
+
+def _check(x_shape: tuple[int, ...], x_dtype: np.dtype, idx_shape: tuple[int, ...], idx_dtype: np.dtype,
+           attrs: dict[str, Any]) -> None:
+    """The documented contract, on the host, with the parameter each rule is about."""
+    if len(x_shape) != 2:
+        raise InvalidArgument("x", f"must be 2-D [N, H], got shape {x_shape}")
+    if x_dtype not in (np.dtype(np.float16), np.dtype(np.float32)) and x_dtype.name != "bfloat16":
+        raise InvalidArgument("x", f"dtype must be float16, bfloat16 or float32, got {x_dtype}")
+    if len(idx_shape) != 2 or idx_shape[0] != x_shape[0]:
+        raise InvalidArgument("expert_idx", f"must be 2-D [N, K] with N = {x_shape[0]} (x's rows), got shape "
+                                            f"{idx_shape}")
+    if idx_dtype != np.int32:
+        raise InvalidArgument("expert_idx", f"dtype must be int32, got {idx_dtype}")
+    mode, flag = attrs["drop_pad_mode"], attrs["expert_tokens_count_or_cumsum_flag"]
+    if mode not in (0, 1):
+        raise InvalidArgument("drop_pad_mode", f"must be 0 (dropless/active) or 1 (drop/pad), got {mode}")
+    if flag not in (0, 1, 2):
+        raise InvalidArgument("expert_tokens_count_or_cumsum_flag", f"must be 0, 1 (cumsum) or 2 (count), got {flag}")
+    for name in ("active_num", "expert_capacity", "expert_num"):
+        if attrs[name] < 0:
+            raise InvalidArgument(name, f"must not be negative, got {attrs[name]}")
+    if mode == 1:
+        if attrs["expert_capacity"] < 1 or attrs["expert_num"] < 1:
+            raise InvalidArgument("expert_capacity", "drop/pad mode needs expert_capacity and expert_num above 0")
+        if attrs["expert_capacity"] > x_shape[0]:
+            raise InvalidArgument("expert_capacity", f"must be at most N = {x_shape[0]}, got "
+                                                     f"{attrs['expert_capacity']}")
+    elif flag and attrs["expert_num"] < 1:
+        raise InvalidArgument("expert_num", "a count output (expert_tokens_count_or_cumsum_flag 1 or 2) needs "
+                                            "expert_num above 0")
+
+
+def _shapes(n: int, k: int, h: int, attrs: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    total, num = n * k, attrs["expert_num"]
+    if attrs["drop_pad_mode"] == 1:
+        ex: tuple[int, ...] = (num, attrs["expert_capacity"], h)
+    else:
+        ex = (total if attrs["active_num"] == 0 else min(attrs["active_num"], total), h)
+    return {
+        "expanded_x": ex,
+        "expanded_row_idx": (total,),
+        "expert_tokens_count_or_cumsum": (num,) if attrs["drop_pad_mode"] == 0
+        and attrs["expert_tokens_count_or_cumsum_flag"] else None,
+        "expert_tokens_before_capacity": (num,) if attrs["drop_pad_mode"] == 1
+        and attrs["expert_tokens_before_capacity_flag"] else None,
+    }
+
+
+def moe_init_routing_v2(
+    x: Any,
+    expert_idx: Any,
+    active_num: int = 0,
+    expert_capacity: int = 0,
+    expert_num: int = 0,
+    drop_pad_mode: int = 0,
+    expert_tokens_count_or_cumsum_flag: int = 0,
+    expert_tokens_before_capacity_flag: bool = False,
+    *,
+    stream: Stream | None = None,
+    validate: bool = True,
+) -> RoutingResult:
+    """Route tokens to experts with CANN's aclnnMoeInitRoutingV2.
+
+    x: [N, H] float16, bfloat16 or float32. expert_idx: [N, K] int32, each token's top-k
+    expert ids. drop_pad_mode 0 (dropless, or active with active_num > 0) or 1 (drop/pad to
+    expert_capacity slots for each of expert_num experts). The count flag (mode 0) asks for
+    the cumulative sum (1) or the count (2) of tokens per expert; the before-capacity flag
+    (mode 1) for the count before dropping.
+
+    Host arrays in (NumPy, torch CPU tensors, DLPack, buffers): copies in, runs, synchronizes
+    and returns a :class:`RoutingResult` of arrays in the inputs' family. DeviceArrays in:
+    returns DeviceArrays at once, the kernel queued on ``stream`` (default: the thread's
+    current stream). With ``validate`` the contract is checked on the host first (for host
+    inputs, the ids' range too); False hands everything to CANN.
+    """
+    attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
+                   expert_tokens_before_capacity_flag)
+    _args.instance("validate", validate, bool, "a bool")
+    if stream is not None and not isinstance(stream, Stream):
+        raise InvalidArgument("stream", f"must be a Stream or None, got {type(stream).__name__}")
+    on_device = isinstance(x, DeviceArray)
+    if on_device != isinstance(expert_idx, DeviceArray):
+        raise InvalidArgument("expert_idx", "must be a DeviceArray when x is one, and a host array otherwise")
+    if on_device:
+        return _run_device(x, expert_idx, attrs, stream, validate)
+    vx, family = host_view(x, "x")
+    vi, _ = host_view(expert_idx, "expert_idx")
+    if validate:
+        _check(vx.shape, vx.dtype, vi.shape, vi.dtype, attrs)
+        counted = attrs["drop_pad_mode"] == 1 or attrs["expert_tokens_count_or_cumsum_flag"] != 0
+        if vi.size:
+            lo, hi = int(vi.min()), int(vi.max())
+            if lo < 0 or (counted and hi >= attrs["expert_num"]):
+                bound = f"[0, expert_num = {attrs['expert_num']})" if counted else "[0, ...)"
+                raise InvalidArgument("expert_idx", f"ids must be in {bound}, got {lo} to {hi}")
+    hx, hi_ = host_array(vx, "x"), host_array(vi, "expert_idx")
+    dev = stream.device if stream is not None else current_device()
+    s = stream if stream is not None else current_stream(dev)
+    dx, di = to_device(hx, stream=s), to_device(hi_, stream=s)
+    outs = _run_device(dx, di, attrs, s, False)
+    host = [None if o is None else o.to_host(s) for o in outs]
+    return RoutingResult(*(None if h is None else in_family(h, family) for h in host))
+
+
+def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream: Stream | None,
+                validate: bool) -> RoutingResult:
+    xa, ia = x.allocation("x"), idx.allocation("expert_idx")
+    dev = xa.device
+    if ia.device is not dev:
+        raise InvalidArgument("expert_idx", f"is on device {ia.device.device_id} but x is on device "
+                                            f"{dev.device_id}: both must share one device")
+    if validate:
+        _check(x.shape, x.dtype, idx.shape, idx.dtype, attrs)
+    state = resolve_stream(stream, dev)
+    n = x.shape[0] if x.ndim else 0
+    k = idx.shape[1] if idx.ndim == 2 else 0
+    h = x.shape[1] if x.ndim == 2 else 0
+    shapes = _shapes(n, k, h, attrs)
+    outs = {name: (None if shp is None else empty(shp, x.dtype if name == "expanded_x" else np.int32, dev))
+            for name, shp in shapes.items()}
+    size, executor = get_workspace_size(
+        x, idx, attrs["active_num"], attrs["expert_capacity"], attrs["expert_num"], attrs["drop_pad_mode"],
+        attrs["expert_tokens_count_or_cumsum_flag"], attrs["expert_tokens_before_capacity_flag"],
+        outs["expanded_x"], outs["expanded_row_idx"], outs["expert_tokens_count_or_cumsum"],
+        outs["expert_tokens_before_capacity"], device=dev)
+    try:
+        block = workspace_for(state, size) if size else None
+        core = executor.core()
+        mark_uses(core, state)
+        launch(core, state, block.ptr if block is not None else 0, size,
+               (block, xa, ia, *(o.allocation(n) for n, o in outs.items() if o is not None)))
+    finally:
+        executor.close()
+    return RoutingResult(outs["expanded_x"], outs["expanded_row_idx"], outs["expert_tokens_count_or_cumsum"],
+                         outs["expert_tokens_before_capacity"])

@@ -1,0 +1,145 @@
+"""The forward op, aclnnMoeInitRoutingV2, through the binding: equal to the NumPy reference in
+every scenario (outputs are copies and counts: exact), refusals that name the parameter, the
+two phases as CANN has them, and the pair with the backward."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pyacl_moe as pm
+from pyacl_moe.op import moe_init_routing_v2 as fwd
+
+SCENARIOS = {
+    "dropless": {},
+    "dropless-cumsum": {"expert_num": 6, "expert_tokens_count_or_cumsum_flag": 1},
+    "dropless-count": {"expert_num": 6, "expert_tokens_count_or_cumsum_flag": 2},
+    "active": {"active_num": 20, "expert_num": 6, "expert_tokens_count_or_cumsum_flag": 2},
+    "drop-pad": {"drop_pad_mode": 1, "expert_capacity": 4, "expert_num": 6},
+    "drop-pad-before": {"drop_pad_mode": 1, "expert_capacity": 3, "expert_num": 6,
+                        "expert_tokens_before_capacity_flag": True},
+}
+
+
+def _inputs(dtype: object, n: int = 12, k: int = 3, h: int = 16, experts: int = 6, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, h)).astype(dtype)
+    idx = rng.integers(0, experts, (n, k)).astype(np.int32)  # repeats: ties must keep their order
+    return x, idx
+
+
+def _same(got: pm.RoutingResult, want: tuple) -> None:
+    for name, g, w in zip(pm.RoutingResult._fields, got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert g.dtype == w.dtype and g.shape == w.shape, name
+            np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_host_arrays_equal_the_reference(device, scenario, dtype):
+    x, idx = _inputs(dtype)
+    kw = SCENARIOS[scenario]
+    _same(pm.moe_init_routing_v2(x, idx, **kw), pm.reference.moe_init_routing_v2(x, idx, **kw))
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_device_arrays_on_a_stream(device, scenario):
+    x, idx = _inputs(np.float32, seed=1)
+    kw = SCENARIOS[scenario]
+    s = pm.Stream(device)
+    r = pm.moe_init_routing_v2(pm.to_device(x, stream=s), pm.to_device(idx, stream=s), stream=s, **kw)
+    assert isinstance(r.expanded_x, pm.DeviceArray)
+    _same(pm.RoutingResult(*(None if a is None else a.to_host(s) for a in r)),
+          pm.reference.moe_init_routing_v2(x, idx, **kw))
+    s.close()
+
+
+def test_the_two_phases_as_cann_has_them(device):
+    x, idx = _inputs(np.float32, seed=2)
+    dx, di = pm.to_device(x), pm.to_device(idx)
+    ex, ri = pm.empty((36, 16), np.float32), pm.empty((36,), np.int32)
+    size, executor = fwd.get_workspace_size(dx, di, 0, 0, 0, 0, 0, False, ex, ri)
+    assert size >= 16 << 20
+    ws = pm.empty((size,), np.uint8)
+    fwd.execute(ws, size, executor)
+    want = pm.reference.moe_init_routing_v2(x, idx)
+    np.testing.assert_array_equal(ex.to_host(), want[0])
+    np.testing.assert_array_equal(ri.to_host(), want[1])
+    with pytest.raises(pm.AclnnError) as info:  # the vendor's tiling refuses a wrong expandedXOut
+        fwd.get_workspace_size(dx, di, 0, 0, 0, 0, 0, False, pm.empty((35, 16), np.float32), ri)
+    assert info.value.status == 561002
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"drop_pad_mode": 2}, "drop_pad_mode"),
+    ({"expert_tokens_count_or_cumsum_flag": 3, "expert_num": 6}, "expert_tokens_count_or_cumsum_flag"),
+    ({"expert_tokens_count_or_cumsum_flag": 1}, "expert_num"),
+    ({"drop_pad_mode": 1, "expert_num": 6}, "expert_capacity"),
+    ({"active_num": -1}, "active_num"),
+    ({"expert_num": 3, "expert_tokens_count_or_cumsum_flag": 2}, "expert_idx"),  # ids up to 5
+    ({"expert_tokens_before_capacity_flag": 1}, "expert_tokens_before_capacity_flag"),
+])
+def test_refusals_name_the_parameter(device, kw, name):
+    x, idx = _inputs(np.float32)
+    with pytest.raises(pm.InvalidArgument, match=name):
+        pm.moe_init_routing_v2(x, idx, **kw)
+
+
+def test_bad_inputs_name_the_parameter(device):
+    x, idx = _inputs(np.float32)
+    with pytest.raises(pm.InvalidArgument, match="expert_idx.*int32"):
+        pm.moe_init_routing_v2(x, idx.astype(np.int64))
+    with pytest.raises(pm.InvalidArgument, match="expert_idx.*2-D"):
+        pm.moe_init_routing_v2(x, idx[:5])
+    with pytest.raises(pm.InvalidArgument, match="x.*dtype"):
+        pm.moe_init_routing_v2(x.astype(np.int32), idx)
+    with pytest.raises(pm.InvalidArgument, match="expert_idx.*DeviceArray"):
+        pm.moe_init_routing_v2(pm.to_device(x), idx)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_backward_of_the_forward_is_k_times_x_when_every_slot_is_kept(device, k):
+    x, idx = _inputs(np.float32, k=k, seed=3)
+    r = pm.moe_init_routing_v2(pm.to_device(x), pm.to_device(idx))
+    g = pm.moe_init_routing_v2_grad(r.expanded_x, r.expanded_row_idx, k)
+    np.testing.assert_array_equal(g.to_host(), x * np.float32(k))  # k*x is exact in float32 here
+
+
+def test_the_forward_kernel_mutation_is_caught(isolated):
+    r = isolated("""
+import numpy as np, pyacl_moe as pm
+pm.use_emulator()
+rng = np.random.default_rng(0)
+x = rng.standard_normal((12, 8)).astype(np.float32)
+idx = rng.integers(0, 4, (12, 3)).astype(np.int32)
+got = pm.moe_init_routing_v2(x, idx)
+want = pm.reference.moe_init_routing_v2(x, idx)
+print(np.array_equal(got.expanded_row_idx, want[1]))
+""", env={"PYACL_MOE_EMU_MUTATION": "fwd-unstable-sort"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+def test_the_reference_equals_plain_loops_over_the_documented_formulas():
+    from tests.test_emulator_forward import reference as loops
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n, k, h, num = (int(v) for v in (rng.integers(0, 9), rng.integers(1, 5), rng.integers(1, 4),
+                                         rng.integers(1, 6)))
+        x = rng.standard_normal((n, h)).astype(np.float32)
+        idx = rng.integers(0, num, (n, k)).astype(np.int32)
+        mode = int(rng.integers(0, 2))
+        flag = int(rng.integers(0, 3)) if mode == 0 else 0
+        active = int(rng.integers(0, n * k + 3)) if mode == 0 else 0
+        cap = int(rng.integers(1, max(2, n + 1))) if mode == 1 else 0
+        before = bool(rng.integers(0, 2))
+        got = pm.reference.moe_init_routing_v2(x, idx, active, cap, num, mode, flag, before)
+        want = loops(x, idx, active, cap, num if (mode == 1 or flag) else 0, mode, flag, before)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if w is not None:
+                np.testing.assert_array_equal(g, w)
