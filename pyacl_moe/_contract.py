@@ -155,3 +155,51 @@ def check_indices(idx: np.ndarray, geometry: Geometry, top_k: int, active_num: i
                 f"value {dup} appears more than once (positions {positions[0]} and {positions[1]}): "
                 "indices must be unique" + (" apart from -1" if scen == "drop-pad" else ""),
             )
+
+
+# ---------------------------------------------------------------------------- the forward op
+
+_ROUTING_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
+
+
+def check_routing(x_shape: tuple[int, ...], x_dtype: Any, idx_shape: tuple[int, ...], idx_dtype: Any,
+                  active_num: int, expert_capacity: int, expert_num: int, drop_pad_mode: int,
+                  count_flag: int) -> None:
+    """aclnnMoeInitRoutingV2's documented contract on shapes, dtypes and attributes (the binding
+    and the reference both check it), naming the parameter of each rule."""
+    if len(x_shape) != 2:
+        raise InvalidArgument("x", f"must be 2-D [N, H], got shape {x_shape}")
+    if np.dtype(x_dtype) not in _ROUTING_DTYPES:
+        raise InvalidArgument("x", f"dtype must be float16, bfloat16 or float32, got {x_dtype}")
+    if len(idx_shape) != 2 or idx_shape[0] != x_shape[0]:
+        raise InvalidArgument("expert_idx", f"must be 2-D [N, K] with N = {x_shape[0]} (x's rows), got shape "
+                                            f"{idx_shape}")
+    if np.dtype(idx_dtype) != np.int32:
+        raise InvalidArgument("expert_idx", f"dtype must be int32, got {idx_dtype}")
+    if drop_pad_mode not in (0, 1):
+        raise InvalidArgument("drop_pad_mode", f"must be 0 (dropless/active) or 1 (drop/pad), got {drop_pad_mode}")
+    if count_flag not in (0, 1, 2):
+        raise InvalidArgument("expert_tokens_count_or_cumsum_flag",
+                              f"must be 0, 1 (cumsum) or 2 (count), got {count_flag}")
+    for name, value in (("active_num", active_num), ("expert_capacity", expert_capacity),
+                        ("expert_num", expert_num)):
+        if value < 0:
+            raise InvalidArgument(name, f"must not be negative, got {value}")
+    if drop_pad_mode == 1:
+        if expert_capacity < 1 or expert_num < 1:
+            raise InvalidArgument("expert_capacity", "drop/pad mode needs expert_capacity and expert_num above 0")
+    elif count_flag and expert_num < 1:
+        raise InvalidArgument("expert_num", "a count output (expert_tokens_count_or_cumsum_flag 1 or 2) needs "
+                                            "expert_num above 0")
+
+
+def check_expert_ids(ids: np.ndarray, expert_num: int, drop_pad_mode: int, count_flag: int) -> None:
+    """The ids' documented range: [0, expert_num) when drop/pad or a count output uses them as
+    expert numbers, else not negative."""
+    if not ids.size:
+        return
+    counted = drop_pad_mode == 1 or count_flag != 0
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (counted and hi >= expert_num):
+        bound = f"[0, expert_num = {expert_num})" if counted else "[0, ...)"
+        raise InvalidArgument("expert_idx", f"ids must be in {bound}, got {lo} to {hi}")

@@ -221,9 +221,6 @@ def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, o
 
 # ---------------------------------------------------------------------------- the forward op
 
-_FWD_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
-
-
 def moe_init_routing_v2(
     x: Any,
     expert_idx: Any,
@@ -251,34 +248,15 @@ def moe_init_routing_v2(
     """
     xs = _contract.native(np.asarray(x))
     ids = np.asarray(expert_idx)
-    if xs.ndim != 2:
-        raise InvalidArgument("x", f"must be 2-D [N, H], got shape {xs.shape}")
-    if xs.dtype not in _FWD_DTYPES:
-        raise InvalidArgument("x", f"dtype must be float16, bfloat16 or float32, got {xs.dtype}")
-    if ids.ndim != 2 or ids.shape[0] != xs.shape[0]:
-        raise InvalidArgument("expert_idx", f"must be 2-D [N, K] with N = {xs.shape[0]} (x's rows), "
-                                            f"got shape {ids.shape}")
-    if ids.dtype != np.int32:
-        raise InvalidArgument("expert_idx", f"dtype must be int32, got {ids.dtype}")
     mode, flag = int(drop_pad_mode), int(expert_tokens_count_or_cumsum_flag)
     active, cap, num = int(active_num), int(expert_capacity), int(expert_num)
-    if mode not in (0, 1):
-        raise InvalidArgument("drop_pad_mode", f"must be 0 or 1, got {mode}")
-    if flag not in (0, 1, 2):
-        raise InvalidArgument("expert_tokens_count_or_cumsum_flag", f"must be 0, 1 or 2, got {flag}")
-    if active < 0 or cap < 0 or num < 0:
-        raise InvalidArgument("active_num", "active_num, expert_capacity and expert_num must not be negative")
-    if mode == 1 and (cap < 1 or num < 1):
-        raise InvalidArgument("expert_capacity", "drop/pad mode needs expert_capacity and expert_num above 0")
+    _contract.check_routing(xs.shape, xs.dtype, ids.shape, ids.dtype, active, cap, num, mode, flag)
+    _contract.check_expert_ids(ids, num, mode, flag)
     n, k = ids.shape
     h = xs.shape[1]
     total = n * k
     flat = ids.reshape(-1).astype(np.int64)
     counted = mode == 1 or flag != 0
-    if counted and total and (flat.min() < 0 or flat.max() >= num):
-        raise InvalidArgument("expert_idx", f"ids must be in [0, expert_num = {num}) here")
-    if not counted and total and flat.min() < 0:
-        raise InvalidArgument("expert_idx", "ids must not be negative")
     order = np.argsort(flat, kind="stable")  # equal ids keep the order of their positions
     row_idx = np.empty(total, np.int32)
     if mode == 0:

@@ -18,7 +18,7 @@ from typing import Any
 from .. import _args, _lifetime
 from .._cann import aclnn
 from ..array import Allocation, DeviceArray
-from ..device import Device
+from ..device import Device, current_device
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
@@ -84,6 +84,30 @@ def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None]
             for p in spec.params]
     core.workspace_size = aclnn.get_workspace_size(spec.api, args, core.handle)
     return core
+
+
+def first_phase(spec: OpSpec, given: Mapping[str, AclTensor | DeviceArray | None], attrs: Mapping[str, Any],
+                device: Device | None) -> tuple[int, Executor]:
+    """An op's ``get_workspace_size`` on what the caller gave (AclTensors, DeviceArrays wrapped
+    in aclTensors the executor keeps, or None for a null pointer): (workspace bytes,
+    executor). The device is ``device``, else the first tensor's, else the current one."""
+    owned: list[AclTensor] = []
+    tensors: dict[str, AclTensor | None] = {}
+    for name, value in given.items():
+        if isinstance(value, DeviceArray):
+            value = AclTensor(value)
+            owned.append(value)
+        elif value is not None and not isinstance(value, AclTensor):
+            raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
+        tensors[name] = value
+    dev = device
+    for t in tensors.values():
+        if dev is None and t is not None:
+            dev = t.array.device
+    if dev is None:
+        dev = current_device()
+    core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
+    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
 
 
 def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> Allocation:

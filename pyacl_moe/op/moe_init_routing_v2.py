@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _args
+from .. import _args, _contract
 from ..array import DeviceArray, empty, host_array, to_device
 from ..device import Device, current_device, resolve_device
 from ..errors import InvalidArgument
@@ -28,7 +28,7 @@ from ..host import host_view, in_family
 from ..pool import workspace_for
 from ..stream import Stream, current_stream, resolve_stream
 from ..tensor import AclTensor
-from .executor import Executor, build, launch, mark_uses
+from .executor import Executor, first_phase, launch, mark_uses
 from .executor import execute as execute
 from .spec import OpSpec, Param
 
@@ -78,16 +78,6 @@ def _attrs(active_num: Any, expert_capacity: Any, expert_num: Any, drop_pad_mode
 
 # ---------------------------------------------------------------------------- the two phases
 
-def _as_tensor(value: Any, name: str, owned: list[AclTensor]) -> AclTensor | None:
-    if value is None or isinstance(value, AclTensor):
-        return value
-    if isinstance(value, DeviceArray):
-        t = AclTensor(value)
-        owned.append(t)
-        return t
-    raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
-
-
 def get_workspace_size(
     x: AclTensor | DeviceArray | None,
     expert_idx: AclTensor | DeviceArray | None,
@@ -108,18 +98,10 @@ def get_workspace_size(
     attributes' C types."""
     attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                    expert_tokens_before_capacity_flag)
-    owned: list[AclTensor] = []
     given = {"x": x, "expert_idx": expert_idx, "expanded_x": expanded_x, "expanded_row_idx": expanded_row_idx,
              "expert_tokens_count_or_cumsum": expert_tokens_count_or_cumsum,
              "expert_tokens_before_capacity": expert_tokens_before_capacity}
-    tensors = {n: _as_tensor(v, n, owned) for n, v in given.items()}
-    dev = resolve_device(device) if device is not None else None
-    for t in tensors.values():
-        if dev is None and t is not None:
-            dev = t.array.device
-    dev = dev or current_device()
-    core = build(SPEC, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
-    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
+    return first_phase(SPEC, given, attrs, resolve_device(device) if device is not None else None)
 
 
 # ---------------------------------------------------------------------------- one call
@@ -127,32 +109,11 @@ def get_workspace_size(
 def _check(x_shape: tuple[int, ...], x_dtype: np.dtype, idx_shape: tuple[int, ...], idx_dtype: np.dtype,
            attrs: dict[str, Any]) -> None:
     """The documented contract, on the host, with the parameter each rule is about."""
-    if len(x_shape) != 2:
-        raise InvalidArgument("x", f"must be 2-D [N, H], got shape {x_shape}")
-    if x_dtype not in (np.dtype(np.float16), np.dtype(np.float32)) and x_dtype.name != "bfloat16":
-        raise InvalidArgument("x", f"dtype must be float16, bfloat16 or float32, got {x_dtype}")
-    if len(idx_shape) != 2 or idx_shape[0] != x_shape[0]:
-        raise InvalidArgument("expert_idx", f"must be 2-D [N, K] with N = {x_shape[0]} (x's rows), got shape "
-                                            f"{idx_shape}")
-    if idx_dtype != np.int32:
-        raise InvalidArgument("expert_idx", f"dtype must be int32, got {idx_dtype}")
-    mode, flag = attrs["drop_pad_mode"], attrs["expert_tokens_count_or_cumsum_flag"]
-    if mode not in (0, 1):
-        raise InvalidArgument("drop_pad_mode", f"must be 0 (dropless/active) or 1 (drop/pad), got {mode}")
-    if flag not in (0, 1, 2):
-        raise InvalidArgument("expert_tokens_count_or_cumsum_flag", f"must be 0, 1 (cumsum) or 2 (count), got {flag}")
-    for name in ("active_num", "expert_capacity", "expert_num"):
-        if attrs[name] < 0:
-            raise InvalidArgument(name, f"must not be negative, got {attrs[name]}")
-    if mode == 1:
-        if attrs["expert_capacity"] < 1 or attrs["expert_num"] < 1:
-            raise InvalidArgument("expert_capacity", "drop/pad mode needs expert_capacity and expert_num above 0")
-        if attrs["expert_capacity"] > x_shape[0]:
-            raise InvalidArgument("expert_capacity", f"must be at most N = {x_shape[0]}, got "
-                                                     f"{attrs['expert_capacity']}")
-    elif flag and attrs["expert_num"] < 1:
-        raise InvalidArgument("expert_num", "a count output (expert_tokens_count_or_cumsum_flag 1 or 2) needs "
-                                            "expert_num above 0")
+    _contract.check_routing(x_shape, x_dtype, idx_shape, idx_dtype, attrs["active_num"], attrs["expert_capacity"],
+                            attrs["expert_num"], attrs["drop_pad_mode"], attrs["expert_tokens_count_or_cumsum_flag"])
+    if attrs["drop_pad_mode"] == 1 and attrs["expert_capacity"] > x_shape[0]:
+        # The vendor's tiling rule; the reference computes any capacity.
+        raise InvalidArgument("expert_capacity", f"must be at most N = {x_shape[0]}, got {attrs['expert_capacity']}")
 
 
 def _shapes(n: int, k: int, h: int, attrs: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
@@ -212,12 +173,8 @@ def moe_init_routing_v2(
     vi, _ = host_view(expert_idx, "expert_idx")
     if validate:
         _check(vx.shape, vx.dtype, vi.shape, vi.dtype, attrs)
-        counted = attrs["drop_pad_mode"] == 1 or attrs["expert_tokens_count_or_cumsum_flag"] != 0
-        if vi.size:
-            lo, hi = int(vi.min()), int(vi.max())
-            if lo < 0 or (counted and hi >= attrs["expert_num"]):
-                bound = f"[0, expert_num = {attrs['expert_num']})" if counted else "[0, ...)"
-                raise InvalidArgument("expert_idx", f"ids must be in {bound}, got {lo} to {hi}")
+        _contract.check_expert_ids(vi, attrs["expert_num"], attrs["drop_pad_mode"],
+                                   attrs["expert_tokens_count_or_cumsum_flag"])
     hx, hi_ = host_array(vx, "x"), host_array(vi, "expert_idx")
     dev = stream.device if stream is not None else current_device()
     s = stream if stream is not None else current_stream(dev)

@@ -24,7 +24,7 @@ from ..host import TORCH, host_view, in_family
 from ..pool import workspace_for
 from ..stream import Stream, current_stream, resolve_stream, thread_current
 from ..tensor import AclTensor
-from .executor import Executor, build, launch, mark_uses
+from .executor import Executor, first_phase, launch, mark_uses
 from .executor import execute as execute
 from .plan import Plan, check_no_overlap, launch_cached
 from .spec import OpSpec, Param
@@ -51,16 +51,6 @@ def _attrs(top_k: Any, drop_pad_mode: Any, active_num: Any) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------- the two phases
 
-def _as_tensor(value: Any, name: str, owned: list[AclTensor]) -> AclTensor | None:
-    if value is None or isinstance(value, AclTensor):
-        return value
-    if isinstance(value, DeviceArray):
-        t = AclTensor(value)
-        owned.append(t)
-        return t
-    raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
-
-
 def get_workspace_size(
     grad_expanded_x: AclTensor | DeviceArray | None,
     expanded_row_idx: AclTensor | DeviceArray | None,
@@ -77,16 +67,8 @@ def get_workspace_size(
     executor keeps.
     """
     attrs = _attrs(top_k, drop_pad_mode, active_num)
-    owned: list[AclTensor] = []
     given = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx, "out": out}
-    tensors = {n: _as_tensor(v, n, owned) for n, v in given.items()}
-    dev = resolve_device(device) if device is not None else None
-    for t in tensors.values():
-        if dev is None and t is not None:
-            dev = t.array.device
-    dev = dev or current_device()
-    core = build(SPEC, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
-    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
+    return first_phase(SPEC, given, attrs, resolve_device(device) if device is not None else None)
 
 
 # ---------------------------------------------------------------------------- the contract on device arrays
