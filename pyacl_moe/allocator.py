@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _lifetime
+from . import _args, _lifetime
 from ._cann import acl
 from ._cann.errcheck import check
-from .device import Device
+from .device import Device, open_devices, resolve_device
 from .errors import AclRuntimeError, InvalidArgument
 from .stream import StreamState
 
@@ -67,8 +67,6 @@ def set_caching(enabled: bool) -> None:
         raise InvalidArgument("enabled", f"must be a bool, got {type(enabled).__name__}")
     _Settings.caching = enabled
     if not enabled:
-        from .device import open_devices
-
         for dev in open_devices():
             trim_caches(dev)
 
@@ -339,9 +337,6 @@ def is_pinned(array: np.ndarray) -> bool:
 def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> np.ndarray:
     """A NumPy array in pinned (page-locked) host memory, aclrtMallocHost: copies between it
     and the device need no staging. Freed (to the device's cache) when the array is gone."""
-    from . import _args
-    from .device import resolve_device
-
     shp = _args.shape("shape", shape)
     try:
         dt = np.dtype(dtype)

@@ -143,3 +143,29 @@ def test_the_reference_equals_plain_loops_over_the_documented_formulas():
             assert (g is None) == (w is None)
             if w is not None:
                 np.testing.assert_array_equal(g, w)
+
+
+def test_threads_share_a_stream_for_the_forward(device):
+    import threading
+
+    s = pm.Stream(device)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(25):
+                x, idx = _inputs(np.float32, seed=seed * 100 + i)
+                kw = SCENARIOS[sorted(SCENARIOS)[i % len(SCENARIOS)]]
+                r = pm.moe_init_routing_v2(pm.to_device(x, stream=s), pm.to_device(idx, stream=s), stream=s, **kw)
+                _same(pm.RoutingResult(*(None if a is None else a.to_host(s) for a in r)),
+                      pm.reference.moe_init_routing_v2(x, idx, **kw))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    s.close()
