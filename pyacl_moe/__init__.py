@@ -27,7 +27,7 @@ from .errors import (
     status_name,
 )
 from .op.executor import Executor, execute
-from .op.moe_init_routing_v2 import RoutingResult, moe_init_routing_v2
+from .op.moe_init_routing_v2 import MoeInitRoutingV2, RoutingResult, moe_init_routing_v2
 from .op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, get_workspace_size, moe_init_routing_v2_grad
 from .pool import empty_cache, memory_stats
 from .stream import Event, Stream, current_stream
@@ -48,6 +48,7 @@ __all__ = [
     "Executor",
     "InvalidArgument",
     "LibraryInfo",
+    "MoeInitRoutingV2",
     "MoeInitRoutingV2Grad",
     "PyaclMoeError",
     "Stream",

@@ -4,6 +4,8 @@ two phases as CANN has them, and the pair with the backward."""
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -169,3 +171,126 @@ def test_threads_share_a_stream_for_the_forward(device):
         t.join()
     assert not errors, errors[0]
     s.close()
+
+
+def _host(r: pm.RoutingResult, stream=None) -> pm.RoutingResult:
+    return pm.RoutingResult(*(None if a is None else a.to_host(stream) for a in r))
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_a_prepared_plan_relaunches_and_rebinds_every_output(device, scenario):
+    kw = SCENARIOS[scenario]
+    x, idx = _inputs(np.float32, seed=2)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), **kw) as plan:
+        for _ in range(3):
+            r = plan()
+        _same(_host(r), pm.reference.moe_init_routing_v2(x, idx, **kw))
+        # Rebinding every array, the optional outputs too: an output the scenario leaves out
+        # (a null pointer) has no index, so the ones after it count from one less.
+        x2, idx2 = _inputs(np.float32, seed=3)
+        fresh = {n: pm.empty(a.shape, a.dtype) for n, a in zip(r._fields, r) if a is not None}
+        plan.rebind(pm.to_device(x2), pm.to_device(idx2), **fresh)
+        r2 = plan()
+        assert all(a is fresh.get(n) for n, a in zip(r2._fields, r2) if a is not None)
+        _same(_host(r2), pm.reference.moe_init_routing_v2(x2, idx2, **kw))
+        _same(_host(r), pm.reference.moe_init_routing_v2(x, idx, **kw))  # the old outputs were left alone
+        assert plan.outputs.expanded_x is fresh["expanded_x"]
+
+
+def test_a_plan_writes_into_given_outputs_and_leaves_unwritten_ones_out(device):
+    x, idx = _inputs(np.float32)
+    kw = SCENARIOS["drop-pad-before"]
+    want = pm.reference.moe_init_routing_v2(x, idx, **kw)
+    before = pm.empty((6,), np.int32)
+    plan = pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), **kw, expert_tokens_before_capacity=before)
+    r = plan()
+    assert r.expert_tokens_before_capacity is before and r.expert_tokens_count_or_cumsum is None
+    _same(_host(r), want)
+    plan.close()
+    with pytest.raises(pm.ClosedError):
+        plan()
+
+
+@pytest.mark.parametrize("outputs, name, rule", [
+    ({"expert_tokens_count_or_cumsum": ((6,), np.int32)}, "expert_tokens_count_or_cumsum", "not written"),
+    ({"expanded_x": ((6, 4, 16), np.float16)}, "expanded_x", "must be (6, 4, 16) float32"),
+    ({"expanded_row_idx": ((35,), np.int32)}, "expanded_row_idx", "must be (36,) int32"),
+])
+def test_plan_refuses_outputs_the_scenario_does_not_write_as_given(device, outputs, name, rule):
+    x, idx = _inputs(np.float32)
+    given = {n: pm.empty(shape, dt) for n, (shape, dt) in outputs.items()}
+    with pytest.raises(pm.InvalidArgument, match=re.escape(rule)) as e:
+        pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), **SCENARIOS["drop-pad"], **given)
+    assert e.value.parameter == name
+
+
+def test_plan_refuses_overlap_and_rebinding_what_it_was_not_built_with(device):
+    x, idx = _inputs(np.float32)
+    big = pm.to_device(np.concatenate([x, np.zeros((36, 16), np.float32)]))
+    dx, di = big[:12], pm.to_device(idx)
+    with pytest.raises(pm.InvalidArgument, match="shares device memory") as e:
+        pm.MoeInitRoutingV2(dx, di, expert_num=6, expanded_x=big[:36])
+    assert e.value.parameter == "expanded_x"
+    with pm.MoeInitRoutingV2(dx, di, expert_num=6, expanded_x=big[12:]) as plan:
+        _same(_host(plan()), pm.reference.moe_init_routing_v2(x, idx, expert_num=6))
+        with pytest.raises(pm.InvalidArgument, match="shares device memory") as e:
+            plan.rebind(expanded_x=big[:36])
+        assert e.value.parameter == "expanded_x"
+        with pytest.raises(pm.InvalidArgument, match="not part of the plan") as e:
+            plan.rebind(expert_tokens_count_or_cumsum=pm.empty((6,), np.int32))
+        assert e.value.parameter == "expert_tokens_count_or_cumsum"
+        with pytest.raises(pm.InvalidArgument, match="build a new plan") as e:
+            plan.rebind(x=pm.empty((12, 8), np.float32))
+        assert e.value.parameter == "x"
+
+
+def test_one_shot_plan_launches_once(device):
+    x, idx = _inputs(np.float32)
+    plan = pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), expert_num=6, repeatable=False)
+    _same(_host(plan()), pm.reference.moe_init_routing_v2(x, idx, expert_num=6))
+    with pytest.raises(pm.ClosedError, match="one-shot"):
+        plan()
+    plan.close()
+
+
+def test_threads_share_a_forward_plan_while_one_closes_it(device):
+    """Launches from several threads on their own streams, and a close in the middle: each
+    launch either completes (and its result is right) or raises ClosedError."""
+    import threading
+
+    x, idx = _inputs(np.float32, seed=7)
+    kw = SCENARIOS["dropless-count"]
+    want = pm.reference.moe_init_routing_v2(x, idx, **kw)
+    plan = pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), **kw)
+    errors: list[BaseException] = []
+    launched = [0] * 4
+    go = threading.Barrier(5)
+
+    def worker(t: int) -> None:
+        s = pm.Stream(device)
+        try:
+            go.wait()
+            for _ in range(400):
+                r = plan(s)
+                launched[t] += 1
+            _same(_host(r, s), want)
+        except pm.ClosedError:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+        finally:
+            s.synchronize()
+            s.close()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    go.wait()
+    while sum(launched) < 200 and any(t.is_alive() for t in threads):
+        threading.Event().wait(0.001)
+    plan.close()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    with pytest.raises(pm.ClosedError):
+        plan()

@@ -45,6 +45,11 @@ class ExecutorCore:
         self.handle = aclnn.ExecutorHandle()
         self.token = _lifetime.track(self, self.handle)
 
+    @property
+    def present(self) -> tuple[str, ...]:
+        """The op's tensors this executor was built with (not null pointers), in C order."""
+        return tuple(n for n, t in self.tensors.items() if t is not None)
+
     def check_live(self) -> None:
         if not self.handle:
             raise ClosedError("executor", "it was destroyed, or a launch consumed it (one-shot executors run once)")
@@ -65,7 +70,7 @@ class ExecutorCore:
 
     def set_address(self, name: str, tensor: TensorCore, address: int) -> None:
         """Point the executor's tensor ``name`` at ``address`` (the storage base CANN keeps)."""
-        kind, index = self.spec.slot(name)
+        kind, index = self.spec.slot(name, self.present)
         with self.lock:
             self.check_live()
             if kind == "input":
@@ -76,11 +81,11 @@ class ExecutorCore:
 
 def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None],
           attrs: Mapping[str, Any]) -> ExecutorCore:
-    """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (None: a null pointer) and
+    """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (None or absent: a null pointer) and
     ``attrs``, which the caller has checked for their C types."""
     device.activate()
     core = ExecutorCore(spec, device, tensors)
-    args = [attrs[p.name] if p.kind == "attr" else (t.handle if (t := tensors[p.name]) is not None else None)
+    args = [attrs[p.name] if p.kind == "attr" else (t.handle if (t := tensors.get(p.name)) is not None else None)
             for p in spec.params]
     core.workspace_size = aclnn.get_workspace_size(spec.api, args, core.handle)
     return core
@@ -217,18 +222,21 @@ class Executor(_lifetime.Owner):
 
     def _set_address(self, kind: str, index: Any, tensor: AclTensor, address: Any) -> None:
         core = self.core()
-        names = core.spec.inputs if kind == "input" else core.spec.outputs
+        present = core.present
+        names = [n for n in (core.spec.inputs if kind == "input" else core.spec.outputs) if n in present]
         i = _args.integer("index", index, 0, len(names) - 1)
         t = _args.instance("tensor", tensor, AclTensor, "an AclTensor")
         addr = _args.integer("address", address, 0, 2**64 - 1)
         core.set_address(names[i], t.core(), addr)
 
     def set_input_addr(self, index: int, tensor: AclTensor, address: int) -> None:
-        """aclSetInputTensorAddr: the storage base of input ``index`` (the operator's order)."""
+        """aclSetInputTensorAddr: the storage base of input ``index`` (the operator's order,
+        counting only the tensors the executor was built with)."""
         self._set_address("input", index, tensor, address)
 
     def set_output_addr(self, index: int, tensor: AclTensor, address: int) -> None:
-        """aclSetOutputTensorAddr: the storage base of output ``index``."""
+        """aclSetOutputTensorAddr: the storage base of output ``index`` (counting only the
+        outputs the executor was built with: a null optional output has no index)."""
         self._set_address("output", index, tensor, address)
 
     def _dropped(self) -> None:

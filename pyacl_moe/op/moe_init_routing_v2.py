@@ -8,7 +8,8 @@ Low level, the two phases as CANN has them::
                                         expanded_x_t, expanded_row_idx_t, count_t, before_t)
     execute(workspace, size, executor, stream)
 
-The one-call function :func:`moe_init_routing_v2` takes host arrays (copy in, run,
+A prepared plan, :class:`MoeInitRoutingV2`, runs the first phase once and relaunches. The
+one-call function :func:`moe_init_routing_v2` takes host arrays (copy in, run,
 synchronize, copy out) or DeviceArrays (queued on a stream, returns at once), and allocates the
 outputs the scenario switches on. Its ``expanded_row_idx`` is what the backward,
 :func:`~pyacl_moe.moe_init_routing_v2_grad`, takes.
@@ -30,9 +31,10 @@ from ..stream import Stream, current_stream, resolve_stream
 from ..tensor import AclTensor
 from .executor import Executor, first_phase, launch, mark_uses
 from .executor import execute as execute
+from .plan import Plan, check_no_overlap, device_of
 from .spec import OpSpec, Param
 
-__all__ = ["SPEC", "RoutingResult", "execute", "get_workspace_size", "moe_init_routing_v2"]
+__all__ = ["SPEC", "MoeInitRoutingV2", "RoutingResult", "execute", "get_workspace_size", "moe_init_routing_v2"]
 
 SPEC = OpSpec(
     "aclnnMoeInitRoutingV2",
@@ -104,6 +106,114 @@ def get_workspace_size(
     return first_phase(SPEC, given, attrs, resolve_device(device) if device is not None else None)
 
 
+# ---------------------------------------------------------------------------- the prepared plan
+
+_OUTPUTS = SPEC.outputs
+
+
+def _check_outputs(outs: dict[str, DeviceArray | None], shapes: dict[str, tuple[int, ...] | None],
+                   x_dtype: np.dtype) -> None:
+    """Given outputs: present exactly when the scenario writes them, of the shape and dtype
+    it writes, contiguous (the kernel writes densely)."""
+    for name, want in shapes.items():
+        got = outs.get(name)
+        if got is None:
+            continue
+        if want is None:
+            raise InvalidArgument(name, "is not written in this scenario (count: drop_pad_mode 0 with a count flag; "
+                                        "before-capacity: drop_pad_mode 1 with its flag): pass None")
+        dtype = x_dtype if name == "expanded_x" else np.dtype(np.int32)
+        if got.shape != want or got.dtype != dtype:
+            raise InvalidArgument(name, f"must be {want} {dtype}, got {got.shape} {got.dtype}")
+        if not got.is_contiguous:
+            raise InvalidArgument(name, "must be contiguous (the op writes its outputs densely)")
+
+
+class MoeInitRoutingV2(Plan):
+    """A prepared launch of the forward on fixed DeviceArrays: the first phase runs once, and
+    each call relaunches the same (repeatable) executor.
+
+    ``plan(stream=None, workspace=None)`` queues the kernel and returns a
+    :class:`RoutingResult` of the DeviceArrays it writes; ``plan.rebind(...)`` points it at
+    other arrays of the same layouts; ``close()`` (or the context manager) releases it once
+    its queued launches have run. Outputs not given are allocated (those the scenario
+    writes); the optional outputs the scenario does not write stay None (a null pointer).
+    """
+
+    _spec = SPEC
+
+    def __init__(
+        self,
+        x: DeviceArray,
+        expert_idx: DeviceArray,
+        active_num: int = 0,
+        expert_capacity: int = 0,
+        expert_num: int = 0,
+        drop_pad_mode: int = 0,
+        expert_tokens_count_or_cumsum_flag: int = 0,
+        expert_tokens_before_capacity_flag: bool = False,
+        *,
+        expanded_x: DeviceArray | None = None,
+        expanded_row_idx: DeviceArray | None = None,
+        expert_tokens_count_or_cumsum: DeviceArray | None = None,
+        expert_tokens_before_capacity: DeviceArray | None = None,
+        repeatable: bool = True,
+        validate: bool = True,
+    ) -> None:
+        self._closed = True  # until prepared
+        _args.instance("validate", validate, bool, "a bool")
+        attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
+                       expert_tokens_before_capacity_flag)
+        arrays = {"x": _args.instance("x", x, DeviceArray, "a DeviceArray"),
+                  "expert_idx": _args.instance("expert_idx", expert_idx, DeviceArray, "a DeviceArray")}
+        given = {"expanded_x": expanded_x, "expanded_row_idx": expanded_row_idx,
+                 "expert_tokens_count_or_cumsum": expert_tokens_count_or_cumsum,
+                 "expert_tokens_before_capacity": expert_tokens_before_capacity}
+        for name, a in given.items():
+            if a is not None:
+                arrays[name] = _args.instance(name, a, DeviceArray, "a DeviceArray or None")
+        dev = device_of(arrays)
+        shapes = _shapes(*_sizes(x, expert_idx), attrs)
+        if validate:
+            _check(x.shape, x.dtype, expert_idx.shape, expert_idx.dtype, attrs)
+            _check_outputs({n: arrays.get(n) for n in _OUTPUTS}, shapes, x.dtype)
+            check_no_overlap(SPEC, arrays)
+        for name in _OUTPUTS:
+            shape = shapes[name]
+            if name not in arrays and shape is not None:
+                arrays[name] = empty(shape, x.dtype if name == "expanded_x" else np.int32, dev)
+        self._validate = validate
+        self._prepare(dev, arrays, attrs, _args.instance("repeatable", repeatable, bool, "a bool"))
+
+    def _result(self) -> RoutingResult:
+        a = self._arrays
+        return RoutingResult(*(a.get(n) for n in _OUTPUTS))
+
+    @property
+    def outputs(self) -> RoutingResult:
+        """The output arrays the plan writes (after a rebind, the new ones)."""
+        return self._result()
+
+    def __repr__(self) -> str:
+        a = self._arrays
+        state = "closed" if self._closed else "repeatable" if self._repeatable else "one-shot"
+        return f"<MoeInitRoutingV2 x={a['x'].shape} expert_idx={a['expert_idx'].shape} {state}>"
+
+    def rebind(self, x: DeviceArray | None = None, expert_idx: DeviceArray | None = None, *,
+               expanded_x: DeviceArray | None = None, expanded_row_idx: DeviceArray | None = None,
+               expert_tokens_count_or_cumsum: DeviceArray | None = None,
+               expert_tokens_before_capacity: DeviceArray | None = None) -> None:
+        """Point the executor at other arrays with the same shapes, dtypes and strides (the
+        offset may differ). Launches already queued keep the arrays they were queued with."""
+        changes = self._checked_changes({
+            "x": x, "expert_idx": expert_idx, "expanded_x": expanded_x, "expanded_row_idx": expanded_row_idx,
+            "expert_tokens_count_or_cumsum": expert_tokens_count_or_cumsum,
+            "expert_tokens_before_capacity": expert_tokens_before_capacity})
+        if self._validate and changes:
+            check_no_overlap(SPEC, {**self._arrays, **changes})
+        self._rebind(changes)
+
+
 # ---------------------------------------------------------------------------- one call
 
 def _check(x_shape: tuple[int, ...], x_dtype: np.dtype, idx_shape: tuple[int, ...], idx_dtype: np.dtype,
@@ -114,6 +224,11 @@ def _check(x_shape: tuple[int, ...], x_dtype: np.dtype, idx_shape: tuple[int, ..
     if attrs["drop_pad_mode"] == 1 and attrs["expert_capacity"] > x_shape[0]:
         # The vendor's tiling rule; the reference computes any capacity.
         raise InvalidArgument("expert_capacity", f"must be at most N = {x_shape[0]}, got {attrs['expert_capacity']}")
+
+
+def _sizes(x: DeviceArray, idx: DeviceArray) -> tuple[int, int, int]:
+    """N, K and H as the arrays have them (0 where a rank is wrong: validate=False)."""
+    return (x.shape[0] if x.ndim else 0, idx.shape[1] if idx.ndim == 2 else 0, x.shape[1] if x.ndim == 2 else 0)
 
 
 def _shapes(n: int, k: int, h: int, attrs: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
@@ -194,10 +309,7 @@ def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream:
     if validate:
         _check(x.shape, x.dtype, idx.shape, idx.dtype, attrs)
     state = resolve_stream(stream, dev)
-    n = x.shape[0] if x.ndim else 0
-    k = idx.shape[1] if idx.ndim == 2 else 0
-    h = x.shape[1] if x.ndim == 2 else 0
-    shapes = _shapes(n, k, h, attrs)
+    shapes = _shapes(*_sizes(x, idx), attrs)
     outs = {name: (None if shp is None else empty(shp, x.dtype if name == "expanded_x" else np.int32, dev))
             for name, shp in shapes.items()}
     size, executor = get_workspace_size(

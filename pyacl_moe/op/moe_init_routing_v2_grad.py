@@ -26,7 +26,7 @@ from ..stream import Stream, current_stream, resolve_stream, thread_current
 from ..tensor import AclTensor
 from .executor import Executor, first_phase, launch, mark_uses
 from .executor import execute as execute
-from .plan import Plan, check_no_overlap, launch_cached
+from .plan import Plan, check_no_overlap, device_of, launch_cached
 from .spec import OpSpec, Param
 
 __all__ = ["SPEC", "MoeInitRoutingV2Grad", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
@@ -96,21 +96,6 @@ def _check_layout(key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k:
     return geo
 
 
-def _device_of(arrays: dict[str, DeviceArray]) -> Device:
-    dev: Device | None = None
-    first = ""
-    for name, a in arrays.items():
-        d = a.allocation(name).device
-        if dev is None:
-            dev, first = d, name
-        elif d is not dev:
-            raise InvalidArgument(
-                name, f"is on device {d.device_id} but {first} is on device {dev.device_id}: all must share one device"
-            )
-    assert dev is not None
-    return dev
-
-
 # ---------------------------------------------------------------------------- the prepared plan
 
 class MoeInitRoutingV2Grad(Plan):
@@ -146,7 +131,7 @@ class MoeInitRoutingV2Grad(Plan):
         }
         if out is not None:
             arrays["out"] = _args.instance("out", out, DeviceArray, "a DeviceArray or None")
-        dev = _device_of(arrays)
+        dev = device_of(arrays)
         attrs = _attrs(top_k, drop_pad_mode, active_num)
         x, idx = grad_expanded_x, expanded_row_idx
         if validate:
@@ -184,24 +169,8 @@ class MoeInitRoutingV2Grad(Plan):
         """Point the executor at other arrays with the same shape, dtype and strides (the
         offset may differ). Launches already queued keep the arrays they were queued with; a
         launch in flight on another thread completes first."""
-        changes: dict[str, DeviceArray] = {}
-        for name, new in (("grad_expanded_x", grad_expanded_x), ("expanded_row_idx", expanded_row_idx),
-                          ("out", out)):
-            if new is None:
-                continue
-            _args.instance(name, new, DeviceArray, "a DeviceArray or None")
-            old = self._arrays[name]
-            if new.layout != old.layout:
-                raise InvalidArgument(
-                    name,
-                    f"has shape {new.shape}, dtype {new.dtype}, strides {new.strides} but the plan was built for "
-                    f"{old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout",
-                )
-            if new.allocation(name).device is not self._device:
-                raise InvalidArgument(
-                    name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}"
-                )
-            changes[name] = new
+        changes = self._checked_changes({"grad_expanded_x": grad_expanded_x,
+                                         "expanded_row_idx": expanded_row_idx, "out": out})
         if self._validate and changes:
             check_no_overlap(SPEC, {**self._arrays, **changes})
         self._rebind(changes)
@@ -299,7 +268,7 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
             arrays["out"] = out
         if workspace is not None:
             arrays["workspace"] = workspace
-        _device_of(arrays)
+        device_of(arrays)
     if stream is None:
         cur = thread_current.stream
         state = cur.state if cur is not None and cur.state.device is dev else dev.default_stream.state

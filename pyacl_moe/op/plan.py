@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from .. import _lifetime
+from .. import _args, _lifetime
 from .._cann import acl, aclnn, declare
 from .._cann.errcheck import check, recent_message
 from ..array import Allocation, DeviceArray, may_overlap
@@ -40,7 +40,7 @@ from ..tensor import AclTensor, TensorCore
 from .executor import Executor, build, checked_workspace, launch, mark_uses
 from .spec import OpSpec
 
-__all__ = ["Plan", "check_no_overlap", "launch_cached"]
+__all__ = ["Plan", "check_no_overlap", "device_of", "launch_cached"]
 
 _P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
@@ -186,6 +186,22 @@ def check_no_overlap(spec: OpSpec, arrays: Mapping[str, DeviceArray | None]) -> 
                     out_name, f"shares device memory with {name}: the kernel would overwrite what it reads "
                               "(use a separate output array)"
                 )
+
+
+def device_of(arrays: dict[str, DeviceArray]) -> Device:
+    """The one device all ``arrays`` are on (refused if they are on several)."""
+    dev: Device | None = None
+    first = ""
+    for name, a in arrays.items():
+        d = a.allocation(name).device
+        if dev is None:
+            dev, first = d, name
+        elif d is not dev:
+            raise InvalidArgument(
+                name, f"is on device {d.device_id} but {first} is on device {dev.device_id}: all must share one device"
+            )
+    assert dev is not None
+    return dev
 
 
 class Plan:
@@ -360,6 +376,31 @@ class Plan:
     def _detach_all(self) -> None:
         """Stop every slot (lock held) and hand what they kept to their streams."""
         _Slots.detach(self._slots)
+
+    def _checked_changes(self, given: Mapping[str, Any]) -> dict[str, DeviceArray]:
+        """The arrays a rebind was given (None: unchanged), each checked to have the layout
+        the plan was built for and to be on its device."""
+        changes: dict[str, DeviceArray] = {}
+        for name, new in given.items():
+            if new is None:
+                continue
+            _args.instance(name, new, DeviceArray, "a DeviceArray or None")
+            old = self._arrays.get(name)
+            if old is None:
+                raise InvalidArgument(name, "was not part of the plan (built as a null pointer): build a new plan "
+                                            "to add it")
+            if new.layout != old.layout:
+                raise InvalidArgument(
+                    name,
+                    f"has shape {new.shape}, dtype {new.dtype}, strides {new.strides} but the plan was built for "
+                    f"{old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout",
+                )
+            if new.allocation(name).device is not self._device:
+                raise InvalidArgument(
+                    name, f"is on device {new.device.device_id}, the plan on {self._device.device_id}"
+                )
+            changes[name] = new
+        return changes
 
     def _rebind(self, changes: Mapping[str, DeviceArray]) -> None:
         """Point the executor at ``changes`` (name -> array, checked by the subclass for its
