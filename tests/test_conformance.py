@@ -26,8 +26,9 @@ def clean_emulator():
 def test_quick_profile_passes_and_covers_the_catalogue(device):
     report = conformance.run("quick", progress=None)
     assert report.ok, report.table()
-    kinds = {c.kind for c in report.cases}
-    assert kinds == {"positive", "negative", "determinism"}
+    kinds = {(c.op, c.kind) for c in report.cases}
+    assert kinds == {(op, kind) for op in ("backward", "forward") for kind in ("positive", "negative", "determinism")} \
+        | {("pair", "adjoint"), ("pair", "round-trip")}
     combos = {(c.dtype, c.scenario) for c in report.cases if c.kind == "positive"}
     assert combos >= {(d, s) for d in conformance.DTYPES for s in conformance.SCENARIOS}
     names = {c.name for c in report.cases}
@@ -43,9 +44,35 @@ def test_each_wrong_kernel_fails_and_is_named(device, clean_emulator, mutation):
     report = conformance.run("quick", progress=None)
     assert not report.ok
     failed = [c for c in report.cases if not c.passed]
-    assert all(c.kind in ("positive", "determinism") for c in failed)
+    assert all(c.kind in ("positive", "determinism", "adjoint", "round-trip") for c in failed)
+    assert not any(c.op == "forward" for c in failed)
     assert any(c.name.startswith("dropless-float32") for c in failed)
     assert "FAILED dropless-float32" in report.table()
+    # The pair's identities, with no reference, catch it too: both kinds, every scenario.
+    for kind in ("adjoint", "round-trip"):
+        assert {c.scenario for c in failed if c.kind == kind} == set(conformance.SCENARIOS), kind
+    # Every adjoint case fails where K >= 3 (two terms are rounded once in any precision).
+    missed = [c.name for c in report.cases if c.kind == "adjoint" and c.passed]
+    assert all(name.endswith(("-n3k2", "-wide")) for name in missed), missed
+
+
+@pytest.mark.parametrize("mutation", pm.emulator.FORWARD_MUTATIONS)
+def test_each_wrong_forward_fails_its_cases_and_the_pair_catches_a_wrong_row(device, clean_emulator, mutation):
+    pm.emulator.set_mutation(mutation)
+    report = conformance.run("quick", progress=None)
+    failed = [c for c in report.cases if not c.passed]
+    assert not report.ok
+    assert not any(c.op == "backward" for c in failed)
+    assert any(c.op == "forward" and c.kind == "positive" and c.scenario == s for c in failed
+               for s in ("dropless", "active", "drop-pad"))
+    pair = {c.kind for c in failed if c.op == "pair"}
+    if mutation == "fwd-wrong-row":
+        assert pair == {"adjoint", "round-trip"}
+        assert all(not c.passed for c in report.cases if c.op == "pair")
+    else:
+        # Equal ids in another order move rows and indices together: both identities hold
+        # (docs/conformance.md); the reference sees it.
+        assert pair == set()
 
 
 def test_weakened_validation_fails_the_negative_cases(device, clean_emulator):
@@ -322,3 +349,45 @@ def test_a_baseline_without_digests_is_refused(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not a JSON report"):
         conformance.load_baseline(str(tmp_path / "bad.json"))
+
+
+def test_pair_cases_need_no_reference_and_say_so(device, monkeypatch, tmp_path):
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the golden reference was called")
+
+    monkeypatch.setattr(pm.reference, "moe_init_routing_v2", no_reference)
+    monkeypatch.setattr(pm.reference, "moe_init_routing_v2_grad", no_reference)
+    report = conformance.run("quick", name_filter="pair-", progress=None)
+    assert report.ok and len(report.cases) == 90, report.table()
+    assert all(c.judged_by == "identity" and c.op == "pair" for c in report.cases)
+    assert "90 of them judged by identities between the forward and the backward alone, with no golden " \
+           "reference" in report.summary()
+    report.write_json(str(tmp_path / "r.json"))
+    case = json.loads((tmp_path / "r.json").read_text())["cases"][0]
+    assert case["op"] == "pair" and case["judged_by"] == "identity"
+
+
+def test_adjoint_bound_holds_for_float32_sums_and_not_for_a_float16_accumulation():
+    """The bound of the adjoint check: any order of float32 accumulation passes; a result
+    accumulated in float16 does not."""
+    from pyacl_moe.tools import pair
+
+    rng = np.random.default_rng(5)
+    n, k, h = 32, 8, 64
+    x = rng.standard_normal((n, h)).astype(np.float32)
+    ri = rng.permutation(n * k).astype(np.int32)
+    ex = x[np.argsort(ri) // k]
+    kept = np.ones(n * k, bool)
+    g = pair._cancelling_gradient(rng, n * k, h, "float32", ri, kept, k)
+    terms = g[ri.reshape(n, k)]  # [n, k, h]
+    for order in (range(k), reversed(range(k))):
+        dx = np.zeros((n, h), np.float32)
+        for t in order:
+            dx += terms[:, t]
+        diff, bound, _, _ = pair.adjoint_check(x, ex, ri, g, dx, k, kept, "float32")
+        assert (diff <= bound).all()
+    dx16 = np.zeros((n, h), np.float16)
+    for t in range(k):
+        dx16 = (dx16.astype(np.float32) + terms[:, t]).astype(np.float16)
+    diff, bound, _, _ = pair.adjoint_check(x, ex, ri, g, dx16.astype(np.float32), k, kept, "float32")
+    assert (diff > bound).mean() > 0.9

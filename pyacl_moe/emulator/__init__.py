@@ -18,7 +18,10 @@ from ._build import SRC_DIR, build, cache_root
 from ._env import EmulatorConfigError, check_environment
 from ._errors import EmulatorBuildError
 
+# Deliberately wrong kernels, for proving that a check catches a wrong op: the backward's,
+# and the forward's (which the backward kernel ignores).
 MUTATIONS: tuple[str, ...] = ("skip-last-k", "fp16-accumulate", "off-by-one-row")
+FORWARD_MUTATIONS: tuple[str, ...] = ("fwd-unstable-sort", "fwd-wrong-row")
 STREAM_MODES: tuple[str, ...] = ("async", "lazy")
 FIRST_PHASE_API = "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
 # Status that, injected into the first phase, weakens it instead of failing it.
@@ -26,6 +29,7 @@ SKIP_CHECKS = -1
 
 __all__ = [
     "FIRST_PHASE_API",
+    "FORWARD_MUTATIONS",
     "MUTATIONS",
     "SKIP_CHECKS",
     "STREAM_MODES",
@@ -103,9 +107,10 @@ def clear_faults() -> None:
 
 
 def set_mutation(name: str | None) -> None:
-    """Switch the kernel to a deliberately wrong variant (one of MUTATIONS), or back (None)."""
-    if name not in (None, "", "none", *MUTATIONS):
-        raise ValueError(f"mutation must be one of {MUTATIONS} or None, not {name!r}")
+    """Switch a kernel to a deliberately wrong variant (one of MUTATIONS or
+    FORWARD_MUTATIONS), or back (None)."""
+    if name not in (None, "", "none", *MUTATIONS, *FORWARD_MUTATIONS):
+        raise ValueError(f"mutation must be one of {MUTATIONS + FORWARD_MUTATIONS} or None, not {name!r}")
     aclemu.set_mutation(name or "")
 
 

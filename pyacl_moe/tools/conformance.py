@@ -1,4 +1,5 @@
-"""Conformance of the installed aclnnMoeInitRoutingV2Grad with its contract.
+"""Conformance of the installed aclnnMoeInitRoutingV2Grad (and of its forward,
+aclnnMoeInitRoutingV2, with the pair's identities: :mod:`.pair`) with their contracts.
 
 A catalogue of cases, each run through the binding and judged:
 
@@ -7,14 +8,15 @@ A catalogue of cases, each run through the binding and judged:
   under the dtype's precision standard (:mod:`pyacl_moe.tools.cases`);
 - negative: inputs the vendor must refuse, passed untouched (``validate=False`` semantics) so
   CANN's own first phase answers; its status must be the documented one;
-- determinism: the same launch twice must give bit-identical results.
+- determinism: the same launch twice must give bit-identical results;
+- the forward's cases of the same three kinds, and the pair's adjoint and round-trip cases,
+  which need no golden reference (:mod:`.pair`).
 
 ``run()`` returns a :class:`Report` (JSON and JUnit XML writers, a summary table).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing
 import os
@@ -43,79 +45,14 @@ from ..errors import AclError, InvalidArgument
 from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v2_grad
 from ..stream import Stream
 from . import cases as _cases
+from . import pair
+from .harness import JUDGES, OPS, OUTCOMES, SOURCES, Case, CaseResult, Context, digest
 
-__all__ = ["CaseResult", "Report", "catalogue", "compare_baseline", "load_baseline", "run", "select", "toolkit_release"]
+__all__ = ["JUDGES", "OPS", "OUTCOMES", "SOURCES", "Case", "CaseResult", "Context", "Report", "catalogue",
+           "compare_baseline", "load_baseline", "run", "select", "toolkit_release"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 SCENARIOS = ("dropless", "active", "drop-pad")
-# Where a case's expectation comes from: "op", the vendor op's own files (docs, tiling,
-# kernel); "nnopbase", CANN's generic aclnn layer as read from the public opbase source
-# (inferred: newer than some releases, so a mismatch on hardware means CANN differs from the
-# inferred rule); "binding", pyacl_moe's own contract.
-SOURCES = ("op", "nnopbase", "binding")
-
-
-# How a case ended, as reported: the op met the expectation; it did not; the case could not
-# be run (a crash of the harness, not a verdict on the op); it missed an expectation inferred
-# from the opbase source (reported, fails only under strict); it was left out (memory budget).
-OUTCOMES = ("pass", "fail", "error", "differs", "skipped")
-
-
-@dataclass
-class CaseResult:
-    name: str
-    kind: str  # positive | negative | determinism
-    dtype: str
-    scenario: str
-    shape: str
-    passed: bool
-    seconds: float = 0.0
-    max_abs_error: float | None = None
-    max_rel_error: float | None = None
-    mismatches: int | None = None
-    elements: int | None = None
-    expected_status: int | None = None
-    status: int | None = None
-    detail: str = ""
-    source: str = "op"  # one of SOURCES
-    outcome: str = ""  # one of OUTCOMES, set by the runner
-    digest: str | None = None  # sha256 of the output bytes, for --baseline
-    device: int | None = None
-    nbytes: int = 0  # inputs and outputs, for --max-memory
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class Case:
-    name: str
-    kind: str
-    dtype: str
-    scenario: str
-    shape: str
-    body: Callable[[Context], CaseResult]
-    source: str = "op"  # one of SOURCES: where the expectation comes from
-    nbytes: int = 0  # device inputs and outputs; 0 for the small fixed-size refusals
-
-
-@dataclass
-class Context:
-    seed: int
-    stream: Stream
-    exact: bool = False
-    # Per dtype, the standard a result is judged by (the documented one unless overridden).
-    standards: dict[str, _cases.Standard] = field(default_factory=lambda: dict(_cases.STANDARDS))
-
-    # Each case derives its own generator from the seed and its name, so a case gives the
-    # same inputs whatever else runs, and --filter reproduces a failure exactly.
-    def rng(self, name: str) -> np.random.Generator:
-        return np.random.default_rng([self.seed, *name.encode()])
-
-
-def digest(out: np.ndarray) -> str:
-    """The digest of an output's bytes (C order): equal digests mean bit-identical results."""
-    return "sha256:" + hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -238,7 +175,8 @@ def _positive(name: str, dtype: str, scenario: str, shape: Shape, pattern: str =
         return _judge(ctx, name, "positive", dtype, case, got, cancels, t0, no_atol=values == "subnormal")
 
     desc = f"N={shape.tokens} K={shape.k} H={shape.hidden}"
-    return Case(name, "positive", dtype, scenario, desc, body, source="op", nbytes=_nbytes(dtype, scenario, shape))
+    return Case(name, "positive", dtype, scenario, desc, body, source="op", nbytes=_nbytes(dtype, scenario, shape),
+                judged_by="reference")
 
 
 def _strided(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
@@ -281,7 +219,7 @@ def _determinism(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
         )
 
     return Case(name, "determinism", dtype, scenario, f"N={shape.tokens} K={shape.k} H={shape.hidden}", body,
-                source="op", nbytes=2 * _nbytes(dtype, scenario, shape))
+                source="op", nbytes=2 * _nbytes(dtype, scenario, shape), judged_by="rerun")
 
 
 @dataclass(frozen=True)
@@ -352,7 +290,7 @@ def _negative(name: str, status: int, spec: Neg, why: str, source: str = "op") -
         return CaseResult(name, "negative", spec.x_dtype, "-", shape, passed, time.perf_counter() - t0,
                           expected_status=status, status=got, detail=detail, source=source)
 
-    return Case(name, "negative", spec.x_dtype, "-", "", body, source=source)
+    return Case(name, "negative", spec.x_dtype, "-", "", body, source=source, judged_by="status")
 
 
 # ---------------------------------------------------------------------------- catalogue
@@ -468,7 +406,7 @@ def catalogue(profile: str = "quick") -> list[Case]:
             _determinism(f"determinism-{dtype}-k8", dtype, "dropless", Shape(64, 8, 1024)),
             _determinism(f"determinism-{dtype}-k128", dtype, "drop-pad", Shape(8, 128, 256, experts=16)),
         ]
-    return out + _negatives()
+    return out + _negatives() + pair.catalogue(profile)
 
 
 # ---------------------------------------------------------------------------- the install
@@ -583,7 +521,7 @@ class Report:
         when = self.timestamp[:19] if self.timestamp else time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         differs_fail = self.strict
         suite = ET.Element(
-            "testsuite", name=f"aclnnMoeInitRoutingV2Grad conformance ({self.backend})",
+            "testsuite", name=f"aclnnMoeInitRoutingV2Grad and aclnnMoeInitRoutingV2 conformance ({self.backend})",
             tests=str(len(self.cases)),
             failures=str(self.count("fail") + (self.count("differs") if differs_fail else 0)),
             errors=str(self.count("error")), skipped=str(self.count("skipped")),
@@ -623,21 +561,29 @@ class Report:
                 parts.append(f"{self.count(outcome)} {label}")
         devs = ",".join(map(str, self.devices))
         mode = ", exact" if self.exact else ""
+        free = sum(c.judged_by == "identity" and c.outcome != "skipped" for c in self.cases)
+        pair = f"; {free} of them judged by identities between the forward and the backward alone, " \
+            "with no golden reference" if free else ""
         return (f"{', '.join(parts)} in {self.seconds:.1f} s ({self.backend}, CANN {self.cann_version or 'unknown'}, "
-                f"runtime {self.runtime_version}, {self.soc}, device {devs}{mode})")
+                f"runtime {self.runtime_version}, {self.soc}, device {devs}{mode}){pair}")
 
     def table(self) -> str:
-        rows = [("case", "dtype", "scenario", "shape", "source", "result", "max error")]
+        rows = [("case", "runs", "dtype", "scenario", "shape", "source", "judged by", "result", "max error")]
         for c in self.cases:
             if c.outcome == "skipped":
                 err = c.detail
             elif c.kind == "negative":
                 err = f"status {c.status} (want {c.expected_status})"
+            elif c.kind == "adjoint" and c.max_rel_error is not None:
+                err = f"{c.max_rel_error:.3g} of the float32 bound"
+            elif c.kind == "round-trip" or (c.op == "forward" and c.kind == "positive"):
+                err = "exact" if c.passed else f"{c.mismatches} of {c.elements} differ"
             elif c.max_abs_error is not None:
                 err = f"{c.max_abs_error:.3g} abs, {c.max_rel_error:.3g} rel"
             else:
                 err = "bit-identical" if c.passed else c.detail.splitlines()[0] if c.detail else ""
-            rows.append((c.name, c.dtype, c.scenario, c.shape, c.source, _LABEL.get(c.outcome, "?"), err))
+            rows.append((c.name, c.op, c.dtype, c.scenario, c.shape, c.source, c.judged_by,
+                         _LABEL.get(c.outcome, "?"), err))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -770,6 +716,7 @@ def _run_case(case: Case, ctx: Context, device: int, max_memory: int | None) -> 
                 result.outcome = "differs" if case.source == "nnopbase" else "fail"
     result.seconds = time.perf_counter() - t0
     result.source, result.device, result.nbytes = case.source, device, case.nbytes
+    result.op, result.judged_by = case.op, case.judged_by
     return result
 
 

@@ -132,6 +132,10 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
           a->mutation == EMU_MUT_FWD_UNSTABLE_SORT ? by_expert_then_reverse_position
                                                    : by_expert_then_position);
 
+    /* The fwd-wrong-row mutation gathers the next token's row: its outputs stay consistent
+     * with themselves, and only a check against x itself (the reference, or the backward's
+     * adjoint identity) can tell. */
+    const int64_t shift = a->mutation == EMU_MUT_FWD_WRONG_ROW && a->n > 1 ? 1 : 0;
     int32_t *ri = (int32_t *)host[V_RI];
     unsigned char *ex = host[V_EX];
     const int64_t *xs = a->x.strides;
@@ -150,7 +154,7 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
          * gathered, but every position still gets its slot number. */
         for (int64_t i = 0; i < total; i++) {
             ri[s[i].pos] = (int32_t)i;
-            if (i < ex_rows && h > 0) COPY_ROW(i, s[i].pos / a->k);
+            if (i < ex_rows && h > 0) COPY_ROW(i, (s[i].pos / a->k + shift) % a->n);
         }
     } else {
         /* Each expert owns expertCapacity rows, filled in sorted order; a token past the
@@ -164,7 +168,7 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
             if (rank < a->capacity) {
                 int64_t row = (int64_t)s[i].expert * a->capacity + rank;
                 ri[s[i].pos] = (int32_t)row;
-                if (h > 0) COPY_ROW(row, s[i].pos / a->k);
+                if (h > 0) COPY_ROW(row, (s[i].pos / a->k + shift) % a->n);
             } else {
                 ri[s[i].pos] = -1;
             }

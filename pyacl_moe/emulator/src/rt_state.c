@@ -58,7 +58,8 @@ static int g_nfaults;
 static int g_faults_armed;
 
 static const char *const g_mutation_names[] = {"", "skip-last-k", "fp16-accumulate",
-                                               "off-by-one-row", "fwd-unstable-sort"};
+                                               "off-by-one-row", "fwd-unstable-sort",
+                                               "fwd-wrong-row"};
 
 double now_ms(void) {
     struct timespec ts;
@@ -197,10 +198,11 @@ int config_locked(void) {
     }
     snprintf(g_soc, sizeof g_soc, "%s", soc ? soc : "Ascend910B3");
     static const char *const mutations[] = {"none", "skip-last-k", "fp16-accumulate",
-                                            "off-by-one-row", "fwd-unstable-sort", NULL};
+                                            "off-by-one-row", "fwd-unstable-sort", "fwd-wrong-row", NULL};
     int mutation = EMU_MUT_NONE;
     env_choice("PYACL_MOE_EMU_MUTATION", mutations, EMU_MUT_NONE, &mutation,
-               "use none, skip-last-k, fp16-accumulate, off-by-one-row or fwd-unstable-sort");
+               "use none, skip-last-k, fp16-accumulate, off-by-one-row, fwd-unstable-sort or "
+               "fwd-wrong-row");
     if (g_mutation < 0) g_mutation = mutation; /* aclemuSetMutation may have come first */
     static const char *const modes[] = {"lazy", "async", NULL};
     int async = 1;
@@ -312,7 +314,7 @@ EMU_API void aclemuClearFaults(void) {
 EMU_API int aclemuSetMutation(const char *name) {
     int id = -1;
     if (!name || !*name || strcmp(name, "none") == 0) id = EMU_MUT_NONE;
-    for (int i = 1; name && i < 5; i++)
+    for (int i = 1; name && i < (int)(sizeof g_mutation_names / sizeof *g_mutation_names); i++)
         if (strcmp(name, g_mutation_names[i]) == 0) id = i;
     if (id < 0) return -1;
     pthread_mutex_lock(&g_lock);
