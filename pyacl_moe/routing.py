@@ -205,7 +205,6 @@ def _route(expert_idx: Any, expert_num: Any, active_num: int, capacity: int, mod
         out = moe_init_routing_v2(scratch, expert_idx, **attrs, stream=stream)
         counts = out.expert_tokens_before_capacity if mode == 1 else out.expert_tokens_count_or_cumsum
         return Routing(out.expanded_row_idx, counts, n, k, num, mode, active_rows, capacity)
-    _contract.check_expert_ids(ids, num, mode, 2)
     # A zero-width x: the op's contract allows empty tensors, and the reference reads the ids only.
     _, row_idx, count, before = reference_routing(np.empty((n, 0), np.float16), ids, **attrs)
     counts = before if mode == 1 else count
