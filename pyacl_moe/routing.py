@@ -40,7 +40,7 @@ __all__ = ["Routing", "active", "drop_pad", "dropless", "random_top_k"]
 _SCORES_PER_BLOCK = 1 << 19
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays inside: == would be ambiguous
 class Routing:
     """Where each (token, expert) slot's row is in the forward's expanded_x, and the scenario
     the backward must be told.
@@ -83,11 +83,7 @@ class Routing:
         """The forward's attributes that give this routing, as keywords of
         :func:`~pyacl_moe.moe_init_routing_v2` (and of its reference), the per-expert count
         output switched on: ``pm.moe_init_routing_v2(x, expert_idx, **r.forward_args)``."""
-        drop_pad = self.drop_pad_mode == 1
-        return {"active_num": self.active_num, "expert_capacity": self.expert_capacity,
-                "expert_num": self.expert_num, "drop_pad_mode": self.drop_pad_mode,
-                "expert_tokens_count_or_cumsum_flag": 0 if drop_pad else 2,
-                "expert_tokens_before_capacity_flag": drop_pad}
+        return _forward_args(self.expert_num, self.drop_pad_mode, self.active_num, self.expert_capacity)
 
     def expanded_shape(self, hidden: int) -> tuple[int, ...]:
         """The shape of the forward's expanded_x (so of the backward's grad_expanded_x) for
@@ -119,9 +115,9 @@ class Routing:
         return in_family(np.asarray(rows, dtype=np.int32), family)
 
     def to_host(self, stream: Stream | None = None) -> Routing:
-        """This routing with NumPy arrays: copied from the device (on ``stream``, which is then
-        waited for; without one, after the streams that wrote them), or itself when its
-        arrays are already on the host."""
+        """This routing with host arrays: NumPy arrays copied from the device (on ``stream``,
+        which is then waited for; without one, after the streams that wrote them), or itself
+        when its arrays are already on the host."""
         if not self.on_device:
             return self
         return Routing(self.expanded_row_idx.to_host(stream), self.expert_counts.to_host(stream), self.tokens,
@@ -197,7 +193,7 @@ def _route(expert_idx: Any, expert_num: Any, active_num: int, capacity: int, mod
         raise InvalidArgument("expert_capacity", f"must be at most N = {n} (the op's rule), got {capacity}")
     # The forward's rows are min(active_num, N*K); the backward wants exactly that many.
     active_rows = min(active_num, n * k)
-    attrs = Routing(None, None, n, k, num, mode, active_rows, capacity).forward_args
+    attrs = _forward_args(num, mode, active_rows, capacity)
     if on_device:
         # The op copies rows of x into expanded_x: one column of the smallest dtype is all it
         # needs, and nothing reads it (its expanded_x is dropped), so it is left unset.
@@ -210,6 +206,15 @@ def _route(expert_idx: Any, expert_num: Any, active_num: int, capacity: int, mod
     counts = before if mode == 1 else count
     assert counts is not None  # forward_args switch the count output on in every scenario
     return Routing(in_family(row_idx, family), in_family(counts, family), n, k, num, mode, active_rows, capacity)
+
+
+def _forward_args(expert_num: int, mode: int, active_num: int, capacity: int) -> dict[str, Any]:
+    drop_pad = mode == 1
+    # The per-expert counts come from the count output in mode 0 and the before-capacity
+    # output in mode 1: the op gives each in one mode only.
+    return {"active_num": active_num, "expert_capacity": capacity, "expert_num": expert_num,
+            "drop_pad_mode": mode, "expert_tokens_count_or_cumsum_flag": 0 if drop_pad else 2,
+            "expert_tokens_before_capacity_flag": drop_pad}
 
 
 def random_top_k(n: int, k: int, expert_num: int, *, seed: Any = None, weights: Any = None) -> np.ndarray:
@@ -236,7 +241,10 @@ def random_top_k(n: int, k: int, expert_num: int, *, seed: Any = None, weights: 
     rng = np.random.default_rng(seed)
     log_w = np.zeros(num)
     if weights is not None:
-        w = np.asarray(weights, dtype=np.float64) if not isinstance(weights, (str, bytes)) else None
+        try:
+            w = np.asarray(weights, dtype=np.float64) if not isinstance(weights, (str, bytes)) else None
+        except (TypeError, ValueError):
+            w = None
         if w is None or w.shape != (num,):
             raise InvalidArgument("weights", f"must be {num} numbers (one per expert), got {weights!r:.80}")
         if not np.isfinite(w).all() or (w < 0).any():

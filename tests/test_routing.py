@@ -164,6 +164,8 @@ def test_random_top_k_follows_the_weights():
     (lambda ids: routing.random_top_k(4, 2, 0), "expert_num"),
     (lambda ids: routing.random_top_k(4, 2, 5, seed=1.5), "seed"),
     (lambda ids: routing.random_top_k(4, 2, 5, weights=[1, 1]), "weights"),
+    (lambda ids: routing.random_top_k(4, 2, 5, weights=["a"] * 5), "weights"),
+    (lambda ids: routing.random_top_k(4, 2, 5, weights=[1, np.nan, 1, 1, 1]), "weights"),
     (lambda ids: routing.random_top_k(4, 2, 5, weights=[1, -1, 1, 1, 1]), "weights"),
     (lambda ids: routing.random_top_k(4, 2, 5, weights=[1, 0, 0, 0, 0]), "weights"),
 ])
