@@ -1,7 +1,7 @@
 """Routing indices for the backward, from top-k expert ids.
 
 The backward, :func:`~pyacl_moe.moe_init_routing_v2_grad`, takes the ``expanded_row_idx`` the
-forward produced and the forward's scenario. These helpers give both, for each scenario, from
+forward produced and the forward's scenario. The functions here give both, for each scenario, from
 the top-k expert ids alone (``[N, K]`` int32, token i's t-th expert at ``[i, t]``)::
 
     r = pm.routing.dropless(expert_idx, expert_num)              # every slot kept
