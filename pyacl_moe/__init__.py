@@ -10,7 +10,7 @@ The public API, re-exported here; see docs/ARCHITECTURE.md for the layers behind
 
 from __future__ import annotations
 
-from . import emulator, reference
+from . import emulator, reference, routing
 from ._cann.loader import LibraryInfo, library_info, load, loaded_info
 from .allocator import pinned_empty, set_caching
 from .array import DeviceArray, bfloat16, empty, from_pointer, from_torch, to_device, zeros
@@ -74,6 +74,7 @@ __all__ = [
     "RoutingResult",
     "moe_init_routing_v2",
     "reference",
+    "routing",
     "set_caching",
     "soc_name",
     "status_name",
