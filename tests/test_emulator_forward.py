@@ -511,3 +511,19 @@ def test_backward_of_the_forward_is_k_times_x_dropless(emu, res, dtype):
     emu.ok(emu.acl.aclrtSynchronizeStream(emu.NULL))
     got = res.read(out_p, (6, 4), NP_DTYPE[dtype]).astype(np.float32)
     np.testing.assert_array_equal(got, k * x.astype(NP_DTYPE[dtype]).astype(np.float32))
+
+
+def test_mutation_fwd_wrong_row_gathers_the_next_tokens_row(emu, res):
+    x, idx = data(6, 2, 3, 4, seed=6)
+    assert emu.acl.aclemuSetMutation(b"fwd-wrong-row") == 0
+    try:
+        c = Case(emu, res, x, idx)
+        c.run()
+        ex, ri, _, _ = c.outputs()
+        # The indices are right; each slot holds the row after its token's (wrapping around).
+        want_ex, want_ri, _, _ = reference(x, idx, 0, 0, 0, 0, 0, False)
+        assert np.array_equal(ri, want_ri)
+        src = np.argsort(ri) // 2
+        assert np.array_equal(ex, x[(src + 1) % 6]) and not np.array_equal(ex, want_ex)
+    finally:
+        assert emu.acl.aclemuSetMutation(b"") == 0

@@ -96,7 +96,8 @@ def _exact_multiples(rng: np.random.Generator, shape: tuple[int, int], dtype: st
     m = rng.integers(1, 2 ** bits, shape) * rng.choice(np.array([-1, 1]), shape)
     lo, hi = _EXPONENTS[dtype]
     e = rng.integers(lo, hi + 1, shape)
-    return np.ldexp(m.astype(np.float64), e).astype(_cases.DTYPES[dtype])
+    out: np.ndarray = np.ldexp(m.astype(np.float64), e).astype(_cases.DTYPES[dtype])
+    return out
 
 
 # g's large values, exact in the dtype: a token's partial sums carry one while the small
