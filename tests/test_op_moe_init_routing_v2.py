@@ -294,3 +294,29 @@ def test_threads_share_a_forward_plan_while_one_closes_it(device):
     assert not errors, errors[0]
     with pytest.raises(pm.ClosedError):
         plan()
+
+
+def test_one_call_on_device_reuses_the_streams_executor_for_a_layout(device, monkeypatch):
+    """The second call of a layout runs no first phase: the stream's cached executor is rebound
+    to the new arrays, absent optional outputs included."""
+    from pyacl_moe._cann import aclnn
+
+    phases: list[str] = []
+    real = aclnn.get_workspace_size
+
+    def counting(api, *args):
+        phases.append(api)
+        return real(api, *args)
+
+    monkeypatch.setattr(aclnn, "get_workspace_size", counting)
+    s = pm.Stream(device)
+    kw = SCENARIOS["drop-pad-before"]  # the count output is a null pointer, before-capacity is not
+    x, idx = _inputs(np.float32, seed=11)
+    pm.moe_init_routing_v2(pm.to_device(x, stream=s), pm.to_device(idx, stream=s), stream=s, **kw)
+    assert phases == ["aclnnMoeInitRoutingV2"]
+    for seed in (12, 13):
+        x2, idx2 = _inputs(np.float32, seed=seed)
+        r = pm.moe_init_routing_v2(pm.to_device(x2, stream=s), pm.to_device(idx2, stream=s), stream=s, **kw)
+        _same(_host(r, s), pm.reference.moe_init_routing_v2(x2, idx2, **kw))
+    assert phases == ["aclnnMoeInitRoutingV2"]
+    s.close()

@@ -457,17 +457,21 @@ class _Cached:
 
     __slots__ = ("core", "tensors", "offsets", "bound", "call", "call_ws", "size")
 
-    def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray], attrs: Mapping[str, Any]) -> None:
-        self.tensors = [TensorCore(a, declare.const("ACL_FORMAT_ND")) for a in arrays]
+    def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray | None],
+                 attrs: Mapping[str, Any]) -> None:
+        # None: an optional tensor passed as a null pointer (its first address is 0 for good).
+        nd = declare.const("ACL_FORMAT_ND")
+        self.tensors = [None if a is None else TensorCore(a, nd) for a in arrays]
         # A cache must not keep a caller's memory alive: each launch holds its own arrays.
         for tc in self.tensors:
-            tc.alloc = None
-        core = build(spec, device, dict(zip(spec.tensors, self.tensors)), attrs)
+            if tc is not None:
+                tc.alloc = None
+        core = build(spec, device, {n: t for n, t in zip(spec.tensors, self.tensors) if t is not None}, attrs)
         core.set_repeatable()
         self.core = core
         self.size = core.workspace_size
-        self.offsets = [a.offset * a.itemsize for a in arrays]
-        self.bound = tuple(a.span[0] for a in arrays)  # first-element addresses bound now
+        self.offsets = [0 if a is None else a.offset * a.itemsize for a in arrays]
+        self.bound = tuple(0 if a is None else a.span[0] for a in arrays)  # first-element addresses bound now
         self.call: Any = None
         self.call_ws: Any = None
 
@@ -477,9 +481,11 @@ class _Cached:
         bound = self.bound
         for i, addr in enumerate(firsts):
             if addr != bound[i]:
-                kind, index = spec.slot(spec.tensors[i])
+                kind, index = spec.slot(spec.tensors[i], self.core.present)
                 setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
-                setter(self.core.handle, index, self.tensors[i].handle, addr - self.offsets[i])
+                tensor = self.tensors[i]
+                assert tensor is not None  # a null pointer's first address is always 0
+                setter(self.core.handle, index, tensor.handle, addr - self.offsets[i])
         self.bound = firsts
 
     def bind(self, spec: OpSpec, block: Allocation | None, state: StreamState) -> Any:
@@ -508,21 +514,23 @@ class _ExecutorCache:
         return []
 
 
-def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray], allocs: tuple[Allocation, ...],
-                  firsts: tuple[int, ...], attrs: Sequence[Any], state: StreamState,
-                  workspace: DeviceArray | None) -> None:
+def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
+                  allocs: tuple[Allocation | None, ...], firsts: tuple[int, ...], attrs: Sequence[Any],
+                  state: StreamState, workspace: DeviceArray | None) -> None:
     """Launch ``spec`` on ``arrays`` (in ``spec.tensors`` order, with their allocations and the
-    addresses of their first elements, checked by the caller) through the stream's cached
-    executor for ``key`` (layout and attribute values, in ``spec.attrs`` order), made on a
+    addresses of their first elements, checked by the caller; None and 0 for an optional
+    tensor passed as a null pointer) through the stream's cached executor for ``key`` (layout,
+    which tensors are present, and attribute values, in ``spec.attrs`` order), made on a
     miss."""
     # Host writes to these arrays wait for this stream from now on; reading back waits for it
     # where it writes.
     for alloc in allocs:
-        if state not in alloc.users:
+        if alloc is not None and state not in alloc.users:
             alloc.users[state] = None
     for i in spec.output_positions:
-        if state not in allocs[i].writers:
-            allocs[i].writers[state] = None
+        out = allocs[i]
+        if out is not None and state not in out.writers:
+            out.writers[state] = None
     if workspace is None:
         with state.lock:
             if state.closing or state.device.closed:
