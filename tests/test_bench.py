@@ -4,6 +4,7 @@ figures to read, not assertions)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -21,8 +22,34 @@ def test_bench_quick_json_has_exactly_the_keys():
     assert r.returncode == (0 if bench.targets_met(data) else 1), r.stderr
     assert tuple(data) == bench.KEYS
     assert data["backend"] == "emulator"
-    assert all(isinstance(data[k], float) and data[k] > 0 for k in bench.KEYS[1:] if k != "numpy_call_mallocs")
-    assert data["numpy_call_mallocs"] == 0  # the steady state allocates nothing
+    zero = set(bench.ZERO.values())
+    assert all(isinstance(data[k], float) and data[k] > 0 for k in bench.KEYS[1:] if k not in zero)
+    assert all(data[k] == 0 for k in zero)  # the steady state allocates nothing
+
+
+FORWARD = ("fwd_oneshot_launch_ns", "fwd_two_phase_ns", "fwd_second_phase_ns", "fwd_numpy_call_ns",
+           "fwd_numpy_copy_ns", "fwd_numpy_kernel_ns", "fwd_kernel_s", "fwd_kernel_copy_s",
+           "fwd_droppad_kernel_s", "fwd_droppad_copy_s")
+
+
+def test_bench_measures_the_forward_beside_the_backward():
+    # The smallest sizes: every measurement once, in well under a second.
+    res, extra = bench.run(sizes=bench.SMOKE)
+    assert tuple(res) == bench.KEYS and set(FORWARD) <= set(bench.KEYS)
+    assert "fwd_numpy_call_mallocs" in bench.ZERO.values()
+    for k in FORWARD:
+        assert isinstance(res[k], float) and res[k] > 0, k
+    # Launch paths in units of the bare call, kernels against their copies: finite ratios.
+    for num, den in (("fwd_oneshot_launch_ns", "ffi_call_ns"), ("fwd_two_phase_ns", "ffi_call_ns"),
+                     ("fwd_second_phase_ns", "ffi_call_ns"), ("fwd_numpy_call_ns", "fwd_numpy_copy_ns"),
+                     ("fwd_kernel_s", "fwd_kernel_copy_s"), ("fwd_droppad_kernel_s", "fwd_droppad_copy_s")):
+        assert math.isfinite(res[num] / res[den]) and res[num] / res[den] > 0, num
+    assert res["fwd_numpy_call_mallocs"] == 0
+    assert extra["fwd_out_mib"] > 0 and math.isfinite(extra["fwd_kernel_gb_per_s"])
+    text = bench.report(res, extra)
+    for line in ("forward one call", "two phases by hand", "second phase alone", "forward NumPy call",
+                 "forward kernel", "drop/pad", "target forward kernel", "target forward allocations"):
+        assert line in text, line
 
 
 def test_bench_json_has_the_raw_launch_floor():
@@ -35,7 +62,7 @@ def test_report_states_each_target():
     res["raw_launch_ns"] = 3.0
     res["plan_launch_ns"] = 5.0  # 2 units above the floor: the plan's target (1 unit) is missed
     extra = {"oneshot_uncached_ns": 1, "input_mib": 1, "reference_peak_extra_mib": 1, "kernel_gb_per_s": 1,
-             "copy_gb_per_s": 1}
+             "copy_gb_per_s": 1, "fwd_out_mib": 1, "fwd_kernel_gb_per_s": 1}
     text = bench.report(res, extra)
     assert "target plan overhead" in text and "plan_launch_ns - raw_launch_ns" in text
     assert "MISSED" in text and "met" in text
@@ -43,6 +70,19 @@ def test_report_states_each_target():
     res["plan_launch_ns"] = 3.5
     res["numpy_kernel_ns"] = 0.0
     res["numpy_call_mallocs"] = 0.0
+    res["fwd_numpy_kernel_ns"] = 0.0
+    res["fwd_numpy_call_mallocs"] = 0.0
     assert bench.targets_met(res)
     res["numpy_call_mallocs"] = 1.0  # one allocation per NumPy call misses its target
     assert not bench.targets_met(res) and "numpy_call_mallocs == 0: 1  MISSED" in bench.report(res, extra)
+    res["numpy_call_mallocs"] = 0.0
+    res["fwd_numpy_call_mallocs"] = 1.0  # so does one per call of the forward
+    assert not bench.targets_met(res) and "fwd_numpy_call_mallocs == 0: 1  MISSED" in bench.report(res, extra)
+    res["fwd_numpy_call_mallocs"] = 0.0
+    res["fwd_kernel_s"] = 5.0  # five copies' time: the forward kernel's bound is four
+    text = bench.report(res, extra)
+    assert not bench.targets_met(res)
+    assert "target forward kernel" in text and "fwd_kernel_s <= 4 x fwd_kernel_copy_s: 5.00 x  MISSED" in text
+    res["fwd_kernel_s"] = 1.0
+    res["fwd_numpy_call_ns"] = 2.0  # twice its copies above its kernel: over 1.3
+    assert not bench.targets_met(res)
