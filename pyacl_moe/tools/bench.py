@@ -84,10 +84,10 @@ TARGETS = {
     # The same promise for the forward's NumPy path (its kernel includes its first phase: the
     # one call has no executor cache to skip it with).
     "forward NumPy call": ("fwd_numpy_call_ns", "fwd_numpy_kernel_ns", "fwd_numpy_copy_ns", 1.3),
-    # A sort of N*K ids and a gather of rows: measured at 1.7 to 2.0 times a device copy of
+    # A sort of N*K ids and a gather of rows: measured at 1.7 to 2.3 times a device copy of
     # the bytes it writes, both on the emulator's one engine thread (so a busy machine slows
-    # both alike). Four leaves room for noise and fails on a per-element gather or a sort
-    # gone quadratic.
+    # both alike). Four leaves room for noise and fails on a gather element by element (the
+    # strided path: about 10) or a sort gone quadratic.
     "forward kernel": ("fwd_kernel_s", None, "fwd_kernel_copy_s", 4.0),
 }
 
