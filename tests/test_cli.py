@@ -292,9 +292,10 @@ def test_bench_exit_status_follows_its_targets(monkeypatch, capsys):
     from pyacl_moe.tools import bench
 
     res = dict.fromkeys(bench.KEYS, 1.0)
-    res.update(backend="emulator", numpy_kernel_ns=0.0, numpy_call_mallocs=0.0)
+    res.update(backend="emulator", numpy_kernel_ns=0.0, numpy_call_mallocs=0.0, fwd_numpy_kernel_ns=0.0,
+               fwd_numpy_call_mallocs=0.0)
     extra = {"oneshot_uncached_ns": 1, "input_mib": 1, "reference_peak_extra_mib": 1, "kernel_gb_per_s": 1,
-             "copy_gb_per_s": 1}
+             "copy_gb_per_s": 1, "fwd_out_mib": 1, "fwd_kernel_gb_per_s": 1}
     monkeypatch.setattr(bench, "run", lambda quick=False, log=None: (dict(res), extra))
     assert cli.main(["bench", "--quick"]) == 0
     res["numpy_call_mallocs"] = 2.0  # a missed target
