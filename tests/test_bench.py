@@ -27,7 +27,7 @@ def test_bench_quick_json_has_exactly_the_keys():
     assert all(data[k] == 0 for k in zero)  # the steady state allocates nothing
 
 
-FORWARD = ("fwd_oneshot_launch_ns", "fwd_two_phase_ns", "fwd_second_phase_ns", "fwd_numpy_call_ns",
+FORWARD = ("fwd_raw_launch_ns", "fwd_plan_launch_ns", "fwd_oneshot_launch_ns", "fwd_two_phase_ns", "fwd_numpy_call_ns",
            "fwd_numpy_copy_ns", "fwd_numpy_kernel_ns", "fwd_kernel_s", "fwd_kernel_copy_s",
            "fwd_droppad_kernel_s", "fwd_droppad_copy_s")
 
@@ -40,15 +40,17 @@ def test_bench_measures_the_forward_beside_the_backward():
     for k in FORWARD:
         assert isinstance(res[k], float) and res[k] > 0, k
     # Launch paths in units of the bare call, kernels against their copies: finite ratios.
-    for num, den in (("fwd_oneshot_launch_ns", "ffi_call_ns"), ("fwd_two_phase_ns", "ffi_call_ns"),
-                     ("fwd_second_phase_ns", "ffi_call_ns"), ("fwd_numpy_call_ns", "fwd_numpy_copy_ns"),
+    for num, den in (("fwd_raw_launch_ns", "ffi_call_ns"), ("fwd_plan_launch_ns", "ffi_call_ns"),
+                     ("fwd_oneshot_launch_ns", "ffi_call_ns"), ("fwd_two_phase_ns", "ffi_call_ns"),
+                     ("fwd_numpy_call_ns", "fwd_numpy_copy_ns"),
                      ("fwd_kernel_s", "fwd_kernel_copy_s"), ("fwd_droppad_kernel_s", "fwd_droppad_copy_s")):
         assert math.isfinite(res[num] / res[den]) and res[num] / res[den] > 0, num
     assert res["fwd_numpy_call_mallocs"] == 0
     assert extra["fwd_out_mib"] > 0 and math.isfinite(extra["fwd_kernel_gb_per_s"])
     text = bench.report(res, extra)
-    for line in ("forward one call", "two phases by hand", "second phase alone", "forward NumPy call",
-                 "forward kernel", "drop/pad", "target forward kernel", "target forward allocations"):
+    for line in ("forward raw launch", "plan relaunch", "one call", "two phases by hand", "forward NumPy call",
+                 "forward kernel", "drop/pad", "target forward plan overhead", "target forward kernel",
+                 "target forward allocations"):
         assert line in text, line
 
 
@@ -86,3 +88,9 @@ def test_report_states_each_target():
     res["fwd_kernel_s"] = 1.0
     res["fwd_numpy_call_ns"] = 2.0  # twice its copies above its kernel: over 1.3
     assert not bench.targets_met(res)
+    res["fwd_numpy_call_ns"] = 1.0
+    res["fwd_plan_launch_ns"] = 2.5  # the forward's plan 1.5 units above its floor
+    assert not bench.targets_met(res)
+    assert "fwd_plan_launch_ns - fwd_raw_launch_ns <= 1 x ffi_call_ns: 1.50 x  MISSED" in bench.report(res, extra)
+    res["fwd_plan_launch_ns"] = 1.5
+    assert bench.targets_met(res)
