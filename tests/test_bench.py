@@ -49,8 +49,7 @@ def test_bench_measures_the_forward_beside_the_backward():
     assert extra["fwd_out_mib"] > 0 and math.isfinite(extra["fwd_kernel_gb_per_s"])
     text = bench.report(res, extra)
     for line in ("forward raw launch", "plan relaunch", "one call", "two phases by hand", "forward NumPy call",
-                 "forward kernel", "drop/pad", "target forward plan overhead", "target forward kernel",
-                 "target forward allocations"):
+                 "forward kernel", "drop/pad", "target forward kernel", "target forward allocations"):
         assert line in text, line
 
 
@@ -89,8 +88,4 @@ def test_report_states_each_target():
     res["fwd_numpy_call_ns"] = 2.0  # twice its copies above its kernel: over 1.3
     assert not bench.targets_met(res)
     res["fwd_numpy_call_ns"] = 1.0
-    res["fwd_plan_launch_ns"] = 2.5  # the forward's plan 1.5 units above its floor
-    assert not bench.targets_met(res)
-    assert "fwd_plan_launch_ns - fwd_raw_launch_ns <= 1 x ffi_call_ns: 1.50 x  MISSED" in bench.report(res, extra)
-    res["fwd_plan_launch_ns"] = 1.5
     assert bench.targets_met(res)

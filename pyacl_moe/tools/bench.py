@@ -81,8 +81,10 @@ TARGETS = {
     # The call's cost above its kernel (which the emulator runs on the host's own cores).
     "NumPy call": ("numpy_call_ns", "numpy_kernel_ns", "numpy_copy_ns", 1.3),
     "reference": ("reference_s", None, "reference_copy_s", 2.0),
-    # The same promises for the forward: one plan layer, one NumPy path.
-    "forward plan overhead": ("fwd_plan_launch_ns", "fwd_raw_launch_ns", "ffi_call_ns", 1.0),
+    # Targets for the forward only where its code is its own: its NumPy path (the same promise
+    # as the backward's), its kernel and its allocations. Its plan relaunch runs the backward's
+    # code (op.plan.Plan.__call__), held by "plan overhead"; its one call makes its outputs on
+    # every call (it has no out=), so it is reported, not bounded.
     "forward NumPy call": ("fwd_numpy_call_ns", "fwd_numpy_kernel_ns", "fwd_numpy_copy_ns", 1.3),
     # A sort of N*K ids and a gather of rows: measured at 1.7 to 2.3 times a device copy of
     # the bytes it writes, both on the emulator's one engine thread (so a busy machine slows
@@ -489,10 +491,10 @@ def report(res: dict[str, Any], extra: dict[str, Any]) -> str:
     for name, (num, sub, den, factor) in TARGETS.items():
         ratio = _ratio(res, num, sub, den)
         lhs = f"{num} - {sub}" if sub else num
-        lines.append(f"target {name:<21} {lhs} <= {factor:g} x {den}: {ratio:.2f} x  "
+        lines.append(f"target {name:<19} {lhs} <= {factor:g} x {den}: {ratio:.2f} x  "
                      f"{'met' if ratio <= factor else 'MISSED'}")
     for name, key in ZERO.items():
-        lines.append(f"target {name:<21} {key} == 0: {res[key]:g}  {'met' if res[key] == 0 else 'MISSED'}")
+        lines.append(f"target {name:<19} {key} == 0: {res[key]:g}  {'met' if res[key] == 0 else 'MISSED'}")
     return "\n".join(lines)
 
 
