@@ -86,7 +86,7 @@ TARGETS = {
     # code (op.plan.Plan.__call__), held by "plan overhead"; its one call makes its outputs on
     # every call (it has no out=), so it is reported, not bounded.
     "forward NumPy call": ("fwd_numpy_call_ns", "fwd_numpy_kernel_ns", "fwd_numpy_copy_ns", 1.3),
-    # A sort of N*K ids and a gather of rows: measured at 1.7 to 2.3 times a device copy of
+    # A sort of N*K ids and a gather of rows: measured at 1.8 to 2.4 times a device copy of
     # the bytes it writes, both on the emulator's one engine thread (so a busy machine slows
     # both alike). Four leaves room for noise and fails on a gather element by element (the
     # strided path: about 10) or a sort gone quadratic.
