@@ -80,7 +80,10 @@ class BlockCache:
         self.device = device
         self.kind = kind  # "device" or "pinned"
         self.lock = threading.Lock()
-        self.idle: dict[int, list[Any]] = {}  # rounded size -> idle memory handles
+        # Rounded size -> idle memory handles, as the keys of an insertion-ordered dict: the
+        # newest is taken first, and keeping one already kept (an interrupted keep, retried) is
+        # one atomic, idempotent store, with no scan of the bucket.
+        self.idle: dict[int, dict[Any, None]] = {}
         self.closed = False
         self.hits = 0
         self.misses = 0
@@ -98,8 +101,9 @@ class BlockCache:
             if not blocks:
                 self.misses += 1
                 return False
-            block.mem = blocks[-1]
-            del blocks[-1]
+            mem = next(reversed(blocks))
+            block.mem = mem
+            del blocks[mem]
             self.bytes_idle -= block.size
             self.bytes_in_use += block.size
             self.hits += 1
@@ -122,9 +126,9 @@ class BlockCache:
                 return False
             bucket = self.idle.get(block.size)
             if bucket is None:
-                bucket = self.idle[block.size] = []
-            if not any(m is mem for m in bucket):
-                bucket.append(mem)
+                bucket = self.idle[block.size] = {}
+            if mem not in bucket:
+                bucket[mem] = None
                 self.bytes_idle += block.size
                 self.bytes_in_use -= block.size
             block.mem = None

@@ -294,7 +294,8 @@ def moe_init_routing_v2(
     dev = stream.device if stream is not None else current_device()
     s = stream if stream is not None else current_stream(dev)
     dx, di = to_device(hx, stream=s), to_device(hi_, stream=s)
-    outs = _run_device(dx, di, attrs, s, False)
+    # Checked above when validate: the device path checks again (cheap) and takes the cache.
+    outs = _run_device(dx, di, attrs, s, validate)
     host = [None if o is None else o.to_host(s) for o in outs]
     return RoutingResult(*(None if h is None else in_family(h, family) for h in host))
 
