@@ -251,21 +251,7 @@ def _numpy_path(batches: int) -> tuple[float, float, float, float]:
         moe_init_routing_v2_grad(dx, di, case.top_k, out=dout, stream=s)
         s.synchronize()
 
-    call()
-    copies()
-    kernel()
-    call_ns, copy_ns, kernel_ns = [], [], []
-    for _ in range(batches):  # interleaved, so all three see the same machine
-        call_ns.append(_per_call_ns(call, 20, 1))
-        copy_ns.append(_per_call_ns(copies, 20, 1))
-        kernel_ns.append(_per_call_ns(kernel, 20, 1))
-    # Allocations through the binding (device and pinned blocks, workspaces), counted the same
-    # way on any backend: a cache miss is one aclrtMalloc or aclrtMallocHost.
-    before = _allocations(dev)
-    for _ in range(20):
-        call()
-    mallocs = (_allocations(dev) - before) / 20
-    return statistics.median(call_ns), statistics.median(copy_ns), statistics.median(kernel_ns), mallocs
+    return _numpy_figures(call, copies, kernel, batches, dev)
 
 
 def _fwd_numpy_path(batches: int) -> tuple[float, float, float, float]:
@@ -292,14 +278,23 @@ def _fwd_numpy_path(batches: int) -> tuple[float, float, float, float]:
         moe_init_routing_v2(dx, di, *_FWD_DROPLESS, stream=s)
         s.synchronize()
 
+    return _numpy_figures(call, copies, kernel, batches, dev)
+
+
+def _numpy_figures(call: Callable[[], Any], copies: Callable[[], Any], kernel: Callable[[], Any], batches: int,
+                   dev: Any) -> tuple[float, float, float, float]:
+    """A NumPy path's figures: the call, its copies alone and its kernel (medians of batches
+    interleaved, so all three see the same machine), and its allocations per call."""
     call()
     copies()
     kernel()
     call_ns, copy_ns, kernel_ns = [], [], []
-    for _ in range(batches):  # interleaved, so all three see the same machine
+    for _ in range(batches):
         call_ns.append(_per_call_ns(call, 20, 1))
         copy_ns.append(_per_call_ns(copies, 20, 1))
         kernel_ns.append(_per_call_ns(kernel, 20, 1))
+    # Allocations through the binding (device and pinned blocks, workspaces), counted the same
+    # way on any backend: a cache miss is one aclrtMalloc or aclrtMallocHost.
     before = _allocations(dev)
     for _ in range(20):
         call()
