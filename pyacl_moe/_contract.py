@@ -125,26 +125,28 @@ def check_shapes(
 
 def check_indices(idx: np.ndarray, geometry: Geometry, top_k: int, active_num: int) -> None:
     """Check index values on the host: range and uniqueness for the scenario."""
-    v = np.asarray(idx).astype(np.int64, copy=False).ravel()
+    v = np.asarray(idx).ravel()
+    if not v.size:
+        return
     scen = geometry.scenario
-    if scen == "drop-pad":
+    drop_pad = scen == "drop-pad"
+    if drop_pad:
         hi, what = geometry.rows, "-1 or a row of the flattened [E*C] rows"
-        counted = v != -1
-        lo = 0
     else:
         hi, what = geometry.tokens * top_k, "a position in [0, N*top_k)"
-        counted = np.ones(v.shape, dtype=bool)
-        lo = 0
-    bad = counted & ((v < lo) | (v >= hi))
-    if bad.any():
-        pos = int(np.argmax(bad))
-        hint = " (-1 marks a dropped slot only in drop/pad mode)" if v[pos] == -1 else ""
+    # The common case costs a min and a max; the masks are made only to name a bad value.
+    low, high = int(v.min()), int(v.max())
+    if low < (-1 if drop_pad else 0) or high >= hi:
+        v64 = v.astype(np.int64)
+        counted = v64 != -1 if drop_pad else np.ones(v64.shape, dtype=bool)
+        pos = int(np.argmax(counted & ((v64 < 0) | (v64 >= hi))))
+        hint = " (-1 marks a dropped slot only in drop/pad mode)" if v64[pos] == -1 else ""
         raise InvalidArgument(
             "expanded_row_idx",
-            f"value {int(v[pos])} at position {pos} is out of range: in {scen} mode each index must be "
+            f"value {int(v64[pos])} at position {pos} is out of range: in {scen} mode each index must be "
             f"{what} (0 <= index < {hi}){hint}",
         )
-    kept = v[counted]
+    kept = v[v != -1] if drop_pad and low == -1 else v
     if kept.size:
         counts = np.bincount(kept, minlength=1)
         if counts.max(initial=0) > 1:
@@ -153,7 +155,7 @@ def check_indices(idx: np.ndarray, geometry: Geometry, top_k: int, active_num: i
             raise InvalidArgument(
                 "expanded_row_idx",
                 f"value {dup} appears more than once (positions {positions[0]} and {positions[1]}): "
-                "indices must be unique" + (" apart from -1" if scen == "drop-pad" else ""),
+                "indices must be unique" + (" apart from -1" if drop_pad else ""),
             )
 
 
