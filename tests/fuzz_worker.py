@@ -5,7 +5,8 @@ Protocol on stdin/stdout: a 4-byte big-endian length, then a pickled request; th
 framed the same way. Request: dict(x, idx, top_k, drop_pad_mode, active_num, validate, device,
 stream): ``device`` passes DeviceArrays, ``stream`` queues everything on a stream of its own
 (else the default stream). Reply: ("ok", ndarray) or ("error", exception type name, message,
-whether it is one of pyacl_moe's deliberate errors: InvalidArgument or AclError).
+whether it is one of pyacl_moe's deliberate errors: InvalidArgument or AclError). A request
+with op="forward" runs the forward op instead (see _forward).
 """
 
 from __future__ import annotations
@@ -31,6 +32,22 @@ def _write(stream, obj) -> None:
     stream.flush()
 
 
+def _forward(pm, req):
+    """The forward: request dict(op="forward", x, idx, attrs (the six attributes in C order),
+    validate, device, stream); reply ("ok", tuple of the four outputs, None where absent)."""
+    try:
+        if req["device"]:
+            with closing(pm.Stream()) as s:
+                x, idx = pm.to_device(req["x"], stream=s), pm.to_device(req["idx"], stream=s)
+                r = pm.moe_init_routing_v2(x, idx, *req["attrs"], stream=s, validate=req["validate"])
+                outs = tuple(None if a is None else a.to_host(s) for a in r)
+        else:
+            outs = tuple(pm.moe_init_routing_v2(req["x"], req["idx"], *req["attrs"], validate=req["validate"]))
+        return ("ok", outs)
+    except Exception as exc:
+        return ("error", type(exc).__name__, str(exc), isinstance(exc, (pm.InvalidArgument, pm.AclError)))
+
+
 def main() -> None:
     os.environ.setdefault("PYACL_MOE_EMULATOR", "1")
     import pyacl_moe as pm
@@ -41,6 +58,9 @@ def main() -> None:
         req = _read(inp)
         if req is None:
             return
+        if req.get("op") == "forward":
+            _write(out, _forward(pm, req))
+            continue
         try:
             args = (req["x"], req["idx"], req["top_k"], req["drop_pad_mode"], req["active_num"])
             if req["device"] and req.get("stream"):

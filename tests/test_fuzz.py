@@ -1,5 +1,5 @@
-"""Property-based fuzzing of the one-call function: hypothesis builds shapes, dtypes, modes,
-attributes and index arrays, valid and invalid; a worker process runs each one.
+"""Property-based fuzzing of the one-call functions of both ops: hypothesis builds shapes,
+dtypes, modes, attributes and index arrays, valid and invalid; a worker process runs each one.
 
 Valid inputs must match the golden reference; invalid ones must raise InvalidArgument or an
 AclError. Anything else (a wrong result, another exception, a crashed worker) fails.
@@ -205,6 +205,96 @@ def test_fuzz_one_call_function_long(worker, req):
 @given(req=cases())
 def test_fuzz_vendor_checks_without_host_validation_long(worker, req):
     _vendor_alone(worker, req)
+
+
+# ---------------------------------------------------------------------------- the forward
+
+@st.composite
+def forward_cases(draw):
+    n, k, h = draw(st.integers(1, 10)), draw(st.integers(1, 5)), draw(st.integers(1, 17))
+    experts = draw(st.integers(1, 6))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    mode = draw(st.sampled_from([0, 0, 1]))
+    active = draw(st.sampled_from([0, 0, draw(st.integers(1, n * k + 3))])) if mode == 0 else 0
+    capacity = draw(st.integers(1, n)) if mode == 1 else 0
+    flag = draw(st.sampled_from([0, 1, 2])) if mode == 0 else 0
+    before = mode == 1 and draw(st.booleans())
+    xshape: tuple[int, ...] = (n, h)
+    ishape: tuple[int, ...] = (n, k)
+    dtype, idx_dtype = draw(st.sampled_from(DATA)), np.int32
+    ids = rng.integers(0, experts, ishape)
+    flaw = draw(st.sampled_from(["none"] * 6 + ["id-range", "negative-id", "x-dtype", "idx-dtype", "rows", "rank",
+                                                "idx-rank", "mode", "flag", "capacity", "attr-negative"]))
+    if flaw == "id-range":
+        ids.flat[draw(st.integers(0, ids.size - 1))] = experts + draw(st.integers(0, 2**20))
+    elif flaw == "negative-id":
+        ids.flat[draw(st.integers(0, ids.size - 1))] = draw(st.sampled_from([-1, -(2**31)]))
+    elif flaw == "x-dtype":
+        dtype = draw(st.sampled_from(BAD_DATA))
+    elif flaw == "idx-dtype":
+        idx_dtype = draw(st.sampled_from([np.int64, np.float32, np.uint8]))
+    elif flaw == "rows":
+        xshape = (n + draw(st.integers(1, 3)), h)
+    elif flaw == "rank":
+        xshape = (n, h, 1)
+    elif flaw == "idx-rank":
+        ishape = (n * k,)
+        ids = ids.reshape(ishape)
+    elif flaw == "mode":
+        mode = draw(st.sampled_from([2, -1]))
+    elif flaw == "flag":
+        flag = draw(st.sampled_from([3, -1]))
+    elif flaw == "capacity":
+        capacity = draw(st.sampled_from([0, n + 1, -1, 2**40])) if mode == 1 else capacity
+    elif flaw == "attr-negative":
+        active = -draw(st.integers(1, 2**31))
+    x = rng.standard_normal(xshape).astype(np.float32).astype(dtype) if dtype != np.bool_ else rng.random(xshape) > 0.5
+    return dict(op="forward", x=x, idx=ids.astype(idx_dtype), attrs=(active, capacity, experts, mode, flag, before),
+                validate=draw(st.booleans()), device=draw(st.booleans()))
+
+
+def _same_outputs(got: tuple, want: tuple) -> bool:
+    return all((g is None) == (w is None) and (w is None or (g.shape == w.shape and g.dtype == w.dtype and
+                                                             np.array_equal(g.view(np.uint8), w.view(np.uint8))))
+               for g, w in zip(got, want))
+
+
+def _judge_forward(req: dict, reply: tuple) -> None:
+    """Valid inputs give the reference's outputs bit for bit. Invalid ones raise InvalidArgument
+    or an AclError; with validate=False on the device the vendor judges alone, and where its
+    checks let a case through (ids are not range-checked on the device) only the absence of a
+    crash is asserted."""
+    assert reply[0] != "crash", f"the worker died (exit code {reply[1]}) on {req}"
+    active, capacity, _, mode, _, _ = req["attrs"]
+    if mode == 1 and req["x"].ndim == 2 and capacity > req["x"].shape[0]:
+        # The reference computes any capacity; the vendor's tiling (and the binding) refuse one
+        # above N.
+        assert reply[0] == "error" and reply[3], f"capacity above N accepted: {reply}"
+        return
+    try:
+        want = pm.reference.moe_init_routing_v2(req["x"], req["idx"], *req["attrs"])
+    except pm.InvalidArgument as exc:
+        if reply[0] == "ok":
+            assert not req["validate"] or (req["device"] and exc.parameter == "expert_idx"), \
+                f"invalid input accepted (the reference says: {exc})"
+            return
+        assert reply[3], f"invalid input raised {reply[1]}, not InvalidArgument or AclError: {reply[2]}"
+        return
+    assert reply[0] == "ok", f"valid input refused: {reply}"
+    assert _same_outputs(reply[1], want), "outputs differ from the reference"
+
+
+@settings(max_examples=EXAMPLES // 4, deadline=None, suppress_health_check=HEALTH)
+@given(req=forward_cases())
+def test_fuzz_forward(worker, req):
+    _judge_forward(req, worker.run(req))
+
+
+@pytest.mark.slow
+@settings(max_examples=LONG_EXAMPLES // 2, deadline=None, suppress_health_check=HEALTH)
+@given(req=forward_cases())
+def test_fuzz_forward_long(worker, req):
+    _judge_forward(req, worker.run(req))
 
 
 def test_worker_crash_fails_the_example_instead_of_pytest(worker):
