@@ -527,3 +527,27 @@ def test_mutation_fwd_wrong_row_gathers_the_next_tokens_row(emu, res):
         assert np.array_equal(ex, x[(src + 1) % 6]) and not np.array_equal(ex, want_ex)
     finally:
         assert emu.acl.aclemuSetMutation(b"") == 0
+
+
+def test_output_indices_count_a_null_optional_output(emu, res):
+    """aclSetOutputTensorAddr numbers the op's outputs as its definition does: a null optional
+    output keeps index 2, refuses an address (161002), and the before-capacity output is 3."""
+    x, idx = data(5, 2, 3, 3, seed=8)
+    c = Case(emu, res, x, idx, cap=2, num=3, mode=1, before=True)
+    st, ws, exe = c.phase1()
+    emu.ok(st)
+    emu.ok(emu.nn.aclSetAclOpExecutorRepeatable(exe))
+    nn = emu.nn
+    assert nn.aclSetOutputTensorAddr(exe, 2, c.bc, c.bc_p) == ACLNN_ERR_PARAM_INVALID
+    assert "output index 2 was passed as a null pointer" in emu.msg()
+    assert nn.aclSetOutputTensorAddr(exe, 4, c.bc, c.bc_p) == ACLNN_ERR_PARAM_INVALID
+    assert "out of range: the op has 4" in emu.msg()
+    bc2 = res.dev(np.full(3, -4, np.int32))
+    emu.ok(nn.aclSetOutputTensorAddr(exe, 3, c.bc, bc2))
+    wsp = res.dev(ws) if ws else emu.NULL
+    emu.ok(emu.op.aclnnMoeInitRoutingV2(wsp, ws, exe, emu.NULL))
+    emu.ok(emu.acl.aclrtSynchronizeStream(emu.NULL))
+    want = reference(x, idx, *c.args)[3]
+    assert np.array_equal(res.read(bc2, (3,), np.int32), want)
+    assert (res.read(c.bc_p, (3,), np.int32) == -6).all()  # the old address was left alone
+    emu.ok(nn.aclDestroyAclOpExecutor(exe))

@@ -320,3 +320,21 @@ def test_one_call_on_device_reuses_the_streams_executor_for_a_layout(device, mon
         _same(_host(r, s), pm.reference.moe_init_routing_v2(x2, idx2, **kw))
     assert phases == ["aclnnMoeInitRoutingV2"]
     s.close()
+
+
+def test_executor_indices_are_the_ops_and_a_null_output_has_no_address(device):
+    x, idx = _inputs(np.float32)
+    dx, di = pm.to_device(x), pm.to_device(idx)
+    kw = SCENARIOS["drop-pad-before"]
+    r = pm.moe_init_routing_v2(dx, di, **kw)
+    size, ex = fwd.get_workspace_size(dx, di, 0, 3, 6, 1, 0, True, *r)
+    with pytest.raises(pm.InvalidArgument, match="passed as a null pointer") as e:
+        ex.set_output_addr(2, ex.tensors[-1], r.expert_tokens_before_capacity.address)
+    assert e.value.parameter == "index"
+    other = pm.empty((6,), np.int32)
+    ex.set_repeatable()
+    ex.set_output_addr(3, ex.tensors[-1], other.address)
+    fwd.execute(pm.empty((size,), np.uint8) if size else None, size, ex)
+    pm.current_stream().synchronize()
+    np.testing.assert_array_equal(other.to_host(), pm.reference.moe_init_routing_v2(x, idx, **kw)[3])
+    ex.close()

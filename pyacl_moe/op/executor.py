@@ -45,11 +45,6 @@ class ExecutorCore:
         self.handle = aclnn.ExecutorHandle()
         self.token = _lifetime.track(self, self.handle)
 
-    @property
-    def present(self) -> tuple[str, ...]:
-        """The op's tensors this executor was built with (not null pointers), in C order."""
-        return tuple(n for n, t in self.tensors.items() if t is not None)
-
     def check_live(self) -> None:
         if not self.handle:
             raise ClosedError("executor", "it was destroyed, or a launch consumed it (one-shot executors run once)")
@@ -70,7 +65,7 @@ class ExecutorCore:
 
     def set_address(self, name: str, tensor: TensorCore, address: int) -> None:
         """Point the executor's tensor ``name`` at ``address`` (the storage base CANN keeps)."""
-        kind, index = self.spec.slot(name, self.present)
+        kind, index = self.spec.slot(name)
         with self.lock:
             self.check_live()
             if kind == "input":
@@ -222,21 +217,23 @@ class Executor(_lifetime.Owner):
 
     def _set_address(self, kind: str, index: Any, tensor: AclTensor, address: Any) -> None:
         core = self.core()
-        present = core.present
-        names = [n for n in (core.spec.inputs if kind == "input" else core.spec.outputs) if n in present]
+        names = core.spec.inputs if kind == "input" else core.spec.outputs
         i = _args.integer("index", index, 0, len(names) - 1)
+        if core.tensors.get(names[i]) is None:
+            raise InvalidArgument("index", f"{kind} {i} ({names[i]}) was passed as a null pointer to the first "
+                                           "phase: it has no address to set")
         t = _args.instance("tensor", tensor, AclTensor, "an AclTensor")
         addr = _args.integer("address", address, 0, 2**64 - 1)
         core.set_address(names[i], t.core(), addr)
 
     def set_input_addr(self, index: int, tensor: AclTensor, address: int) -> None:
-        """aclSetInputTensorAddr: the storage base of input ``index`` (the operator's order,
-        counting only the tensors the executor was built with)."""
+        """aclSetInputTensorAddr: the storage base of input ``index`` (the operator's order)."""
         self._set_address("input", index, tensor, address)
 
     def set_output_addr(self, index: int, tensor: AclTensor, address: int) -> None:
-        """aclSetOutputTensorAddr: the storage base of output ``index`` (counting only the
-        outputs the executor was built with: a null optional output has no index)."""
+        """aclSetOutputTensorAddr: the storage base of output ``index`` (the operator's order,
+        an optional output passed as a null pointer included: it keeps its index, and has no
+        address to set)."""
         self._set_address("output", index, tensor, address)
 
     def _dropped(self) -> None:

@@ -481,7 +481,7 @@ class _Cached:
         bound = self.bound
         for i, addr in enumerate(firsts):
             if addr != bound[i]:
-                kind, index = spec.slot(spec.tensors[i], self.core.present)
+                kind, index = spec.slot(spec.tensors[i])
                 setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
                 tensor = self.tensors[i]
                 assert tensor is not None  # a null pointer's first address is always 0

@@ -6,7 +6,6 @@ indices, what a launch reads and writes, and the first phase's argument list all
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 __all__ = ["OpSpec", "Param"]
@@ -41,11 +40,10 @@ class OpSpec:
         object.__setattr__(self, "tensors", self.inputs + self.outputs)
         object.__setattr__(self, "output_positions", tuple(range(len(self.inputs), len(self.tensors))))
 
-    def slot(self, name: str, present: Collection[str] | None = None) -> tuple[str, int]:
-        """("input" or "output", index) of a tensor parameter, as aclSet*TensorAddr take it:
-        its place among the op's tensors of its kind that are ``present`` (all by default),
-        since an optional output passed as a null pointer has no place in the executor."""
-        kind, names = ("input", self.inputs) if name in self.inputs else ("output", self.outputs)
-        if present is not None:
-            names = tuple(n for n in names if n in present)
-        return kind, names.index(name)
+    def slot(self, name: str) -> tuple[str, int]:
+        """("input" or "output", index) of a tensor parameter, as aclSet*TensorAddr take it: its
+        place among the op's tensors of its kind, an optional one passed as a null pointer
+        included (nnopbase keeps a slot for it, marked null)."""
+        if name in self.inputs:
+            return "input", self.inputs.index(name)
+        return "output", self.outputs.index(name)

@@ -471,7 +471,8 @@ EMU_API aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor) {
 
 /* nnopbase's order: the tensor first (NULL: 561103), whose address is updated before the
  * executor is even looked at; then the executor (NULL: 561103, not live: 561000) and the
- * index (161002). Any executor may be rebound, repeatable or not: a one-shot executor's next
+ * index (161002), which counts every tensor of the op's definition, an optional one passed as
+ * NULL included (setting that one: 161002). Any executor may be rebound, repeatable or not: a one-shot executor's next
  * launch uses the new address. */
 static aclnnStatus set_io_addr(const char *api, aclOpExecutor *executor, size_t index,
                                aclTensor *tensor, void *addr, int is_output) {
@@ -492,10 +493,17 @@ static aclnnStatus set_io_addr(const char *api, aclOpExecutor *executor, size_t 
             st = executor_missing(api, executor);
         } else {
             int n = is_output ? ex->info.n_outputs : ex->info.n_inputs;
+            const aclTensor *const *given = is_output ? ex->info.output_tensor : ex->info.input_tensor;
             if (index >= (size_t)n) {
                 st = ACLNN_ERR_PARAM_INVALID;
                 aclemuSetErrMsg(api, st, "%s index %zu is out of range: the op has %d",
                                 is_output ? "output" : "input", index, n);
+            } else if (!given[index]) {
+                /* NnopbaseSetOutputTensorAddr: an optional tensor passed as NULL keeps its
+                 * slot, marked null, and cannot be given an address. */
+                st = ACLNN_ERR_PARAM_INVALID;
+                aclemuSetErrMsg(api, st, "%s index %zu was passed as a null pointer to the first phase: it has "
+                                "no address to set", is_output ? "output" : "input", index);
             } else if (is_output) {
                 ex->info.output_addr[index] = (uintptr_t)addr;
             } else {

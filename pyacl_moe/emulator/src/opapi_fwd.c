@@ -342,10 +342,13 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
     info.input_addr[1] = op->d[T_IDX].addr;
     info.input_tensor[0] = x;
     info.input_tensor[1] = expertIdx;
+    /* Outputs keep their places in the op's definition (moe_init_routing_v2_def.cpp), a null
+     * optional one included: nnopbase's executor has a slot for each, marked null, and
+     * aclSetOutputTensorAddr counts them all. */
+    info.n_outputs = T_COUNT - T_EX;
     for (int i = T_EX; i < T_COUNT; i++) {
-        if (!op->present[i]) continue;
-        info.output_addr[info.n_outputs] = op->d[i].addr;
-        info.output_tensor[info.n_outputs++] = t[i];
+        info.output_addr[i - T_EX] = op->present[i] ? op->d[i].addr : 0;
+        info.output_tensor[i - T_EX] = op->present[i] ? t[i] : NULL;
     }
     info.op_data = op;
     info.op_free = fwd_op_free;
@@ -387,10 +390,8 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSiz
         k->x.addr = info.input_addr[0];
         k->idx.addr = info.input_addr[1];
         uintptr_t *slots[T_COUNT] = {NULL, NULL, &k->ex_addr, &k->ri_addr, &k->cnt_addr, &k->bc_addr};
-        for (int i = T_EX, o = 0; i < T_COUNT; i++) {
-            if (!op->present[i]) continue;
-            *slots[i] = out_addr(&op->d[i], info.output_addr[o++]);
-        }
+        for (int i = T_EX; i < T_COUNT; i++)
+            if (op->present[i]) *slots[i] = out_addr(&op->d[i], info.output_addr[i - T_EX]);
         /* An output the scenario does not switch on is not written. */
         if (k->drop_pad_mode != 0 || k->count_flag == 0) k->cnt_addr = 0;
         if (k->drop_pad_mode != 1 || !k->before_capacity) k->bc_addr = 0;
