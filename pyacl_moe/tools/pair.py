@@ -250,6 +250,7 @@ class Neg:
     cnt_dtype: str = "int32"
     bc: tuple[int, ...] | None = None
     attrs: tuple[int, int, int, int, int, bool] = (0, 0, 0, 0, 0, False)  # active, cap, num, mode, flag, before
+    small_buffer: bool = False  # describe every tensor over one 1 MiB buffer (the first phase reads none)
 
 
 def _forward_negative(name: str, status: int, spec: Neg, why: str, source: str) -> Case:
@@ -257,8 +258,14 @@ def _forward_negative(name: str, status: int, spec: Neg, why: str, source: str) 
         t0 = time.perf_counter()
         dev = ctx.stream.device
 
+        small = empty((1 << 20,), np.uint8, dev) if spec.small_buffer else None
+
         def make(shape: tuple[int, ...] | None, dtype: str) -> DeviceArray | None:
-            return None if shape is None else empty(shape, dtype, dev)
+            if shape is None:
+                return None
+            if small is not None:
+                return DeviceArray.from_pointer(small.data_ptr, shape, dtype, owner=small, device=dev)
+            return empty(shape, dtype, dev)
 
         arrays = (make(spec.x, spec.x_dtype), make(spec.idx, spec.idx_dtype),
                   make(spec.ex, spec.ex_dtype or spec.x_dtype), make(spec.ri, spec.ri_dtype),
@@ -327,6 +334,52 @@ def _forward_negatives() -> list[Case]:
         neg("count-length", T, "count output 3 elements, expertNum 4", cnt=(3,), attrs=(0, 0, 4, 0, 1, False)),
         neg("before-capacity-missing", T, "before-capacity flag with a null output", ex=(4, 2, 3),
             attrs=(0, 2, 4, 1, 0, True)),
+    ] + _vendor_tiling_cases()
+
+
+def _vendor_tiling_cases() -> list[Case]:
+    """The vendor's own tiling unit tests of the forward (moe/moe_init_routing_v2/tests/utest/
+    ts_moe_init_routing_v2_tc.cpp), as first phases: two it runs, and what it refuses. Tensors
+    are described over a small buffer: the first phase reads none."""
+    T, OK = 561002, 0
+
+    def case(name: str, status: int, why: str, n: int, h: int, k: int, active: int, cap: int, e: int, mode: int,
+             flag: int, before: bool, **over: Any) -> Case:
+        rows = (e, cap, h) if mode == 1 else (min(active, n * k) if active else n * k, h)
+        spec = dict(x=(n, h), idx=(n, k), ex=rows, ri=(n * k,), cnt=(e,) if mode == 0 and flag else None,
+                    bc=(e,) if mode == 1 and before else None, attrs=(active, cap, e, mode, flag, before),
+                    small_buffer=True)
+        spec.update(over)
+        return _forward_negative(f"fwd-vendor-{name}", status, Neg(**spec), why, "op")
+
+    big = (320, 3000, 56)
+    return [
+        case("active-runs", OK, "N=8 H=30 K=6 activeNum 32, count output: tiled", 8, 30, 6, 32, 0, 8, 0, 1, False),
+        case("drop-pad-runs", OK, "N=8 H=30 K=6 C=6 E=8 with the before-capacity output: tiled", 8, 30, 6, 0, 6, 8,
+             1, 0, True),
+        case("x-1d", T, "x 1-D", *big, 1000, 0, 64, 0, 1, False, x=(320,)),
+        case("count-without-experts", T, "count flag with expertNum 0", *big, 1000, 0, 0, 0, 1, False, cnt=(0,)),
+        case("drop-pad-capacity-0", T, "drop/pad with capacity 0", *big, 1000, 0, 64, 1, 1, False, ex=(64, 0, 3000)),
+        case("drop-pad-expanded-x-2d", T, "drop/pad, expandedXOut [N*K, H]", *big, 0, 30, 64, 1, 0, True,
+             ex=(320 * 56, 3000)),
+        case("drop-pad-expanded-x-capacity", T, "drop/pad, expandedXOut [E, 10*C, H]", *big, 0, 30, 64, 1, 0, True,
+             ex=(64, 300, 3000)),
+        case("drop-pad-expanded-x-experts", T, "drop/pad, expandedXOut [2E, 10*C, H]", *big, 0, 30, 64, 1, 0, True,
+             ex=(128, 300, 3000)),
+        case("drop-pad-expanded-x-hidden", T, "drop/pad, expandedXOut [2E, 10*C, H+1]", *big, 0, 30, 64, 1, 0, True,
+             ex=(128, 300, 3001)),
+        case("before-capacity-length", T, "before-capacity output [2E]", *big, 0, 30, 64, 1, 0, True, bc=(128,)),
+        case("dropless-expanded-x-3d", T, "dropless, expandedXOut 3-D", *big, 0, 30, 64, 0, 1, False,
+             ex=(64, 30, 3000)),
+        case("dropless-expanded-x-rows", T, "dropless, expandedXOut [2939, H]", *big, 0, 30, 64, 0, 1, False,
+             ex=(2939, 3000)),
+        case("dropless-expanded-x-hidden", T, "dropless, expandedXOut [300, H+1]", *big, 0, 30, 64, 0, 1, False,
+             ex=(300, 3001)),
+        case("active-negative", T, "activeNum -3", *big, -3, 0, 64, 0, 1, False, ex=(320 * 56, 3000)),
+        case("capacity-negative", T, "expertCapacity -5", *big, 0, -5, 64, 0, 1, False),
+        case("experts-negative", T, "expertNum -4", *big, 0, 0, -4, 0, 1, False, cnt=(4,)),
+        case("capacity-over-tokens", T, "expertCapacity 1000 > N = 160", 160, 30000, 12, 0, 1000, 32, 1, 0, False,
+             ex=(32, 1000, 30000)),
     ]
 
 
