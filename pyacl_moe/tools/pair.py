@@ -346,9 +346,9 @@ def _vendor_tiling_cases() -> list[Case]:
     def case(name: str, status: int, why: str, n: int, h: int, k: int, active: int, cap: int, e: int, mode: int,
              flag: int, before: bool, **over: Any) -> Case:
         rows = (e, cap, h) if mode == 1 else (min(active, n * k) if active else n * k, h)
-        spec = dict(x=(n, h), idx=(n, k), ex=rows, ri=(n * k,), cnt=(e,) if mode == 0 and flag else None,
-                    bc=(e,) if mode == 1 and before else None, attrs=(active, cap, e, mode, flag, before),
-                    small_buffer=True)
+        spec: dict[str, Any] = dict(
+            x=(n, h), idx=(n, k), ex=rows, ri=(n * k,), cnt=(e,) if mode == 0 and flag else None,
+            bc=(e,) if mode == 1 and before else None, attrs=(active, cap, e, mode, flag, before), small_buffer=True)
         spec.update(over)
         return _forward_negative(f"fwd-vendor-{name}", status, Neg(**spec), why, "op")
 
