@@ -15,7 +15,7 @@ any x and g:
   g is built so that each token's terms cancel (large values of both signs plus small noise):
   the exact result is small, and an accumulation in less than float32 shows.
 - round trip: backward(forward(x)) = K*x, exactly, where every slot is kept (distinct experts
-  per token; active_num = N*K; a capacity of N). x is chosen so that every partial sum j*x
+  per token; active_num = N*K; the capacity of the busiest expert). x is chosen so that every partial sum j*x
   (j <= K) is exact in the dtype, so that no rounding mode is assumed.
 """
 
@@ -62,15 +62,18 @@ class Shape:
 
 # ---------------------------------------------------------------------------- inputs
 
-def _attrs(scenario: str, s: Shape, keep_all: bool = False) -> dict[str, Any]:
-    """The forward's attributes for a scenario: some slots dropped or skipped unless
-    ``keep_all``."""
+def _attrs(scenario: str, s: Shape, keep_for: np.ndarray | None = None) -> dict[str, Any]:
+    """The forward's attributes for a scenario: some slots dropped or skipped, or, given the
+    expert ids ``keep_for``, every slot kept (active_num N*K; the capacity of the busiest
+    expert, at most N with distinct experts per token)."""
+    keep_all = keep_for is not None
     base = dict(FORWARD_SCENARIOS[scenario])
     attrs: dict[str, Any] = {"expert_num": s.experts}
     if base.pop("active", False):
         attrs["active_num"] = s.tokens * s.k if keep_all else max(1, s.tokens * s.k // 2)
     if base.get("drop_pad_mode") == 1:
-        attrs["expert_capacity"] = s.tokens if keep_all else max(1, min(s.tokens, s.tokens * s.k // s.experts))
+        attrs["expert_capacity"] = max(1, int(np.bincount(keep_for.ravel()).max())) if keep_for is not None \
+            else max(1, min(s.tokens, s.tokens * s.k // s.experts))
     attrs.update(base)
     return attrs
 
@@ -467,7 +470,7 @@ def _round_trip(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
         s = ctx.stream
         x = _exact_multiples(rng, (shape.tokens, shape.hidden), dtype, shape.k)
         ids = _expert_ids(rng, shape, distinct=True)
-        attrs = _attrs(scenario, shape, keep_all=True)
+        attrs = _attrs(scenario, shape, keep_for=ids)
         _, _, r = _forward_on_device(ctx, x, ids, attrs)
         ri = r.expanded_row_idx.to_host(s)
         text = _shape_text(shape)
