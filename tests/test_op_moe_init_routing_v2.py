@@ -338,3 +338,65 @@ def test_executor_indices_are_the_ops_and_a_null_output_has_no_address(device):
     pm.current_stream().synchronize()
     np.testing.assert_array_equal(other.to_host(), pm.reference.moe_init_routing_v2(x, idx, **kw)[3])
     ex.close()
+
+
+def test_one_call_writes_into_given_outputs_and_workspace_and_allocates_nothing(device):
+    s = pm.Stream(device)
+    kw = SCENARIOS["drop-pad-before"]
+    x, idx = _inputs(np.float32, seed=21)
+    dx, di = pm.to_device(x, stream=s), pm.to_device(idx, stream=s)
+    first = pm.moe_init_routing_v2(dx, di, stream=s, **kw)
+    size, ex = fwd.get_workspace_size(dx, di, 0, 3, 6, 1, 0, True, *first)
+    ex.close()
+    ws = pm.empty((size,), np.uint8)
+    pm.moe_init_routing_v2(dx, di, stream=s, out=first, workspace=ws, **kw)  # binds the cache to ws
+    s.synchronize()
+    mallocs = pm.emulator.stats()["mallocs_total"]
+    for seed in (22, 23):
+        x2, idx2 = _inputs(np.float32, seed=seed)
+        dx.copy_from_host(x2, stream=s)
+        di.copy_from_host(idx2, stream=s)
+        r = pm.moe_init_routing_v2(dx, di, stream=s, out=first, workspace=ws, **kw)
+        assert all(a is b for a, b in zip(r, first))
+        _same(_host(r, s), pm.reference.moe_init_routing_v2(x2, idx2, **kw))
+    assert pm.emulator.stats()["mallocs_total"] == mallocs
+    # Only some outputs given: the others are made.
+    part = pm.moe_init_routing_v2(dx, di, stream=s, out=pm.RoutingResult(None, first.expanded_row_idx, None, None),
+                                  **kw)
+    assert part.expanded_row_idx is first.expanded_row_idx and part.expanded_x is not first.expanded_x
+    s.close()
+
+
+@pytest.mark.parametrize("make, name, rule", [
+    (lambda r: r._replace(expanded_x=pm.empty((6, 4, 16), np.float32)), "expanded_x", "must be (6, 3, 16)"),
+    (lambda r: r._replace(expert_tokens_count_or_cumsum=pm.empty((6,), np.int32)), "expert_tokens_count_or_cumsum",
+     "not written"),
+    (lambda r: r._replace(expanded_row_idx=r.expanded_x.reshape(-1)[:36].reshape(36)), "expanded_row_idx",
+     "must be (36,) int32"),
+    (lambda r: (r.expanded_x,), "out", "RoutingResult"),
+    (lambda r: r._replace(expanded_x=np.zeros((6, 3, 16), np.float32)), "out.expanded_x", "DeviceArray"),
+])
+def test_one_call_refuses_outputs_it_would_not_write_as_given(device, make, name, rule):
+    kw = SCENARIOS["drop-pad-before"]
+    x, idx = _inputs(np.float32)
+    dx, di = pm.to_device(x), pm.to_device(idx)
+    r = pm.moe_init_routing_v2(dx, di, **kw)
+    with pytest.raises(pm.InvalidArgument, match=re.escape(rule)) as e:
+        pm.moe_init_routing_v2(dx, di, out=make(r), **kw)
+    assert e.value.parameter == name
+
+
+def test_one_call_refuses_overlap_a_small_workspace_and_outputs_for_host_inputs(device):
+    x, idx = _inputs(np.float32)
+    big = pm.to_device(np.concatenate([x, np.zeros((36, 16), np.float32)]))
+    dx, di = big[:12], pm.to_device(idx)
+    r = pm.moe_init_routing_v2(dx, di, expert_num=6)
+    with pytest.raises(pm.InvalidArgument, match="shares device memory") as e:
+        pm.moe_init_routing_v2(dx, di, expert_num=6, out=r._replace(expanded_x=big[:36]))
+    assert e.value.parameter == "expanded_x"
+    with pytest.raises(pm.InvalidArgument, match="less than") as e:
+        pm.moe_init_routing_v2(dx, di, expert_num=6, workspace=pm.empty((16,), np.uint8))
+    assert e.value.parameter == "workspace"
+    with pytest.raises(pm.InvalidArgument, match="host inputs") as e:
+        pm.moe_init_routing_v2(x, idx, expert_num=6, out=r)
+    assert e.value.parameter == "out"

@@ -22,14 +22,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _args, _contract
-from ..array import DeviceArray, empty, host_array, to_device
+from ..array import DeviceArray, empty, host_array, may_overlap, to_device
 from ..device import Device, current_device, resolve_device
 from ..errors import InvalidArgument
 from ..host import host_view, in_family
 from ..pool import workspace_for
 from ..stream import Stream, current_stream, resolve_stream
 from ..tensor import AclTensor
-from .executor import Executor, first_phase, launch, mark_uses
+from .executor import Executor, checked_workspace, first_phase, launch, mark_uses
 from .executor import execute as execute
 from .plan import Plan, check_no_overlap, device_of, launch_cached
 from .spec import OpSpec, Param
@@ -257,7 +257,9 @@ def moe_init_routing_v2(
     expert_tokens_count_or_cumsum_flag: int = 0,
     expert_tokens_before_capacity_flag: bool = False,
     *,
+    out: RoutingResult | None = None,
     stream: Stream | None = None,
+    workspace: DeviceArray | None = None,
     validate: bool = True,
 ) -> RoutingResult:
     """Route tokens to experts with CANN's aclnnMoeInitRoutingV2.
@@ -273,6 +275,11 @@ def moe_init_routing_v2(
     returns DeviceArrays at once, the kernel queued on ``stream`` (default: the thread's
     current stream). With ``validate`` the contract is checked on the host first (for host
     inputs, the ids' range too); False hands everything to CANN.
+
+    DeviceArrays only: ``out``, a :class:`RoutingResult` of DeviceArrays to write (None for
+    an output to allocate; one the scenario does not write must be None), as a plan's
+    ``outputs`` or an earlier call's result, so that a loop allocates nothing; ``workspace``,
+    a DeviceArray of at least the op's workspace size (default: the stream's).
     """
     attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                    expert_tokens_before_capacity_flag)
@@ -283,7 +290,10 @@ def moe_init_routing_v2(
     if on_device != isinstance(expert_idx, DeviceArray):
         raise InvalidArgument("expert_idx", "must be a DeviceArray when x is one, and a host array otherwise")
     if on_device:
-        return _run_device(x, expert_idx, attrs, stream, validate)
+        return _run_device(x, expert_idx, attrs, stream, validate, _given_outputs(out), workspace)
+    if out is not None or workspace is not None:
+        raise InvalidArgument("out" if out is not None else "workspace",
+                              "is for DeviceArray inputs: host inputs get new host arrays back")
     vx, family = host_view(x, "x")
     vi, _ = host_view(expert_idx, "expert_idx")
     if validate:
@@ -295,23 +305,45 @@ def moe_init_routing_v2(
     s = stream if stream is not None else current_stream(dev)
     dx, di = to_device(hx, stream=s), to_device(hi_, stream=s)
     # Checked above when validate: the device path checks again (cheap) and takes the cache.
-    outs = _run_device(dx, di, attrs, s, validate)
+    outs = _run_device(dx, di, attrs, s, validate, {}, None)
     host = [None if o is None else o.to_host(s) for o in outs]
     return RoutingResult(*(None if h is None else in_family(h, family) for h in host))
 
 
+def _given_outputs(out: Any) -> dict[str, DeviceArray]:
+    """The outputs a caller gave, by name (checked to be DeviceArrays or None)."""
+    if out is None:
+        return {}
+    if not isinstance(out, tuple) or len(out) != len(_OUTPUTS):
+        raise InvalidArgument("out", f"must be a RoutingResult (or a tuple of {len(_OUTPUTS)}) of DeviceArrays "
+                                     f"or None, got {type(out).__name__}")
+    given: dict[str, DeviceArray] = {}
+    for name, a in zip(_OUTPUTS, out):
+        if a is not None:
+            given[name] = _args.instance(f"out.{name}", a, DeviceArray, "a DeviceArray or None")
+    return given
+
+
 def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream: Stream | None,
-                validate: bool) -> RoutingResult:
+                validate: bool, given: dict[str, DeviceArray], workspace: DeviceArray | None) -> RoutingResult:
+    arrays_in = {"x": x, "expert_idx": idx, **given}
+    if workspace is not None:
+        arrays_in["workspace"] = _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
+    dev = device_of(arrays_in)
     xa, ia = x.allocation("x"), idx.allocation("expert_idx")
-    dev = xa.device
-    if ia.device is not dev:
-        raise InvalidArgument("expert_idx", f"is on device {ia.device.device_id} but x is on device "
-                                            f"{dev.device_id}: both must share one device")
+    shapes = _shapes(*_sizes(x, idx), attrs)
     if validate:
         _check(x.shape, x.dtype, idx.shape, idx.dtype, attrs)
+        _check_outputs(dict(given), shapes, x.dtype)
+        if given:
+            check_no_overlap(SPEC, {"x": x, "expert_idx": idx, **given})
+        if workspace is not None:
+            for name, a in given.items():
+                if may_overlap(workspace, a):
+                    raise InvalidArgument("workspace", f"shares device memory with {name}")
     state = resolve_stream(stream, dev)
-    shapes = _shapes(*_sizes(x, idx), attrs)
-    outs = {name: (None if shp is None else empty(shp, x.dtype if name == "expanded_x" else np.int32, dev))
+    outs = {name: given.get(name) if name in given or shp is None
+            else empty(shp, x.dtype if name == "expanded_x" else np.int32, dev)
             for name, shp in shapes.items()}
     if validate:
         # A layout seen before on this stream relaunches its cached executor, rebound (the
@@ -321,7 +353,7 @@ def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream:
         key = (*(-1 if a is None else a.layout_id for a in arrays), *values)
         launch_cached(SPEC, key, arrays, tuple(None if a is None else a.allocation(n) for n, a in
                                                zip(SPEC.tensors, arrays)),
-                      tuple(0 if a is None else a.span[0] for a in arrays), values, state, None)
+                      tuple(0 if a is None else a.span[0] for a in arrays), values, state, workspace)
         return RoutingResult(*outs.values())
     size, executor = get_workspace_size(
         x, idx, attrs["active_num"], attrs["expert_capacity"], attrs["expert_num"], attrs["drop_pad_mode"],
@@ -329,11 +361,15 @@ def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream:
         outs["expanded_x"], outs["expanded_row_idx"], outs["expert_tokens_count_or_cumsum"],
         outs["expert_tokens_before_capacity"], device=dev)
     try:
-        block = workspace_for(state, size) if size else None
+        if workspace is not None:
+            block: Any = checked_workspace(workspace, size, dev, "executor")
+            ws = workspace.address
+        else:
+            block = workspace_for(state, size) if size else None
+            ws = block.ptr if block is not None else 0
         core = executor.core()
         mark_uses(core, state)
-        launch(core, state, block.ptr if block is not None else 0, size,
-               (block, xa, ia, *(o.allocation(n) for n, o in outs.items() if o is not None)))
+        launch(core, state, ws, size, (block, xa, ia, *(o.allocation(n) for n, o in outs.items() if o is not None)))
     finally:
         executor.close()
     return RoutingResult(outs["expanded_x"], outs["expanded_row_idx"], outs["expert_tokens_count_or_cumsum"],
