@@ -50,6 +50,17 @@ typedef struct emu_op_kind {
     int (*empty)(const void *op_data);
 } emu_op_kind;
 
+/* nnopbase's first phase, the parts every op shares. The opening: a fault injected at `api`
+ * (ACLEMU_SKIP_CHECKS weakens the op's checks instead: *unchecked), then the n required
+ * pointers in order, the first NULL one 161001 naming it. */
+EMU_HIDDEN int emu_first_phase_open(const char *api, int n, const void *const *required,
+                                    const char *const *names, int *unchecked);
+/* After the support list: the thread's device (361001 without a context). */
+EMU_HIDDEN int emu_first_phase_device(const char *api, int32_t *device);
+/* The closing: an executor over `info` (its op_data freed on failure), and the workspace. */
+EMU_HIDDEN int emu_first_phase_finish(const char *api, const emu_executor_info *info,
+                                      uint64_t *workspaceSize, aclOpExecutor **executor);
+
 /* nnopbase's second phase up to the kernel: argument checks in its order, the executor taken
  * (a one-shot one is consumed whatever follows). 0 with *nothing set when every output is empty
  * (no launch; the executor released), or a status. */

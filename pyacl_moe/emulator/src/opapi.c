@@ -326,19 +326,12 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     const aclTensor *gradExpandedX, const aclTensor *expandedRowIdx, int64_t topK,
     int64_t dropPadMode, int64_t activeNum, const aclTensor *out, uint64_t *workspaceSize,
     aclOpExecutor **executor) {
-    int f = aclemuFaultPoint(API1, ACLNN_ERR_INNER);
-    const int unchecked = f == ACLEMU_SKIP_CHECKS; /* validation weakened by fault injection */
-    if (f && !unchecked) return f;
-    const char *null_name = !gradExpandedX    ? "gradExpandedX"
-                            : !expandedRowIdx ? "expandedRowIdx"
-                            : !out            ? "out"
-                            : !workspaceSize  ? "workspaceSize"
-                            : !executor       ? "executor"
-                                              : NULL;
-    if (null_name) {
-        aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_NULLPTR, "%s is a null pointer", null_name);
-        return ACLNN_ERR_PARAM_NULLPTR;
-    }
+    static const char *const required[] = {"gradExpandedX", "expandedRowIdx", "out", "workspaceSize",
+                                           "executor"};
+    const void *const given[] = {gradExpandedX, expandedRowIdx, out, workspaceSize, executor};
+    int unchecked = 0;
+    int f = emu_first_phase_open(API1, 5, given, required, &unchecked);
+    if (f) return f;
     /* The descriptors are large; keep them off the caller's stack. */
     moe_op *op = calloc(1, sizeof *op);
     if (!op) {
@@ -353,11 +346,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
      * registers the kernel on the current device. */
     if (!st && !unchecked) st = check_dtypes_and_formats(x, idx, o);
     int32_t device = 0;
-    if (!st && aclemuRequireDevice(API1, &device)) {
-        st = ACLNN_ERR_RUNTIME_ERROR;
-        aclemuSetErrMsg(API1, st,
-                        "no device context: call aclInit and aclrtSetDevice on this thread first");
-    }
+    if (!st) st = emu_first_phase_device(API1, &device);
     uint64_t workspace = MOE_WORKSPACE_BYTES;
     if (!st && !unchecked) st = check_shapes(op, topK, dropPadMode, activeNum, &workspace);
     if (st) {
@@ -395,13 +384,39 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     info.output_tensor[0] = out;
     info.op_data = op;
     info.op_free = free;
-    aclOpExecutor *ex = aclemuExecutorCreate(&info);
+    return emu_first_phase_finish(API1, &info, workspaceSize, executor);
+}
+
+EMU_HIDDEN int emu_first_phase_open(const char *api, int n, const void *const *required,
+                                    const char *const *names, int *unchecked) {
+    int f = aclemuFaultPoint(api, ACLNN_ERR_INNER);
+    *unchecked = f == ACLEMU_SKIP_CHECKS;
+    if (f && !*unchecked) return f;
+    for (int i = 0; i < n; i++) {
+        if (!required[i]) {
+            aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "%s is a null pointer", names[i]);
+            return ACLNN_ERR_PARAM_NULLPTR;
+        }
+    }
+    return 0;
+}
+
+EMU_HIDDEN int emu_first_phase_device(const char *api, int32_t *device) {
+    if (!aclemuRequireDevice(api, device)) return 0;
+    aclemuSetErrMsg(api, ACLNN_ERR_RUNTIME_ERROR,
+                    "no device context: call aclInit and aclrtSetDevice on this thread first");
+    return ACLNN_ERR_RUNTIME_ERROR;
+}
+
+EMU_HIDDEN int emu_first_phase_finish(const char *api, const emu_executor_info *info,
+                                      uint64_t *workspaceSize, aclOpExecutor **executor) {
+    aclOpExecutor *ex = aclemuExecutorCreate(info);
     if (!ex) {
-        free(op);
-        aclemuSetErrMsg(API1, ACLNN_ERR_INNER, "out of host memory");
+        info->op_free(info->op_data);
+        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
         return ACLNN_ERR_INNER;
     }
-    *workspaceSize = workspace;
+    *workspaceSize = info->workspace_size;
     *executor = ex;
     return ACLNN_SUCCESS;
 }

@@ -40,6 +40,7 @@ typedef struct fwd_op {
 } fwd_op;
 
 /* The executor's destructor, which also marks an executor as the forward's. */
+/* A destructor of its own: it also tells this op's executors from the backward's (emu_op_kind). */
 static void fwd_op_free(void *p) { free(p); }
 
 static int tiling_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -284,21 +285,14 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
     const aclTensor *expertTokensCountOrCumsumOutOptional,
     const aclTensor *expertTokensBeforeCapacityOutOptional, uint64_t *workspaceSize,
     aclOpExecutor **executor) {
-    int f = aclemuFaultPoint(API, ACLNN_ERR_INNER);
-    const int unchecked = f == ACLEMU_SKIP_CHECKS; /* validation weakened by fault injection */
-    if (f && !unchecked) return f;
     /* The optional outputs may be null: nnopbase only requires the required tensors. */
-    const char *null_name = !x                   ? "x"
-                            : !expertIdx         ? "expertIdx"
-                            : !expandedXOut      ? "expandedXOut"
-                            : !expandedRowIdxOut ? "expandedRowIdxOut"
-                            : !workspaceSize     ? "workspaceSize"
-                            : !executor          ? "executor"
-                                                 : NULL;
-    if (null_name) {
-        aclemuSetErrMsg(API, ACLNN_ERR_PARAM_NULLPTR, "%s is a null pointer", null_name);
-        return ACLNN_ERR_PARAM_NULLPTR;
-    }
+    static const char *const required[] = {"x", "expertIdx", "expandedXOut", "expandedRowIdxOut",
+                                           "workspaceSize", "executor"};
+    const void *const given[] = {x, expertIdx, expandedXOut, expandedRowIdxOut, workspaceSize,
+                                 executor};
+    int unchecked = 0;
+    int f = emu_first_phase_open(API, 6, given, required, &unchecked);
+    if (f) return f;
     /* The descriptors are large; keep them off the caller's stack. */
     fwd_op *op = calloc(1, sizeof *op);
     if (!op) {
@@ -316,11 +310,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
     }
     if (!st && !unchecked) st = check_support_list(op);
     int32_t device = 0;
-    if (!st && aclemuRequireDevice(API, &device)) {
-        st = ACLNN_ERR_RUNTIME_ERROR;
-        aclemuSetErrMsg(API, st,
-                        "no device context: call aclInit and aclrtSetDevice on this thread first");
-    }
+    if (!st) st = emu_first_phase_device(API, &device);
     uint64_t workspace = FWD_FIXED_WORKSPACE;
     if (!st && !unchecked)
         st = check_shapes(op, activeNumOptional, expertCapacityOptional, expertNumOptional,
@@ -352,15 +342,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
     }
     info.op_data = op;
     info.op_free = fwd_op_free;
-    aclOpExecutor *ex = aclemuExecutorCreate(&info);
-    if (!ex) {
-        free(op);
-        aclemuSetErrMsg(API, ACLNN_ERR_INNER, "out of host memory");
-        return ACLNN_ERR_INNER;
-    }
-    *workspaceSize = workspace;
-    *executor = ex;
-    return ACLNN_SUCCESS;
+    return emu_first_phase_finish(API, &info, workspaceSize, executor);
 }
 
 static void kernel_release(void *p) { free(p); }
@@ -372,8 +354,7 @@ static uintptr_t out_addr(const emu_tensor_desc *d, uintptr_t base) {
 
 static int fwd_unchecked(const void *op) { return ((const fwd_op *)op)->unchecked; }
 static int fwd_empty(const void *op) { return ((const fwd_op *)op)->empty; }
-static const emu_op_kind FWD = {fwd_op_free, "aclnnMoeInitRoutingV2GetWorkspaceSize", fwd_unchecked,
-                                fwd_empty};
+static const emu_op_kind FWD = {fwd_op_free, "aclnnMoeInitRoutingV2GetWorkspaceSize", fwd_unchecked, fwd_empty};
 
 EMU_API aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSize,
                                           aclOpExecutor *executor, aclrtStream stream) {
