@@ -42,6 +42,16 @@ EMU_HIDDEN int check_extent(const char *api, const emu_tensor_desc *t, const cha
 EMU_HIDDEN int add_copy_scratch(const char *api, const emu_tensor_desc *t, const char *name,
                                 uint64_t *total);
 
+/* Record the message and return the status: the shape of every refusal of a first phase. */
+EMU_HIDDEN int emu_fail(const char *api, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Dimension d of a shape, or INT64_MIN when the rank is too small (as the vendor's shape
+ * accessor reports a missing dimension, which then fails every comparison). */
+static inline int64_t dim(const emu_tensor_desc *t, int64_t d) {
+    return d < t->ndim ? t->shape[d] : INT64_MIN;
+}
+
 /* What the shared second phase (opapi.c) needs to know of an op's plan. */
 typedef struct emu_op_kind {
     void (*op_free)(void *);  /* the destructor its first phase gives executors: marks them */

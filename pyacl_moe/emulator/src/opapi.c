@@ -144,21 +144,16 @@ EMU_HIDDEN int add_copy_scratch(const char *api, const emu_tensor_desc *t, const
     return ACLNN_ERR_PARAM_INVALID;
 }
 
-/* Dimension d of a shape, or INT64_MIN when the rank is too small (as the vendor's shape
- * accessor reports a missing dimension). */
-static int64_t dim(const emu_tensor_desc *t, int64_t d) {
-    return d < t->ndim ? t->shape[d] : INT64_MIN;
-}
+#define tiling_error(...) emu_fail(API1, ACLNN_ERR_INNER_TILING_ERROR, __VA_ARGS__)
 
-static int tiling_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int tiling_error(const char *fmt, ...) {
+EMU_HIDDEN int emu_fail(const char *api, int status, const char *fmt, ...) {
     char buf[EMU_MSG_LEN];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
-    aclemuSetErrMsg(API1, ACLNN_ERR_INNER_TILING_ERROR, "%s", buf);
-    return ACLNN_ERR_INNER_TILING_ERROR;
+    aclemuSetErrMsg(api, status, "%s", buf);
+    return status;
 }
 
 static int check_positive(const emu_tensor_desc *t, const char *name, int allow_zero) {

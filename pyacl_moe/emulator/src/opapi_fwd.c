@@ -39,37 +39,11 @@ typedef struct fwd_op {
     int empty;     /* every output is empty: nothing is ever launched */
 } fwd_op;
 
-/* The executor's destructor, which also marks an executor as the forward's. */
 /* A destructor of its own: it also tells this op's executors from the backward's (emu_op_kind). */
 static void fwd_op_free(void *p) { free(p); }
 
-static int tiling_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int tiling_error(const char *fmt, ...) {
-    char buf[EMU_MSG_LEN];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    aclemuSetErrMsg(API, ACLNN_ERR_INNER_TILING_ERROR, "%s", buf);
-    return ACLNN_ERR_INNER_TILING_ERROR;
-}
-
-static int invalid(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int invalid(const char *fmt, ...) {
-    char buf[EMU_MSG_LEN];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    aclemuSetErrMsg(API, ACLNN_ERR_PARAM_INVALID, "%s", buf);
-    return ACLNN_ERR_PARAM_INVALID;
-}
-
-/* Dimension d of a shape, or INT64_MIN when the rank is too small (as the vendor's shape
- * accessor reports a missing dimension, which then fails every comparison). */
-static int64_t dim(const emu_tensor_desc *t, int64_t d) {
-    return d < t->ndim ? t->shape[d] : INT64_MIN;
-}
+#define tiling_error(...) emu_fail(API, ACLNN_ERR_INNER_TILING_ERROR, __VA_ARGS__)
+#define invalid(...) emu_fail(API, ACLNN_ERR_PARAM_INVALID, __VA_ARGS__)
 
 /* The support list (moe_init_routing_v2_def.cpp, ascend910b): x and expandedXOut FLOAT16,
  * BF16 or FLOAT and the same; expertIdx and every index or count output INT32; ND formats. */
