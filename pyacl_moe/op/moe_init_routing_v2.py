@@ -17,6 +17,7 @@ outputs the scenario switches on. Its ``expanded_row_idx`` is what the backward,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -111,7 +112,7 @@ def get_workspace_size(
 _OUTPUTS = SPEC.outputs
 
 
-def _check_outputs(outs: dict[str, DeviceArray | None], shapes: dict[str, tuple[int, ...] | None],
+def _check_outputs(outs: Mapping[str, DeviceArray | None], shapes: dict[str, tuple[int, ...] | None],
                    x_dtype: np.dtype) -> None:
     """Given outputs: present exactly when the scenario writes them, of the shape and dtype
     it writes, contiguous (the kernel writes densely)."""
@@ -176,7 +177,7 @@ class MoeInitRoutingV2(Plan):
         shapes = _shapes(*_sizes(x, expert_idx), attrs)
         if validate:
             _check(x.shape, x.dtype, expert_idx.shape, expert_idx.dtype, attrs)
-            _check_outputs({n: arrays.get(n) for n in _OUTPUTS}, shapes, x.dtype)
+            _check_outputs(arrays, shapes, x.dtype)
             check_no_overlap(SPEC, arrays)
         for name in _OUTPUTS:
             shape = shapes[name]
@@ -334,7 +335,7 @@ def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream:
     shapes = _shapes(*_sizes(x, idx), attrs)
     if validate:
         _check(x.shape, x.dtype, idx.shape, idx.dtype, attrs)
-        _check_outputs(dict(given), shapes, x.dtype)
+        _check_outputs(given, shapes, x.dtype)
         if given:
             check_no_overlap(SPEC, {"x": x, "expert_idx": idx, **given})
         if workspace is not None:
@@ -342,8 +343,8 @@ def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream:
                 if may_overlap(workspace, a):
                     raise InvalidArgument("workspace", f"shares device memory with {name}")
     state = resolve_stream(stream, dev)
-    outs = {name: given.get(name) if name in given or shp is None
-            else empty(shp, x.dtype if name == "expanded_x" else np.int32, dev)
+    outs = {name: given[name] if name in given
+            else None if shp is None else empty(shp, x.dtype if name == "expanded_x" else np.int32, dev)
             for name, shp in shapes.items()}
     if validate:
         # A layout seen before on this stream relaunches its cached executor, rebound (the
