@@ -316,7 +316,9 @@ class Ledger:
 
     def synchronized(self, mark: int) -> list[Any]:
         """A synchronize that read ``mark`` (the count) before waiting has returned: every
-        point up to it is complete. When nothing is left pending, the fence events go too."""
+        point up to it is complete. The fence events stay spare for the next fences (a loop
+        that synchronizes every step would otherwise create and destroy them every step);
+        empty_cache() and closing the stream destroy them."""
         if mark > self.completed:
             self.completed = mark
         fences = self.fences
@@ -324,10 +326,7 @@ class Ledger:
             h = fences[0][1]
             del fences[0]
             self.spare.append(h)
-        done = self._advance()
-        if not self.holds and not self.fences:
-            self.drop_events()
-        return done
+        return self._advance()
 
     def _advance(self) -> list[Any]:
         done: list[Any] = []
