@@ -1,6 +1,6 @@
 """Threaded stress tests, one per shared object: a stream, a plan, an array, the workspace pool,
 the executor cache, a device being closed. Each runs 8 threads for PYACL_MOE_STRESS_SECONDS
-(2 s by default, 20 s under ``-m slow``) with the interpreter switching threads every
+(3 s by default, 20 s under ``-m slow``) with the interpreter switching threads every
 microsecond, checks every result bit for bit, and leaves the emulator's live counters where
 it found them."""
 
@@ -18,7 +18,7 @@ import pytest
 import pyacl_moe as pm
 from pyacl_moe.tools.cases import make_case
 
-SECONDS = float(os.environ.get("PYACL_MOE_STRESS_SECONDS", "2"))
+SECONDS = float(os.environ.get("PYACL_MOE_STRESS_SECONDS", "3"))
 LONG_SECONDS = float(os.environ.get("PYACL_MOE_STRESS_LONG_SECONDS", "20"))
 THREADS = 8
 
