@@ -229,6 +229,11 @@ def moe_init_routing_v2_grad(
     torch tensor for torch inputs, else NumPy). DeviceArray in: returns a DeviceArray at once,
     the kernel queued on the stream.
     """
+    if (type(grad_expanded_x) is DeviceArray and type(expanded_row_idx) is DeviceArray and workspace is None
+            and validate is True and (stream is None or type(stream) is Stream)):
+        # The common device call, its argument checks in one test (each is a share of it).
+        return _run_device(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out, stream, None,
+                           True)
     on_device = isinstance(grad_expanded_x, DeviceArray)
     if on_device != isinstance(expanded_row_idx, DeviceArray):
         raise InvalidArgument(
