@@ -201,7 +201,152 @@ def test_out_of_range_id_with_every_output_is_a_fault_never_a_write(emu, res, ba
     assert (ex == 9).all() and (ri == -7).all() and (cnt == -5).all() and (bc == -6).all()
 
 
-# ============================================================================ 3. the vendor's cases
+# ============================================================================ 3. rebinding
+
+ACLNN_ERR_INNER = 561000
+ACLNN_ERR_INNER_NULLPTR = 561103
+
+
+class Lists:
+    """aclTensorLists a test makes; destroy() releases each (and, as in CANN, its tensors)."""
+
+    def __init__(self, emu):
+        self.emu, self.made = emu, []
+
+    def __call__(self, *tensors):
+        ffi = self.emu.ffi
+        lst = self.emu.nn.aclCreateTensorList(ffi.new("aclTensor *[]", list(tensors)), len(tensors))
+        assert lst != self.emu.NULL, self.emu.msg()
+        self.made.append(lst)
+        return lst
+
+    def destroy(self):
+        for lst in self.made:
+            self.emu.ok(self.emu.nn.aclDestroyTensorList(lst))
+        self.made.clear()
+
+
+def test_dynamic_setters_rebind_a_forward_executor_like_the_plain_ones(emu, res):
+    # Every parameter of the forward holds one tensor, so irIndex counts parameters as the
+    # plain setters' index does and relativeIndex 0 is the tensor itself.
+    x, idx = data(5, 2, 3, 3, seed=18)
+    c = Case(emu, res, x, idx, num=3, flag=2)
+    st, ws, exe = c.phase1()
+    emu.ok(st)
+    emu.ok(emu.nn.aclSetAclOpExecutorRepeatable(exe))
+    lists = Lists(emu)
+    # Tensors that a list owns: their own handles over the same memory.
+    idx2 = (idx + 1) % 3
+    i2 = res.dev(idx2)
+    ri2, cnt2 = res.dev(np.full(10, -3, np.int32)), res.dev(np.full(3, -3, np.int32))
+    it = emu.tensor((5, 2), ACL_INT32, i2)
+    rit = emu.tensor((10,), ACL_INT32, ri2)
+    cntt = emu.tensor((3,), ACL_INT32, cnt2)
+    emu.ok(emu.nn.aclSetDynamicInputTensorAddr(exe, 1, 0, lists(it), i2))
+    emu.ok(emu.nn.aclSetDynamicOutputTensorAddr(exe, 1, 0, lists(rit), ri2))
+    emu.ok(emu.nn.aclSetDynamicOutputTensorAddr(exe, 2, 0, lists(cntt), cnt2))
+    assert launch(emu, res, exe, ws) == (0, 0)
+    _, want_ri, want_cnt, _ = reference(x, idx2, *c.args)
+    assert res.read(ri2, (10,), np.int32).tolist() == want_ri.tolist()
+    assert res.read(cnt2, (3,), np.int32).tolist() == want_cnt.tolist()
+    assert (c.outputs()[1] == -7).all()  # the addresses the first phase was given: untouched
+    emu.ok(emu.nn.aclDestroyAclOpExecutor(exe))
+    lists.destroy()
+
+
+# name: (is_output, irIndex, relativeIndex, list, executor, status, words); list is "list" (the
+# output or input tensor), "null", "two" (two tensors), "null entry", "stale", "stale entry";
+# executor is "live", "null" or "stale"
+DYNAMIC_REFUSALS = {
+    "null list": (1, 1, 0, "null", "live", ACLNN_ERR_INNER_NULLPTR, "tensors is NULL"),
+    "relativeIndex past the list": (1, 1, 1, "list", "live", ACLNN_ERR_PARAM_INVALID,
+                                     "relativeIndex 1 is out of range: the list holds 1"),
+    "null list entry": (1, 1, 0, "null entry", "live", ACLNN_ERR_INNER_NULLPTR, "element 0 of the list is NULL"),
+    "stale list": (1, 1, 0, "stale", "live", ACLNN_ERR_PARAM_INVALID, "is not a live aclTensorList"),
+    "stale list entry": (1, 1, 0, "stale entry", "live", ACLNN_ERR_PARAM_INVALID, "is not a live aclTensor"),
+    "null executor": (1, 1, 0, "list", "null", ACLNN_ERR_INNER_NULLPTR, "executor is NULL"),
+    "stale executor": (1, 1, 0, "list", "stale", ACLNN_ERR_INNER, "is not a live aclOpExecutor"),
+    "output irIndex 4": (1, 4, 0, "list", "live", ACLNN_ERR_PARAM_INVALID, "output index 4 is out of range"),
+    "output irIndex 2^64 - 1": (1, (1 << 64) - 1, 0, "list", "live", ACLNN_ERR_PARAM_INVALID, "is out of range"),
+    "input irIndex 2": (0, 2, 0, "list", "live", ACLNN_ERR_PARAM_INVALID, "input index 2 is out of range"),
+    "input irIndex 2^63": (0, 1 << 63, 0, "list", "live", ACLNN_ERR_PARAM_INVALID, "is out of range"),
+    "relativeIndex past the parameter": (1, 1, 1, "two", "live", ACLNN_ERR_PARAM_INVALID,
+                                         "output 1 of the op holds 1 tensor (it is not a dynamic"),
+    "optional output passed as null": (1, 3, 0, "list", "live", ACLNN_ERR_PARAM_INVALID,
+                                       "output 3 of the op holds 0 tensors"),
+}
+
+
+@pytest.mark.parametrize("name", list(DYNAMIC_REFUSALS))
+def test_dynamic_setters_refuse_what_addresses_no_tensor_of_the_op(emu, res, name):
+    is_output, ir, rel, which, executor, want, words = DYNAMIC_REFUSALS[name]
+    x, idx = data(4, 2, 3, 3, seed=19)
+    c = Case(emu, res, x, idx, num=3, flag=1)   # count output at 2; before-capacity (3) null
+    st, ws, exe = c.phase1()
+    emu.ok(st)
+    nn, lists = emu.nn, Lists(emu)
+    mine = emu.tensor((8,), ACL_INT32, c.ri_p)  # owned by the list it goes in
+    lst = {"null": emu.NULL, "list": None, "two": None, "null entry": None, "stale": None,
+           "stale entry": None}[which]
+    if which == "list":
+        lst = lists(mine)
+    elif which == "two":
+        lst = lists(mine, emu.tensor((8,), ACL_INT32, c.ri_p))
+    elif which == "null entry":
+        lst = lists(emu.NULL)
+        emu.ok(nn.aclDestroyTensor(mine))
+    elif which == "stale":
+        lst = lists(mine)
+        lists.destroy()
+    elif which == "stale entry":
+        dead = emu.tensor((8,), ACL_INT32, c.ri_p)
+        emu.ok(nn.aclDestroyTensor(dead))
+        lst = lists(dead)
+        emu.ok(nn.aclDestroyTensor(mine))
+    elif which == "null":
+        emu.ok(nn.aclDestroyTensor(mine))
+    target = {"live": exe, "null": emu.NULL, "stale": exe}[executor]
+    if executor == "stale":
+        emu.ok(nn.aclDestroyAclOpExecutor(exe))
+    setter = nn.aclSetDynamicOutputTensorAddr if is_output else nn.aclSetDynamicInputTensorAddr
+    try:
+        assert setter(target, ir, rel, lst, c.ri_p) == want
+        assert words in emu.msg()
+        if executor != "stale":
+            assert launch(emu, res, exe, ws) == (0, 0)  # the refusal changed no binding
+            check(c, x, idx)
+        if which == "stale entry":
+            assert nn.aclDestroyTensorList(lists.made.pop()) == ACLNN_ERR_PARAM_INVALID  # its tensor was gone
+            assert "element 0" in emu.msg()
+    finally:
+        lists.destroy()
+
+
+def test_destroying_a_tensor_list_destroys_its_tensors(emu, res):
+    # As nnopbase does (aclDestroyTensorList): the tensors are stale afterwards, and a tensor
+    # the list holds twice is refused the second time, never freed twice.
+    nn, mem = emu.nn, res.dev(64)
+    before = emu.stats()
+    a, b = emu.tensor((4,), ACL_INT32, mem), emu.tensor((4,), ACL_INT32, mem)
+    lst = nn.aclCreateTensorList(emu.ffi.new("aclTensor *[]", [a, emu.NULL, b]), 3)
+    size = emu.ffi.new("uint64_t *")
+    emu.ok(nn.aclGetTensorListSize(lst, size))
+    assert size[0] == 3 and emu.stats()["tensor_lists"] == before["tensor_lists"] + 1
+    emu.ok(nn.aclDestroyTensorList(lst))
+    assert emu.stats()["tensors"] == before["tensors"] and emu.stats()["tensor_lists"] == before["tensor_lists"]
+    assert nn.aclDestroyTensor(a) == ACLNN_ERR_PARAM_INVALID
+    assert nn.aclGetTensorListSize(lst, size) == ACLNN_ERR_PARAM_INVALID
+    assert nn.aclDestroyTensorList(lst) == ACLNN_ERR_PARAM_INVALID
+    c = emu.tensor((4,), ACL_INT32, mem)
+    twice = nn.aclCreateTensorList(emu.ffi.new("aclTensor *[]", [c, c]), 2)
+    assert nn.aclDestroyTensorList(twice) == ACLNN_ERR_PARAM_INVALID
+    assert "element 1" in emu.msg()
+    assert emu.stats()["tensors"] == before["tensors"]
+    assert nn.aclCreateTensorList(emu.NULL, 1) == emu.NULL and "value is NULL" in emu.msg()
+    assert nn.aclGetTensorListSize(emu.NULL, size) == 161001
+
+
+# ============================================================================ 4. the vendor's cases
 
 # The cases of moe/moe_init_routing_v2/tests/utest/ts_moe_init_routing_v2_tc.cpp
 # (repo-mirror-test/ops-transformer): N, H, K, activeNum, C, E, dropPadMode, count flag,
