@@ -254,6 +254,23 @@ def test_dynamic_setters_rebind_a_forward_executor_like_the_plain_ones(emu, res)
     lists.destroy()
 
 
+@pytest.mark.parametrize("is_output,index", [(0, 2), (0, 1 << 63), (0, (1 << 64) - 1), (1, 4), (1, (1 << 64) - 1)],
+                         ids=["input 2", "input 2^63", "input 2^64 - 1", "output 4", "output 2^64 - 1"])
+def test_plain_setters_refuse_an_index_past_the_ops_parameters(emu, res, is_output, index):
+    # size_t indices far past the op's two inputs and four outputs: 161002, and the executor's
+    # bindings are as they were (nnopbase sets the tensor's own address first, as here).
+    x, idx = data(4, 2, 3, 3, seed=20)
+    c = Case(emu, res, x, idx)
+    st, ws, exe = c.phase1()
+    emu.ok(st)
+    setter = emu.nn.aclSetOutputTensorAddr if is_output else emu.nn.aclSetInputTensorAddr
+    spare = res.tensor((8,), ACL_INT32, c.ri_p)
+    assert setter(exe, index, spare, res.dev(64)) == ACLNN_ERR_PARAM_INVALID
+    assert f"index {index} is out of range" in emu.msg()
+    assert launch(emu, res, exe, ws) == (0, 0)
+    check(c, x, idx)
+
+
 # name: (is_output, irIndex, relativeIndex, list, executor, status, words); list is "list" (the
 # output or input tensor), "null", "two" (two tensors), "null entry", "stale", "stale entry";
 # executor is "live", "null" or "stale"
