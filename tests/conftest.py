@@ -96,7 +96,7 @@ def device():
 # The emulator's counters of live objects: what a test that creates and drops objects must leave
 # as it found it (the one definition, used by every leak check).
 LIVE = ("device_allocations", "device_bytes", "host_allocations", "host_bytes", "streams", "events", "tensors",
-        "scalars", "int_arrays", "executors", "pending_tasks")
+        "scalars", "int_arrays", "executors", "pending_tasks", "tensor_lists")
 
 
 def settle() -> dict[str, int]:

@@ -1193,12 +1193,14 @@ def test_live_counters_follow_create_and_destroy(emu):
     val = ffi.new("float *", 1.5)
     sc = nn.aclCreateScalar(val, ACL_FLOAT)
     arr = nn.aclCreateIntArray(ffi.new("int64_t[]", [1, 2, 3]), 3)
-    assert sc != emu.NULL and arr != emu.NULL
+    lst = nn.aclCreateTensorList(ffi.new("aclTensor *[]", [emu.tensor((3,), ACL_FLOAT, p)]), 1)
+    assert sc != emu.NULL and arr != emu.NULL and lst != emu.NULL
     st, _, ex = phase1(emu, t, idx_t, 2, 0, 0, out_t)
     emu.ok(st)
     assert delta() == {"device_allocations": 1, "device_bytes": 1000, "host_allocations": 1,
-                       "host_bytes": 300, "streams": 1, "events": 1, "tensors": 3, "scalars": 1,
-                       "int_arrays": 1, "executors": 1}
+                       "host_bytes": 300, "streams": 1, "events": 1, "tensors": 4, "scalars": 1,
+                       "int_arrays": 1, "executors": 1, "tensor_lists": 1}
+    emu.ok(nn.aclDestroyTensorList(lst))  # and the tensor it holds
     emu.ok(nn.aclDestroyAclOpExecutor(ex))
     emu.ok(nn.aclDestroyIntArray(arr))
     emu.ok(nn.aclDestroyScalar(sc))
@@ -1212,6 +1214,7 @@ def test_live_counters_follow_create_and_destroy(emu):
     # Destroying again is a stale handle, not a crash, and counts nothing.
     assert nn.aclDestroyScalar(sc) == ACLNN_ERR_PARAM_INVALID
     assert nn.aclDestroyIntArray(arr) == ACLNN_ERR_PARAM_INVALID
+    assert nn.aclDestroyTensorList(lst) == ACLNN_ERR_PARAM_INVALID
     assert nn.aclDestroyTensor(t) == ACLNN_ERR_PARAM_INVALID
     assert acl.aclrtDestroyStream(s[0]) == RT_INVALID_HANDLE
     assert acl.aclrtDestroyEvent(e[0]) == RT_INVALID_HANDLE
@@ -1372,7 +1375,8 @@ EXPECTED_SYMBOLS = {
         aclCreateIntArray aclDestroyIntArray aclGetViewShape aclGetViewStrides aclGetViewOffset
         aclGetStorageShape aclGetDataType aclGetFormat aclSetAclOpExecutorRepeatable
         aclDestroyAclOpExecutor aclSetInputTensorAddr aclSetOutputTensorAddr aclSetRawTensorAddr
-        aclGetRawTensorAddr""",
+        aclGetRawTensorAddr aclCreateTensorList aclDestroyTensorList aclGetTensorListSize
+        aclSetDynamicInputTensorAddr aclSetDynamicOutputTensorAddr""",
     "libopapi.so": """aclnnMoeInitRoutingV2GradGetWorkspaceSize aclnnMoeInitRoutingV2Grad
         aclnnMoeInitRoutingV2GetWorkspaceSize aclnnMoeInitRoutingV2""",
 }

@@ -482,8 +482,12 @@ def test_overflow_hostile_descriptors_are_161002(emu, res, case):
     ex = res.tensor((8, 3), ACL_FLOAT, mem)
     ri = res.tensor((8,), ACL_INT32, mem)
     if case == "expertIdx elements overflow":
-        x = res.tensor((1 << 40, 3), ACL_FLOAT, mem, strides=(0, 1), storage=(3,))
-        i = res.tensor((1 << 40, 1 << 30), ACL_INT32, mem, strides=(0, 0), storage=(1,))
+        # 2^64 + 64 slots: the outputs match the product the tiling's int64 wraps to (64), so
+        # the tiling passes and the emulator's guard refuses (test_emulator_forward_hostile.py)
+        x = res.tensor(((1 << 58) + 1, 3), ACL_FLOAT, mem, strides=(0, 1), storage=(3,))
+        i = res.tensor(((1 << 58) + 1, 64), ACL_INT32, mem, strides=(0, 0), storage=(1,))
+        ex = res.tensor((64, 3), ACL_FLOAT, mem)
+        ri = res.tensor((64,), ACL_INT32, mem)
     elif case == "x strides overflow":
         x = res.tensor((4, 3), ACL_FLOAT, mem, strides=(BIG, 1), storage=(3,))
     else:

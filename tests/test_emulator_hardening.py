@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 
 from .test_emulator import (  # noqa: F401  (res is a fixture)
+    ACL_BF16,
     ACL_ERROR_INVALID_PARAM,
     ACL_ERROR_UNINITIALIZE,
     ACL_FLOAT,
+    ACL_FLOAT16,
+    ACL_INT32,
+    NP_DTYPE,
     RT_AICORE_EXCEPTION,
     RT_PARAM_INVALID,
     launch,
@@ -267,6 +271,32 @@ def test_memory_and_stream_calls_before_aclinit_touch_nothing(isolated):
 
 
 # ============================================================================ every fault reported
+
+# ============================================================================ unaligned addresses
+
+@pytest.mark.parametrize("dtype", [ACL_FLOAT, ACL_FLOAT16, ACL_BF16], ids=["fp32", "fp16", "bf16"])
+def test_addresses_not_aligned_to_the_element_size_give_exact_results(emu, res, dtype):
+    # nnopbase passes the kernel any address it is given. Rows of gradExpandedX were read through
+    # float/uint16_t pointers and half-precision outputs stored through uint16_t pointers: at
+    # an address not aligned to the element size, undefined behaviour (UBSan reports it).
+    np_dt = NP_DTYPE[dtype]
+    x = (np.arange(24, dtype=np.float32).reshape(8, 3) / 4).astype(np_dt)  # sums are exact
+    idx = np.random.default_rng(3).permutation(8).astype(np.int32)
+    want = x.astype(np.float32)[idx].reshape(4, 2, 3).sum(axis=1)
+
+    def at(nbytes, by):
+        """An address `by` bytes into a fresh block."""
+        return emu.ffi.cast("char *", res.dev(nbytes)) + by
+
+    for x_by, idx_by, out_by in [(1, 3, 1), (3, 1, 2), (2, 2, 3)]:
+        xp, ip, op_ = at(x.nbytes + 8, x_by), at(40, idx_by), at(64, out_by)
+        emu.h2d(xp, x.tobytes())
+        emu.h2d(ip, idx.tobytes())
+        xt, it, ot = res.tensor((8, 3), dtype, xp), res.tensor((8,), ACL_INT32, ip), res.tensor((4, 3), dtype, op_)
+        launch(emu, res, xt, it, 2, 0, 0, ot)
+        got = np.frombuffer(emu.d2h(op_, 12 * x.itemsize), np_dt).reshape(4, 3)
+        np.testing.assert_array_equal(got.astype(np.float32), want)
+
 
 def _faulting_kernel(emu, res, bad, stream):
     """Queue a kernel whose index at position 5 addresses no row of its 6-row input."""

@@ -25,6 +25,7 @@ typedef struct aclemuStats {
     int64_t device_faults;      /* cumulative device faults raised by kernels or copies */
     int64_t guard_corruptions;  /* cumulative guard corruptions detected */
     int64_t faults_hit;         /* cumulative injected faults that fired */
+    int64_t tensor_lists;       /* live aclTensorLists (last: the fields above keep their offsets) */
 } aclemuStats;
 
 int aclemuGetStats(aclemuStats *stats);

@@ -37,6 +37,7 @@ enum {
     EMU_KIND_SCALAR = 0x62,
     EMU_KIND_INT_ARRAY = 0x63,
     EMU_KIND_EXECUTOR = 0x64,
+    EMU_KIND_TENSOR_LIST = 0x65,
 };
 
 typedef struct emu_ht_entry {

@@ -115,9 +115,10 @@ typedef struct row_ref {
 } row_ref;
 
 /* dst = row (set) or dst += row (add), in float32. Contiguous rows take loops the compiler
- * vectorizes; strided rows are converted element by element. */
+ * vectorizes; strided rows, and rows at an address not aligned to their element size (nnopbase
+ * passes any device address it is given), are converted element by element through memcpy. */
 static void row_apply(float *restrict dst, row_ref r, int64_t h, aclDataType dt, int add) {
-    if (r.stride == 1) {
+    if (r.stride == 1 && (uintptr_t)r.p % moe_dtype_size(dt) == 0) {
         if (dt == ACL_FLOAT) {
             const float *restrict s = (const float *)r.p;
             if (add)
@@ -307,6 +308,12 @@ static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float
         unsigned char *orow = j->out_base + i * h * (int64_t)j->es;
         if (dt == ACL_FLOAT) {
             memcpy(orow, bins, (size_t)h * sizeof(float));
+        } else if ((uintptr_t)orow % sizeof(uint16_t)) {
+            /* An output address that is not 2-byte aligned: no uint16_t stores. */
+            for (int64_t c = 0; c < h; c++) {
+                uint16_t v = dt == ACL_BF16 ? float_to_bf16(bins[c]) : float_to_half(bins[c]);
+                memcpy(orow + c * (int64_t)sizeof v, &v, sizeof v);
+            }
         } else if (dt == ACL_BF16) {
             uint16_t *restrict o = (uint16_t *)orow;
             for (int64_t c = 0; c < h; c++) o[c] = float_to_bf16(bins[c]);

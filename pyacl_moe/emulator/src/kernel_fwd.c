@@ -35,6 +35,13 @@ static int by_expert_then_reverse_position(const void *pa, const void *pb) {
 
 enum { V_X, V_IDX, V_EX, V_RI, V_CNT, V_BC, V_WS, V_COUNT };
 
+/* Element i of an int32 output. Device pointers need not be aligned to 4 bytes (nnopbase
+ * passes any address it is given), so the store goes through memcpy, never an int32_t *. */
+static void store_i32(unsigned char *base, int64_t i, int64_t v) {
+    int32_t w = (int32_t)v;
+    memcpy(base + i * (int64_t)sizeof w, &w, sizeof w);
+}
+
 EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
     const moe_fwd_args *a = payload;
     aclemuCountAdd(EMU_C_KERNELS_RUN, 1);
@@ -44,7 +51,7 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
     const int64_t total = a->n * a->k, h = a->h;
     const size_t es = moe_dtype_size(a->x.dtype);
     const int droppad = a->drop_pad_mode == 1;
-    const int64_t ex_rows = droppad ? a->expert_num * a->capacity : a->active_rows;
+    const int64_t ex_rows = a->ex_rows;
 
     /* The device ranges to pin: the inputs' views, the outputs written densely, the workspace. */
     uintptr_t start[V_COUNT] = {0};
@@ -63,9 +70,9 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
     start[V_RI] = a->ri_addr;
     bytes[V_RI] = (size_t)total * 4;
     start[V_CNT] = a->cnt_addr;
-    bytes[V_CNT] = a->cnt_addr ? (size_t)a->expert_num * 4 : 0;
+    bytes[V_CNT] = a->write_cnt ? (size_t)a->expert_num * 4 : 0;
     start[V_BC] = a->bc_addr;
-    bytes[V_BC] = a->bc_addr ? (size_t)a->expert_num * 4 : 0;
+    bytes[V_BC] = a->write_bc ? (size_t)a->expert_num * 4 : 0;
     start[V_WS] = a->workspace;
     bytes[V_WS] = a->workspace_size;
     uintptr_t starts[V_COUNT];
@@ -91,9 +98,10 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
 
     int status = ACL_ERROR_RT_AICORE_EXCEPTION;
     slot *s = malloc((size_t)(total ? total : 1) * sizeof *s);
-    /* Only a count output needs the histogram, and then expertNum is its (mapped) length. */
-    const int counts = host[V_CNT] || host[V_BC];
-    int32_t *hist = counts ? calloc((size_t)(a->expert_num ? a->expert_num : 1), sizeof *hist) : NULL;
+    /* Only a count output needs the histogram, and then expertNum is its (mapped) length.
+     * Counted in int64: the outputs are int32, and a count past that wraps on storing. */
+    const int counts = a->write_cnt || a->write_bc;
+    int64_t *hist = counts ? calloc((size_t)(a->expert_num ? a->expert_num : 1), sizeof *hist) : NULL;
     if (!s || (counts && !hist)) {
         snprintf(msg, len, "emulator out of host memory");
         status = ACL_ERROR_RT_INTERNAL_ERROR;
@@ -136,24 +144,26 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
      * with themselves, and only a check against x itself (the reference, or the backward's
      * adjoint identity) can tell. */
     const int64_t shift = a->mutation == EMU_MUT_FWD_WRONG_ROW && a->n > 1 ? 1 : 0;
-    int32_t *ri = (int32_t *)host[V_RI];
+    unsigned char *ri = host[V_RI];
     unsigned char *ex = host[V_EX];
     const int64_t *xs = a->x.strides;
-    /* Token row r of x into slot row `row` of expandedXOut. */
+    /* Token row r of x into slot row `row` of expandedXOut. An output may overlap x (nothing
+     * stops a caller; a device then reads what it has already written), so the copy is a
+     * memmove: the values are as undefined as on a device, the host's behaviour is not. */
 #define COPY_ROW(row, r)                                                                      \
     do {                                                                                      \
         unsigned char *dst_ = ex + (row) * h * (int64_t)es;                                   \
         int64_t base_ = a->x.offset + (r) * xs[0] - xlo;                                      \
-        if (xs[1] == 1) memcpy(dst_, host[V_X] + base_ * (int64_t)es, (size_t)h * es);        \
+        if (xs[1] == 1) memmove(dst_, host[V_X] + base_ * (int64_t)es, (size_t)h * es);       \
         else                                                                                  \
             for (int64_t c_ = 0; c_ < h; c_++)                                                \
-                memcpy(dst_ + c_ * (int64_t)es, host[V_X] + (base_ + c_ * xs[1]) * (int64_t)es, es); \
+                memmove(dst_ + c_ * (int64_t)es, host[V_X] + (base_ + c_ * xs[1]) * (int64_t)es, es); \
     } while (0)
     if (!droppad) {
         /* Slot i of the sorted order is row i of expandedXOut; rows past activeNum are not
          * gathered, but every position still gets its slot number. */
         for (int64_t i = 0; i < total; i++) {
-            ri[s[i].pos] = (int32_t)i;
+            store_i32(ri, s[i].pos, i);
             if (i < ex_rows && h > 0) COPY_ROW(i, (s[i].pos / a->k + shift) % a->n);
         }
     } else {
@@ -167,10 +177,10 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
             prev = s[i].expert;
             if (rank < a->capacity) {
                 int64_t row = (int64_t)s[i].expert * a->capacity + rank;
-                ri[s[i].pos] = (int32_t)row;
+                store_i32(ri, s[i].pos, row);
                 if (h > 0) COPY_ROW(row, (s[i].pos / a->k + shift) % a->n);
             } else {
-                ri[s[i].pos] = -1;
+                store_i32(ri, s[i].pos, -1);
             }
         }
     }
@@ -178,15 +188,15 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
     if (counts) {
         for (int64_t i = 0; i < total; i++) hist[s[i].expert]++;
     }
-    if (host[V_CNT]) {
-        int32_t *out = (int32_t *)host[V_CNT];
-        int32_t run = 0;
+    if (a->write_cnt) {
+        int64_t run = 0;
         for (int64_t e = 0; e < a->expert_num; e++) {
             run += hist[e];
-            out[e] = a->count_flag == 1 ? run : hist[e];
+            store_i32(host[V_CNT], e, a->count_flag == 1 ? run : hist[e]);
         }
     }
-    if (host[V_BC]) memcpy(host[V_BC], hist, (size_t)a->expert_num * sizeof(int32_t));
+    if (a->write_bc)
+        for (int64_t e = 0; e < a->expert_num; e++) store_i32(host[V_BC], e, hist[e]);
     status = 0;
 
 done:

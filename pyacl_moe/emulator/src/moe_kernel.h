@@ -85,9 +85,15 @@ EMU_HIDDEN int emu_second_phase_launch(const char *api, emu_executor_info *info,
 /* The emulated MoeInitRoutingV2 kernel (kernel_fwd.c): what a launch captures. */
 typedef struct moe_fwd_args {
     emu_tensor_desc x, idx;   /* inputs, any strides */
-    uintptr_t ex_addr, ri_addr, cnt_addr, bc_addr; /* outputs, written densely; 0: absent */
+    /* Outputs, written densely from these addresses (the view's address plus its offset). The
+     * optional ones are written when the scenario switches them on (write_cnt, write_bc),
+     * whatever address they were given: a null one faults, as on a device. */
+    uintptr_t ex_addr, ri_addr, cnt_addr, bc_addr;
+    int write_cnt, write_bc;
     int64_t n, k, h;          /* tokens, experts per token, hidden size */
-    int64_t active_rows;      /* rows of expandedXOut in dropless/active mode */
+    int64_t ex_rows;          /* rows of expandedXOut: expertNum * C in drop/pad mode, else N*k
+                                 or min(activeNum, N*k); the first phase made sure it and
+                                 ex_rows * h * element size fit in int64 */
     int64_t capacity, expert_num, drop_pad_mode, count_flag;
     int before_capacity;
     uintptr_t workspace;

@@ -49,6 +49,7 @@ static emu_htab g_tensors = EMU_HTAB_INIT(EMU_KIND_TENSOR);
 static emu_htab g_scalars = EMU_HTAB_INIT(EMU_KIND_SCALAR);
 static emu_htab g_arrays = EMU_HTAB_INIT(EMU_KIND_INT_ARRAY);
 static emu_htab g_executors = EMU_HTAB_INIT(EMU_KIND_EXECUTOR);
+static emu_htab g_lists = EMU_HTAB_INIT(EMU_KIND_TENSOR_LIST);
 
 /* fork(): the child must not inherit a held lock (see rt_state.c for the model). prepare takes
  * it so the tables are consistent; the child gets a fresh lock and abandons every object of
@@ -61,6 +62,7 @@ static void atfork_child(void) {
     emu_ht_abandon(&g_scalars);
     emu_ht_abandon(&g_arrays);
     emu_ht_abandon(&g_executors);
+    emu_ht_abandon(&g_lists);
 }
 
 __attribute__((constructor)) static void nnopbase_init(void) {
@@ -145,8 +147,7 @@ EMU_API aclTensor *aclCreateTensor(const int64_t *viewDims, uint64_t viewDimsNum
     return (aclTensor *)t->handle;
 }
 
-EMU_API aclnnStatus aclDestroyTensor(const aclTensor *tensor) {
-    EMU_ENTRY(ACLNN_ERR_INNER);
+static aclnnStatus destroy_tensor(const char *api, const aclTensor *tensor) {
     if (!tensor) return ACLNN_SUCCESS; /* destroying nothing is allowed, as with free(NULL) */
     pthread_mutex_lock(&g_lock);
     struct aclTensor *t = emu_ht_remove(&g_tensors, tensor);
@@ -160,6 +161,11 @@ EMU_API aclnnStatus aclDestroyTensor(const aclTensor *tensor) {
     tensor_free(t);
     aclemuCountAdd(EMU_C_TENSORS, -1);
     return ACLNN_SUCCESS;
+}
+
+EMU_API aclnnStatus aclDestroyTensor(const aclTensor *tensor) {
+    EMU_ENTRY(ACLNN_ERR_INNER);
+    return destroy_tensor(api, tensor);
 }
 
 /* The live tensor behind a handle; the caller holds the lock. */
@@ -385,6 +391,95 @@ EMU_API aclnnStatus aclDestroyIntArray(const aclIntArray *array) {
     return ACLNN_SUCCESS;
 }
 
+/* ------------------------------------------------------------------ tensor lists */
+
+struct aclTensorList {
+    uintptr_t handle;
+    uint64_t size;
+    const aclTensor **items; /* as given: a NULL or stale entry is refused when it is used */
+};
+
+EMU_API aclTensorList *aclCreateTensorList(const aclTensor *const *value, uint64_t size) {
+    EMU_ENTRY_NULL(ACLNN_ERR_INNER);
+    if (!value && size) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "value is NULL but size is %llu",
+                        (unsigned long long)size);
+        return NULL;
+    }
+    if (size > ((uint64_t)1 << 32)) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID, "size %llu is too large",
+                        (unsigned long long)size);
+        return NULL;
+    }
+    struct aclTensorList *l = calloc(1, sizeof *l);
+    if (l) l->items = malloc((size ? size : 1) * sizeof *l->items);
+    if (!l || !l->items) {
+        if (l) free(l);
+        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
+        return NULL;
+    }
+    l->size = size;
+    if (size) memcpy(l->items, value, size * sizeof *l->items);
+    pthread_mutex_lock(&g_lock);
+    int bad = emu_ht_add(&g_lists, l, &l->handle);
+    pthread_mutex_unlock(&g_lock);
+    if (bad) {
+        free(l->items);
+        free(l);
+        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
+        return NULL;
+    }
+    aclemuCountAdd(EMU_C_TENSOR_LISTS, 1);
+    return (aclTensorList *)l->handle;
+}
+
+/* CANN destroys a list's tensors with it (aclDestroyTensorList, opbase's
+ * common/api/acl_op_api.cpp): its tensors are stale afterwards. An entry that is not a live
+ * tensor (destroyed already, or in the list twice) is refused by name once the list and its
+ * live tensors are released, where CANN would free it again. */
+EMU_API aclnnStatus aclDestroyTensorList(const aclTensorList *array) {
+    EMU_ENTRY(ACLNN_ERR_INNER);
+    if (!array) return ACLNN_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    struct aclTensorList *l = emu_ht_remove(&g_lists, array);
+    pthread_mutex_unlock(&g_lock);
+    if (!l) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID, "%p is not a live aclTensorList",
+                        (const void *)array);
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    const uint64_t n = l->size;
+    uint64_t first_bad = n;
+    for (uint64_t i = 0; i < n; i++)
+        if (destroy_tensor(api, l->items[i]) && first_bad == n) first_bad = i;
+    const void *bad = first_bad < n ? (const void *)l->items[first_bad] : NULL;
+    free(l->items);
+    free(l);
+    aclemuCountAdd(EMU_C_TENSOR_LISTS, -1);
+    if (first_bad == n) return ACLNN_SUCCESS;
+    aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
+                    "element %llu (%p) is not a live aclTensor (destroyed already, or in the list "
+                    "twice); the list and its live tensors were released",
+                    (unsigned long long)first_bad, bad);
+    return ACLNN_ERR_PARAM_INVALID;
+}
+
+EMU_API aclnnStatus aclGetTensorListSize(const aclTensorList *tensorList, uint64_t *size) {
+    EMU_ENTRY(ACLNN_ERR_INNER);
+    if (!tensorList || !size) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "%s is NULL", tensorList ? "size" : "tensorList");
+        return ACLNN_ERR_PARAM_NULLPTR;
+    }
+    pthread_mutex_lock(&g_lock);
+    const struct aclTensorList *l = emu_ht_get(&g_lists, tensorList);
+    if (l) *size = l->size;
+    pthread_mutex_unlock(&g_lock);
+    if (l) return ACLNN_SUCCESS;
+    aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID, "%p is not a live aclTensorList",
+                    (const void *)tensorList);
+    return ACLNN_ERR_PARAM_INVALID;
+}
+
 /* ------------------------------------------------------------------ executors */
 
 static void executor_free(struct aclOpExecutor *ex) {
@@ -469,11 +564,47 @@ EMU_API aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor) {
     return ACLNN_SUCCESS;
 }
 
+/* The executor side of every address setter, with g_lock held: the executor (NULL: 561103, not
+ * live: 561000), then the tensor's place in the op's definition (161002). `index` counts every
+ * input or output parameter of the op, an optional one passed as NULL included: nnopbase keeps
+ * a slot for it, marked null, and setting its address is refused. The dynamic setters also give
+ * the position in the parameter's tensors (`relative`, or -1 for the plain setters); every
+ * parameter of these ops holds one tensor, or none when it was passed as NULL
+ * (NnopbaseSetDynamicInputTensorAddr, individual_op/api/individual_op_api.cpp). */
+static aclnnStatus bind_locked(const char *api, aclOpExecutor *executor, size_t index,
+                               size_t relative, void *addr, int is_output) {
+    struct aclOpExecutor *ex = executor ? emu_ht_get(&g_executors, executor) : NULL;
+    if (!ex) return executor_missing(api, executor);
+    const char *kind = is_output ? "output" : "input";
+    int n = is_output ? ex->info.n_outputs : ex->info.n_inputs;
+    const aclTensor *const *given = is_output ? ex->info.output_tensor : ex->info.input_tensor;
+    if (index >= (size_t)n) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID, "%s index %zu is out of range: the op has %d",
+                        kind, index, n);
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (relative != (size_t)-1 && relative >= (size_t)(given[index] ? 1 : 0)) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
+                        "relativeIndex %zu is out of range: %s %zu of the op holds %d tensor%s (it "
+                        "is not a dynamic parameter)",
+                        relative, kind, index, given[index] ? 1 : 0, given[index] ? "" : "s");
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (!given[index]) {
+        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
+                        "%s index %zu was passed as a null pointer to the first phase: it has no "
+                        "address to set",
+                        kind, index);
+        return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (is_output) ex->info.output_addr[index] = (uintptr_t)addr;
+    else ex->info.input_addr[index] = (uintptr_t)addr;
+    return ACLNN_SUCCESS;
+}
+
 /* nnopbase's order: the tensor first (NULL: 561103), whose address is updated before the
- * executor is even looked at; then the executor (NULL: 561103, not live: 561000) and the
- * index (161002), which counts every tensor of the op's definition, an optional one passed as
- * NULL included (setting that one: 161002). Any executor may be rebound, repeatable or not: a one-shot executor's next
- * launch uses the new address. */
+ * executor is even looked at; then the executor and the index (bind_locked). Any executor may
+ * be rebound, repeatable or not: a one-shot executor's next launch uses the new address. */
 static aclnnStatus set_io_addr(const char *api, aclOpExecutor *executor, size_t index,
                                aclTensor *tensor, void *addr, int is_output) {
     if (!tensor) {
@@ -481,35 +612,48 @@ static aclnnStatus set_io_addr(const char *api, aclOpExecutor *executor, size_t 
         return ACLNN_ERR_INNER_NULLPTR;
     }
     pthread_mutex_lock(&g_lock);
-    int st = 0;
+    int st;
     struct aclTensor *t = emu_ht_get(&g_tensors, tensor);
-    struct aclOpExecutor *ex = executor ? emu_ht_get(&g_executors, executor) : NULL;
     if (!t) {
         st = ACLNN_ERR_PARAM_INVALID;
         aclemuSetErrMsg(api, st, "%p is not a live aclTensor", (void *)tensor);
     } else {
         t->data = addr;
-        if (!ex) {
-            st = executor_missing(api, executor);
-        } else {
-            int n = is_output ? ex->info.n_outputs : ex->info.n_inputs;
-            const aclTensor *const *given = is_output ? ex->info.output_tensor : ex->info.input_tensor;
-            if (index >= (size_t)n) {
-                st = ACLNN_ERR_PARAM_INVALID;
-                aclemuSetErrMsg(api, st, "%s index %zu is out of range: the op has %d",
-                                is_output ? "output" : "input", index, n);
-            } else if (!given[index]) {
-                /* NnopbaseSetOutputTensorAddr: an optional tensor passed as NULL keeps its
-                 * slot, marked null, and cannot be given an address. */
-                st = ACLNN_ERR_PARAM_INVALID;
-                aclemuSetErrMsg(api, st, "%s index %zu was passed as a null pointer to the first phase: it has "
-                                "no address to set", is_output ? "output" : "input", index);
-            } else if (is_output) {
-                ex->info.output_addr[index] = (uintptr_t)addr;
-            } else {
-                ex->info.input_addr[index] = (uintptr_t)addr;
-            }
-        }
+        st = bind_locked(api, executor, index, (size_t)-1, addr, is_output);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+/* aclSetDynamic{Input,Output}TensorAddr (common/api/acl_op_api.cpp): the list (NULL: 561103),
+ * relativeIndex within it (161002), its tensor (NULL: 561103), whose address is updated; then
+ * the executor and the parameter as above. A list or tensor that is not live is 161002 here,
+ * where CANN would read freed memory. */
+static aclnnStatus set_dynamic_addr(const char *api, aclOpExecutor *executor, size_t ir_index,
+                                    size_t relative, aclTensorList *tensors, void *addr,
+                                    int is_output) {
+    if (!tensors) {
+        aclemuSetErrMsg(api, ACLNN_ERR_INNER_NULLPTR, "tensors is NULL");
+        return ACLNN_ERR_INNER_NULLPTR;
+    }
+    pthread_mutex_lock(&g_lock);
+    int st = ACLNN_ERR_PARAM_INVALID;
+    const struct aclTensorList *l = emu_ht_get(&g_lists, tensors);
+    struct aclTensor *t = NULL;
+    if (!l) {
+        aclemuSetErrMsg(api, st, "%p is not a live aclTensorList", (void *)tensors);
+    } else if (relative >= l->size) {
+        aclemuSetErrMsg(api, st, "relativeIndex %zu is out of range: the list holds %llu tensors",
+                        relative, (unsigned long long)l->size);
+    } else if (!l->items[relative]) {
+        st = ACLNN_ERR_INNER_NULLPTR;
+        aclemuSetErrMsg(api, st, "element %zu of the list is NULL", relative);
+    } else if (!(t = emu_ht_get(&g_tensors, l->items[relative]))) {
+        aclemuSetErrMsg(api, st, "element %zu of the list (%p) is not a live aclTensor", relative,
+                        (const void *)l->items[relative]);
+    } else {
+        t->data = addr;
+        st = bind_locked(api, executor, ir_index, relative, addr, is_output);
     }
     pthread_mutex_unlock(&g_lock);
     return st;
@@ -525,4 +669,18 @@ EMU_API aclnnStatus aclSetOutputTensorAddr(aclOpExecutor *executor, const size_t
                                            aclTensor *tensor, void *addr) {
     EMU_ENTRY(ACLNN_ERR_INNER);
     return set_io_addr(api, executor, index, tensor, addr, 1);
+}
+
+EMU_API aclnnStatus aclSetDynamicInputTensorAddr(aclOpExecutor *executor, size_t irIndex,
+                                                 const size_t relativeIndex, aclTensorList *tensors,
+                                                 void *addr) {
+    EMU_ENTRY(ACLNN_ERR_INNER);
+    return set_dynamic_addr(api, executor, irIndex, relativeIndex, tensors, addr, 0);
+}
+
+EMU_API aclnnStatus aclSetDynamicOutputTensorAddr(aclOpExecutor *executor, size_t irIndex,
+                                                  const size_t relativeIndex, aclTensorList *tensors,
+                                                  void *addr) {
+    EMU_ENTRY(ACLNN_ERR_INNER);
+    return set_dynamic_addr(api, executor, irIndex, relativeIndex, tensors, addr, 1);
 }

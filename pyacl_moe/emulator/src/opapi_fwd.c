@@ -137,13 +137,12 @@ static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
         return tiling_error("dim 1 of expertIdx is %lld: it must be 0 or greater",
                             (long long)idx->shape[1]);
     const int64_t n = idx->shape[0], k = idx->shape[1], h = x->shape[1];
+    /* The tiling multiplies in int64 without a check and compares the outputs with the
+     * wrapped product (the builtin leaves it in total), so a wrong output shape is its 561002
+     * first; an overflow that gets through is the emulator's guard, below. */
     int64_t total;
-    /* The emulator's guard: the tiling multiplies in int64 without a check. */
-    if (__builtin_mul_overflow(n, k, &total))
-        return invalid("expertIdx has %lld x %lld elements: more than int64 can count",
-                       (long long)n, (long long)k);
+    const int wrapped = __builtin_mul_overflow(n, k, &total);
     const emu_tensor_desc *ex = &op->d[T_EX], *ri = &op->d[T_RI];
-    int64_t rows = total;
     if (mode == 1) {
         if (ex->ndim != 3)
             return tiling_error("drop/pad mode: expandedXOut has %lld dimensions: it must have 3, "
@@ -162,7 +161,7 @@ static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
         if (ex->ndim != 2)
             return tiling_error("expandedXOut has %lld dimensions: it must have 2, [rows, h]",
                                 (long long)ex->ndim);
-        rows = active == 0 ? total : emu_min64(total, active);
+        const int64_t rows = active == 0 ? total : emu_min64(total, active);
         if (ex->shape[0] != rows)
             return tiling_error("dim 0 of expandedXOut is %lld: it must be %s = %lld",
                                 (long long)ex->shape[0],
@@ -182,16 +181,21 @@ static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
     if (mode == 0 && flag != 0) st = check_token_count(op, T_CNT, num);
     if (!st && mode == 1 && before) st = check_token_count(op, T_BC, num);
     if (st) return st;
+    if (wrapped)
+        return invalid("expertIdx has %lld x %lld elements: more than int64 can count",
+                       (long long)n, (long long)k);
     moe_fwd_args *a = &op->args;
     a->n = n;
     a->k = k;
     a->h = h;
-    a->active_rows = rows;
+    a->ex_rows = mode == 1 ? 0 : active == 0 ? total : emu_min64(total, active);
     a->capacity = cap;
     a->expert_num = num;
     a->drop_pad_mode = mode;
     a->count_flag = flag;
     a->before_capacity = before;
+    a->write_cnt = flag != 0;
+    a->write_bc = before != 0;
     return 0;
 }
 
@@ -222,6 +226,13 @@ static void densify(emu_tensor_desc *t) {
     }
 }
 
+/* Whether the kernel writes output i: the two required ones always, an optional one when the
+ * scenario switches it on (the tiling leaves the others alone, whatever they describe). */
+static int writes(const fwd_op *op, int i) {
+    return i == T_EX || i == T_RI || (i == T_CNT && op->args.write_cnt) ||
+           (i == T_BC && op->args.write_bc);
+}
+
 static int check_shapes(fwd_op *op, int64_t active, int64_t cap, int64_t num, int64_t mode,
                         int64_t flag, int before, uint64_t *workspace) {
     /* nnopbase's "every output is empty": each present output has a dimension equal to 0. */
@@ -232,8 +243,15 @@ static int check_shapes(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
     int st = 0;
     if (!op->empty) {
         st = check_tiling(op, active, cap, num, mode, flag, before);
+        /* The emulator's guard: the kernel numbers expandedXOut's rows in int64 (expert *
+         * expertCapacity + rank), also when h is 0 and the view spans nothing. The tiling
+         * leaves expertNum unbounded. */
+        if (!st && mode == 1 && __builtin_mul_overflow(num, cap, &op->args.ex_rows))
+            st = invalid("expertNum = %lld times expertCapacity = %lld, the rows of expandedXOut, "
+                         "is more than int64 can count",
+                         (long long)num, (long long)cap);
         for (int i = T_EX; i < T_COUNT && !st; i++) {
-            if (!op->present[i]) continue;
+            if (!writes(op, i)) continue;
             densify(&op->d[i]);
             st = check_extent(API, &op->d[i], NAMES[i]);
         }
@@ -321,9 +339,11 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
 
 static void kernel_release(void *p) { free(p); }
 
-/* The address a rebound output now has, plus its view offset, in bytes. */
+/* Where the kernel writes an output: its bound address plus the view offset in bytes. The
+ * extent guard bounded offset * element size for the outputs the kernel writes; unsigned
+ * arithmetic keeps any other figure defined (a wrapped address is refused when pinned). */
 static uintptr_t out_addr(const emu_tensor_desc *d, uintptr_t base) {
-    return base + (uintptr_t)(d->offset * (int64_t)moe_dtype_size(d->dtype));
+    return base + (uintptr_t)d->offset * (uintptr_t)moe_dtype_size(d->dtype);
 }
 
 static int fwd_unchecked(const void *op) { return ((const fwd_op *)op)->unchecked; }
@@ -346,10 +366,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSiz
         k->idx.addr = info.input_addr[1];
         uintptr_t *slots[T_COUNT] = {NULL, NULL, &k->ex_addr, &k->ri_addr, &k->cnt_addr, &k->bc_addr};
         for (int i = T_EX; i < T_COUNT; i++)
-            if (op->present[i]) *slots[i] = out_addr(&op->d[i], info.output_addr[i - T_EX]);
-        /* An output the scenario does not switch on is not written. */
-        if (k->drop_pad_mode != 0 || k->count_flag == 0) k->cnt_addr = 0;
-        if (k->drop_pad_mode != 1 || !k->before_capacity) k->bc_addr = 0;
+            if (writes(op, i)) *slots[i] = out_addr(&op->d[i], info.output_addr[i - T_EX]);
         k->workspace = (uintptr_t)workspace;
         k->workspace_size = info.workspace_size;
     }

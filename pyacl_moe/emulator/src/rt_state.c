@@ -253,9 +253,9 @@ EMU_API void aclemuCountAdd(int slot, int64_t delta) {
 static int wildcard_skips(const char *api) {
     static const char *const skip[] = {
         "aclGetRecentErrMsg", "aclDestroyTensor", "aclDestroyScalar", "aclDestroyIntArray",
-        "aclDestroyAclOpExecutor", "aclrtFree", "aclrtFreeHost", "aclrtDestroyStream",
-        "aclrtDestroyEvent", "aclrtResetDevice", "aclFinalize", "aclrtGetDevice",
-        "aclrtGetDeviceCount", "aclrtGetVersion", "aclrtGetSocName", "aclGetViewShape",
+        "aclDestroyTensorList", "aclGetTensorListSize", "aclDestroyAclOpExecutor", "aclrtFree",
+        "aclrtFreeHost", "aclrtDestroyStream", "aclrtDestroyEvent", "aclrtResetDevice", "aclFinalize",
+        "aclrtGetDevice", "aclrtGetDeviceCount", "aclrtGetVersion", "aclrtGetSocName", "aclGetViewShape",
         "aclGetViewStrides", "aclGetViewOffset", "aclGetStorageShape", "aclGetDataType",
         "aclGetFormat", "aclGetRawTensorAddr", "aclrtQueryEventStatus", "aclrtStreamQuery",
         "aclrtGetCurrentContext", NULL};
@@ -485,7 +485,8 @@ static void atfork_child(void) {
     static const int live[] = {EMU_C_INITIALIZED, EMU_C_DEVICES_SET, EMU_C_DEVICE_ALLOCATIONS,
                                EMU_C_DEVICE_BYTES, EMU_C_HOST_ALLOCATIONS, EMU_C_HOST_BYTES,
                                EMU_C_STREAMS, EMU_C_EVENTS, EMU_C_TENSORS, EMU_C_SCALARS,
-                               EMU_C_INT_ARRAYS, EMU_C_EXECUTORS, EMU_C_PENDING_TASKS};
+                               EMU_C_INT_ARRAYS, EMU_C_EXECUTORS, EMU_C_PENDING_TASKS,
+                               EMU_C_TENSOR_LISTS};
     for (size_t i = 0; i < sizeof live / sizeof live[0]; i++) count_set(live[i], 0);
 }
 
