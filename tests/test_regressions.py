@@ -517,3 +517,272 @@ def test_every_closed_object_raises_closed_error(device, no_leaks):
                 ex.set_repeatable, lambda: pm.execute(None, 0, ex)):
         with pytest.raises(ClosedError):
             use()
+
+
+# =============================================================================================
+# The forward's review (defects 14 to 20): the forward's one call, its plan and pm.routing
+# under interrupts, threads and fork, through the op layer it shares with the backward. An
+# interrupt that lands as a foreign call returns is made by a wrapper that makes the call,
+# then raises KeyboardInterrupt, as the handler of a SIGINT arriving then would.
+
+def _forward_inputs(seed: int = 0, n: int = 8, k: int = 2, h: int = 4, experts: int = 4):
+    x = np.random.default_rng(seed).standard_normal((n, h)).astype(np.float32)
+    return x, pm.routing.random_top_k(n, k, experts, seed=seed)
+
+
+def _interrupt_after(monkeypatch, module, name: str, times: int = 1) -> None:
+    """``module.name`` makes its call, then raises KeyboardInterrupt (``times`` times)."""
+    real = getattr(module, name)
+    left = [times]
+
+    def then_interrupted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if left[0]:
+            left[0] -= 1
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(module, name, then_interrupted)
+
+
+# ------------------------------------------------------------------------------------------ 14
+
+def test_14_an_interrupted_rebind_of_a_streams_cached_executor_is_redone_in_full(device, monkeypatch):
+    """The one call rebinds the stream's cached executor tensor by tensor: an interrupt after
+    some were set left the cache believing the old addresses were bound, so a later call on
+    the old arrays read the new x and wrote the new outputs."""
+    from pyacl_moe._cann import aclnn
+
+    x1, ids = _forward_inputs(14)
+    x2 = x1 + 100
+    want = pm.reference.moe_init_routing_v2(x1, ids)
+    with closing(pm.Stream(device)) as s:
+        a1, a2, di = (pm.to_device(a, stream=s) for a in (x1, x2, ids))
+        first = pm.moe_init_routing_v2(a1, di, stream=s)
+        other = pm.RoutingResult(pm.empty((16, 4), np.float32), pm.empty((16,), np.int32), None, None)
+        _interrupt_after(monkeypatch, aclnn, "set_output_addr")
+        with pytest.raises(KeyboardInterrupt):
+            pm.moe_init_routing_v2(a2, di, stream=s, out=other)  # x and expanded_x set, then interrupted
+        monkeypatch.undo()
+        first.expanded_x.fill(0, stream=s)
+        again = pm.moe_init_routing_v2(a1, di, stream=s, out=first)  # the addresses bound before
+        np.testing.assert_array_equal(again.expanded_x.to_host(s), want[0])
+
+
+# ------------------------------------------------------------------------------------------ 15
+
+def test_15_an_interrupted_plan_rebind_frees_nothing_the_executor_points_at(device, monkeypatch):
+    """A plan's rebind set the executor's address, then recorded the new array: an interrupt
+    in between left the executor on memory nothing held, which the next allocation of its
+    size took, and the plan's launches wrote into it."""
+    from pyacl_moe._cann import aclnn
+
+    x, ids = _forward_inputs(15)
+    want = pm.reference.moe_init_routing_v2(x, ids)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids)) as plan:
+        plan()
+        new = pm.empty((16, 4), np.float32)
+        _interrupt_after(monkeypatch, aclnn, "set_output_addr")
+        with pytest.raises(KeyboardInterrupt):
+            plan.rebind(expanded_x=new)
+        monkeypatch.undo()
+        del new  # its block goes back to the cache unless the plan holds it
+        bystander = pm.zeros((16, 4), np.float32)  # the cache's block of that size, if any
+        r = plan()
+        np.testing.assert_array_equal(bystander.to_host(), np.zeros((16, 4), np.float32))
+        np.testing.assert_array_equal(r.expanded_x.to_host(), want[0])
+
+
+# ------------------------------------------------------------------------------------------ 16
+
+def test_16_an_interrupted_detach_leaves_no_launch_of_the_old_binding_published(device, monkeypatch):
+    """Detaching a plan's slots forgot them all before stopping each: an interrupt in between
+    left the steady state published, so after the next rebind the plan's launches returned
+    the old outputs while writing the new ones."""
+    from pyacl_moe.op import plan as plan_mod
+
+    x, ids = _forward_inputs(16)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids)) as plan:
+        plan()
+        plan()  # the steady state, published
+        real, calls = plan_mod._Slot.detach, []
+
+        def interrupted_once(slot):
+            if not calls:
+                calls.append(1)
+                raise KeyboardInterrupt
+            return real(slot)
+
+        monkeypatch.setattr(plan_mod._Slot, "detach", interrupted_once)
+        new = pm.empty((16, 4), np.float32)
+        with pytest.raises(KeyboardInterrupt):
+            plan.rebind(expanded_x=new)
+        monkeypatch.undo()
+        plan.rebind(expanded_x=new)
+        r = plan()
+        assert r.expanded_x is new
+        np.testing.assert_array_equal(new.to_host(), pm.reference.moe_init_routing_v2(x, ids)[0])
+
+
+# ------------------------------------------------------------------------------------------ 17
+
+def test_17_an_interrupted_close_is_finished_by_the_next_and_waits_for_launches_in_flight(device, monkeypatch):
+    """close() waits for launches in flight through the plan's slots; interrupted there, it
+    had already marked the plan closed, so the next close() returned at once, and the slot's
+    arrays and workspace were never handed to its stream while a launch still used them."""
+    import threading
+    import types
+
+    from pyacl_moe.op import plan as plan_mod
+
+    x, ids = _forward_inputs(17)
+    with closing(pm.Stream(device)) as s:
+        plan = pm.MoeInitRoutingV2(pm.to_device(x, stream=s), pm.to_device(ids, stream=s))
+        plan(s)
+        plan(s)  # published for s
+        # A launch in flight: its foreign call waits until released.
+        stream, fn, args, result, context = plan._now
+        inside, release = threading.Event(), threading.Event()
+
+        def held_call(*a):
+            inside.set()
+            release.wait(30)
+            return fn(*a)
+
+        plan._now = (stream, held_call, args, result, context)
+        launcher = threading.Thread(target=lambda: (device.set_current(), plan(s)))  # its context current
+        launcher.start()
+        assert inside.wait(10)
+        sleeps: list[float] = []
+
+        def interrupted_sleep(seconds):
+            if not sleeps:
+                sleeps.append(seconds)
+                raise KeyboardInterrupt
+            time.sleep(seconds)
+
+        monkeypatch.setattr(plan_mod, "time", types.SimpleNamespace(sleep=interrupted_sleep))
+        with pytest.raises(KeyboardInterrupt):
+            plan.close()  # interrupted while it waits for the launch
+        closed = threading.Event()
+        closer = threading.Thread(target=lambda: (plan.close(), closed.set()))
+        closer.start()
+        try:
+            assert not closed.wait(0.3), "close() returned while a launch through the plan was in flight"
+        finally:
+            release.set()
+            launcher.join(30)
+            closer.join(30)
+        assert closed.is_set()
+        s.synchronize()
+
+
+# ------------------------------------------------------------------------------------------ 18
+
+def test_18_two_rebinds_at_once_never_make_two_outputs_share_memory(device, monkeypatch):
+    """Each rebind checked its arrays against the plan's before taking the plan's lock: two
+    at once each passed against the old arrays, and together gave two outputs that share
+    memory."""
+    import threading
+
+    from pyacl_moe.array import may_overlap
+    from pyacl_moe.op.plan import Plan
+
+    x, ids = _forward_inputs(18)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids), expert_num=4,
+                             expert_tokens_count_or_cumsum_flag=2) as plan:
+        mem = pm.empty((20,), np.int32)
+        row_idx, counts = mem[:16], mem[15:19]  # one element in common
+        both = threading.Barrier(2)
+        real = Plan._checked_changes
+
+        def checked_then_both(self, given):
+            changes = real(self, given)
+            both.wait(10)  # each has checked its arrays before either rebinds
+            return changes
+
+        monkeypatch.setattr(Plan, "_checked_changes", checked_then_both)
+        outcomes: list[str] = []
+
+        def rebind(**kw):
+            try:
+                plan.rebind(**kw)
+                outcomes.append("rebound")
+            except pm.InvalidArgument as exc:
+                outcomes.append(exc.parameter)
+
+        threads = [threading.Thread(target=rebind, kwargs={"expanded_row_idx": row_idx}),
+                   threading.Thread(target=rebind, kwargs={"expert_tokens_count_or_cumsum": counts})]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(outcomes) in (["expanded_row_idx", "rebound"], ["expert_tokens_count_or_cumsum", "rebound"])
+        out = plan.outputs
+        assert not may_overlap(out.expanded_row_idx, out.expert_tokens_count_or_cumsum)
+
+
+# ------------------------------------------------------------------------------------------ 19
+
+def test_19_a_fork_child_never_waits_for_a_lock_a_parent_thread_held(isolated):
+    """In a fork() child, closing, rebinding or dropping an inherited plan took the plan's,
+    its executor's and its stream's locks, which a parent thread may have held at fork (the
+    child then hung), and called CANN (AclRuntimeError 100001 instead of nothing)."""
+    r = isolated("""
+import gc, os, threading, time, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+dev = pm.Device(0)
+s = pm.Stream(dev)
+x = np.ones((8, 4), np.float32); ids = pm.routing.random_top_k(8, 2, 4, seed=0)
+dx, di = pm.to_device(x, stream=s), pm.to_device(ids, stream=s)
+plan = pm.MoeInitRoutingV2(dx, di, expert_num=4)
+plan(s)
+dropped = pm.MoeInitRoutingV2(dx, di)
+dropped(s)
+held, release = threading.Event(), threading.Event()
+def inside():   # a parent thread inside the plan, its executor and its stream at fork
+    with plan._lock, plan._core.lock, s.state.lock:
+        held.set()
+        release.wait()
+t = threading.Thread(target=inside); t.start(); held.wait()
+pid = os.fork()
+if pid == 0:
+    code = 0
+    for use in (plan, lambda: plan(s), lambda: plan.rebind(), lambda: plan.rebind(x=dx),
+                lambda: pm.moe_init_routing_v2(dx, di, stream=s), lambda: pm.routing.dropless(di, 4)):
+        try:
+            use()
+            code = code or 3
+        except pm.ClosedError:
+            pass
+        except BaseException as e:
+            print(type(e).__name__, e, flush=True)
+            code = code or 4
+    try:
+        plan.close()
+    except BaseException as e:
+        print('close:', type(e).__name__, e, flush=True)
+        code = code or 5
+    del dropped
+    gc.collect()
+    try:
+        pm.empty_cache()   # a safe point: releases what was dropped
+    except BaseException as e:
+        print('empty_cache:', type(e).__name__, e, flush=True)
+        code = code or 6
+    os._exit(code)
+release.set(); t.join()
+deadline = time.time() + 20
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print('child', os.waitstatus_to_exitcode(status))
+        break
+    if time.time() > deadline:
+        os.kill(pid, 9); os.waitpid(pid, 0)
+        print('child hung')
+        break
+    time.sleep(0.01)
+""", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("child 0"), r.stdout + r.stderr

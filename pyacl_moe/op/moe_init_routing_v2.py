@@ -206,13 +206,10 @@ class MoeInitRoutingV2(Plan):
                expert_tokens_before_capacity: DeviceArray | None = None) -> None:
         """Point the executor at other arrays with the same shapes, dtypes and strides (the
         offset may differ). Launches already queued keep the arrays they were queued with."""
-        changes = self._checked_changes({
+        self._rebind(self._checked_changes({
             "x": x, "expert_idx": expert_idx, "expanded_x": expanded_x, "expanded_row_idx": expanded_row_idx,
             "expert_tokens_count_or_cumsum": expert_tokens_count_or_cumsum,
-            "expert_tokens_before_capacity": expert_tokens_before_capacity})
-        if self._validate and changes:
-            check_no_overlap(SPEC, {**self._arrays, **changes})
-        self._rebind(changes)
+            "expert_tokens_before_capacity": expert_tokens_before_capacity}))
 
 
 # ---------------------------------------------------------------------------- one call

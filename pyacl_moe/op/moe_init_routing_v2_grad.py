@@ -169,11 +169,8 @@ class MoeInitRoutingV2Grad(Plan):
         """Point the executor at other arrays with the same shape, dtype and strides (the
         offset may differ). Launches already queued keep the arrays they were queued with; a
         launch in flight on another thread completes first."""
-        changes = self._checked_changes({"grad_expanded_x": grad_expanded_x,
-                                         "expanded_row_idx": expanded_row_idx, "out": out})
-        if self._validate and changes:
-            check_no_overlap(SPEC, {**self._arrays, **changes})
-        self._rebind(changes)
+        self._rebind(self._checked_changes({"grad_expanded_x": grad_expanded_x,
+                                            "expanded_row_idx": expanded_row_idx, "out": out}))
 
 
 # ---------------------------------------------------------------------------- one call
