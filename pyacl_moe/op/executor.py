@@ -117,6 +117,9 @@ def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> A
     alloc = ws.allocation("workspace")
     if ws.nbytes < size:
         raise InvalidArgument("workspace", f"holds {ws.nbytes} bytes, less than the {size} the launch needs")
+    if not ws.is_contiguous:
+        # The kernel uses its bytes as one block: a strided view's gaps belong to other views.
+        raise InvalidArgument("workspace", "must be contiguous (the kernel uses it as one block of bytes)")
     if alloc.device is not device:
         raise InvalidArgument("workspace", f"is on device {alloc.device.device_id}, the {user} on {device.device_id}")
     return alloc

@@ -40,7 +40,7 @@ from ..tensor import AclTensor, TensorCore
 from .executor import Executor, build, checked_workspace, launch, mark_uses
 from .spec import OpSpec
 
-__all__ = ["Plan", "check_no_overlap", "device_of", "launch_cached"]
+__all__ = ["Plan", "check_no_overlap", "check_workspace_apart", "device_of", "launch_cached"]
 
 _P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
@@ -197,6 +197,16 @@ def check_no_overlap(spec: OpSpec, arrays: Mapping[str, DeviceArray | None]) -> 
                 )
 
 
+def check_workspace_apart(workspace: DeviceArray, arrays: Mapping[str, DeviceArray | None]) -> None:
+    """Refuse a caller's workspace that shares memory with a tensor of the launch: the kernel
+    writes its workspace (the forward sorts in it) and would overwrite what it reads or
+    writes."""
+    for name, a in arrays.items():
+        if a is not None and may_overlap(workspace, a):
+            raise InvalidArgument("workspace", f"shares device memory with {name}: the kernel writes its workspace "
+                                               "(use a separate array)")
+
+
 def device_of(arrays: dict[str, DeviceArray]) -> Device:
     """The one device all ``arrays`` are on (refused if they are on several)."""
     dev: Device | None = None
@@ -299,6 +309,8 @@ class Plan:
         size = self._core.workspace_size
         if workspace is not None:
             ws_alloc = checked_workspace(workspace, size, self._device, "plan")
+            if self._validate:
+                check_workspace_apart(workspace, self._arrays)
             return self._launch_held(state, workspace.address, size, ws_alloc)
         if not self._repeatable:
             block = workspace_for(state, size) if size else None
