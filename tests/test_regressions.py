@@ -786,3 +786,35 @@ while True:
 """, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("child 0"), r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------ 20
+
+def test_20_a_plan_whose_device_closed_raises_closed_error_whatever_it_is_given(isolated):
+    """Once its device was closed and device 0 opened again, a plan given arrays or a stream
+    of the new device 0 said they were on another device ("on device 0, the plan on 0")
+    instead of that it was closed."""
+    r = isolated("""
+import numpy as np, pyacl_moe as pm
+pm.use_emulator()
+x = np.ones((8, 4), np.float32); ids = pm.routing.random_top_k(8, 2, 4, seed=0)
+old = pm.Device(0)
+fwd = pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids))
+back = pm.MoeInitRoutingV2Grad(pm.to_device(x.repeat(2, 0)), pm.to_device(np.arange(16, dtype=np.int32)), 2)
+old.close()
+new = pm.Device(0)
+s = pm.Stream(new)
+ws = pm.empty((fwd.workspace_size,), np.uint8, new)
+for use in (lambda: fwd.rebind(x=pm.to_device(x)), lambda: fwd(s), lambda: fwd(None, ws),
+            lambda: back.rebind(out=pm.empty((8, 4), np.float32)), lambda: back(s)):
+    try:
+        use()
+        print('accepted')
+    except pm.ClosedError:
+        print('closed')
+    except Exception as e:
+        print(type(e).__name__, e)
+fwd.close(); back.close()
+""")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["closed"] * 5, r.stdout

@@ -415,6 +415,7 @@ class Plan:
     def _checked_changes(self, given: Mapping[str, Any]) -> dict[str, DeviceArray]:
         """The arrays a rebind was given (None: unchanged), each checked to have the layout
         the plan was built for and to be on its device."""
+        self._device_open()  # a closed device's plan has none to compare with
         changes: dict[str, DeviceArray] = {}
         for name, new in given.items():
             if new is None:
