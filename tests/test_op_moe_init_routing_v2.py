@@ -492,3 +492,71 @@ def test_an_expert_num_whose_outputs_cannot_be_addressed_is_refused_by_name(devi
             with pytest.raises(pm.InvalidArgument, match="cannot be addressed") as e:
                 fn(a, b, **kw, validate=validate)
             assert e.value.parameter == name
+
+
+def test_numpy_bools_are_bools_and_other_flags_are_refused_by_type(device):
+    """NumPy's bool was refused as "must be a bool, got bool"."""
+    x, idx = _inputs(np.float32)
+    kw = {"drop_pad_mode": 1, "expert_capacity": 3, "expert_num": 6}
+    want = pm.reference.moe_init_routing_v2(x, idx, **kw, expert_tokens_before_capacity_flag=True)
+    _same(pm.moe_init_routing_v2(x, idx, **kw, expert_tokens_before_capacity_flag=np.True_, validate=np.True_), want)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), **kw, expert_tokens_before_capacity_flag=np.True_,
+                             repeatable=np.False_, validate=np.True_) as plan:
+        _same(_host(plan()), want)
+    for value, shown in ((1, "int 1"), (np.int8(1), "int8"), ("True", "str 'True'"), (None, "NoneType None")):
+        with pytest.raises(pm.InvalidArgument, match=f"must be a bool, got {re.escape(shown)}") as e:
+            pm.moe_init_routing_v2(x, idx, **kw, expert_tokens_before_capacity_flag=value)
+        assert e.value.parameter == "expert_tokens_before_capacity_flag"
+
+
+def test_every_forward_entry_refuses_arrays_streams_and_workspaces_of_another_device(isolated):
+    """CANN sees only addresses: the binding is where a launch's tensors are kept on one
+    device. The first phase took the first tensor's device (or device=) and handed CANN
+    tensors of another."""
+    r = isolated("""
+import numpy as np, pyacl_moe as pm
+from pyacl_moe.op import moe_init_routing_v2 as fwd
+pm.use_emulator()
+d1 = pm.Device(1); d0 = pm.Device(0); d0.set_current()
+x = np.ones((12, 16), np.float32); ids = pm.routing.random_top_k(12, 3, 6, seed=0)
+kw = dict(expert_num=6, expert_tokens_count_or_cumsum_flag=2)
+dx, di = pm.to_device(x), pm.to_device(ids)
+ox, oi = pm.to_device(x, stream=d1.default_stream), pm.to_device(ids, stream=d1.default_stream)
+r = pm.moe_init_routing_v2(dx, di, **kw)
+far = pm.moe_init_routing_v2(ox, oi, **kw)
+plan = pm.MoeInitRoutingV2(dx, di, **kw)
+s1 = pm.Stream(d1)
+ws1 = pm.empty((plan.workspace_size,), np.uint8, d1)
+size, executor = fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3])
+uses = {
+    'first phase, device=': lambda: fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3], device=1),
+    'first phase, an output': lambda: fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, far.expanded_x, *r[1:3]),
+    'first phase, an input': lambda: fwd.get_workspace_size(dx, oi, 0, 0, 6, 0, 2, False, *r[:3]),
+    'execute, workspace': lambda: fwd.execute(ws1, size, executor),
+    'execute, stream': lambda: fwd.execute(pm.empty((size,), np.uint8), size, executor, s1),
+    'one call, expert_idx': lambda: pm.moe_init_routing_v2(dx, oi, **kw),
+    'one call, out': lambda: pm.moe_init_routing_v2(dx, di, **kw, out=r._replace(expanded_x=far.expanded_x)),
+    'one call, stream': lambda: pm.moe_init_routing_v2(dx, di, **kw, stream=s1),
+    'one call, workspace': lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws1),
+    'one call unvalidated, workspace': lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws1, validate=False),
+    'plan, expert_idx': lambda: pm.MoeInitRoutingV2(dx, oi, **kw),
+    'plan, an output': lambda: pm.MoeInitRoutingV2(dx, di, **kw, expanded_x=far.expanded_x),
+    'plan, stream': lambda: plan(s1),
+    'plan, workspace': lambda: plan(None, ws1),
+    'rebind': lambda: plan.rebind(x=ox),
+    'routing, stream': lambda: pm.routing.dropless(di, 6, stream=s1),
+}
+for what, use in uses.items():
+    try:
+        use()
+        print(what, 'accepted')
+    except pm.InvalidArgument as e:
+        if 'device' not in e.rule:
+            print(what, e)
+    except Exception as e:
+        print(what, type(e).__name__, e)
+executor.close(); plan.close()
+print('done')
+""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "done", r.stdout

@@ -100,10 +100,17 @@ def first_phase(spec: OpSpec, given: Mapping[str, AclTensor | DeviceArray | None
         elif value is not None and not isinstance(value, AclTensor):
             raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
         tensors[name] = value
-    dev = device
-    for t in tensors.values():
-        if dev is None and t is not None:
-            dev = t.array.device
+    # The binding knows each tensor's device (CANN only sees addresses): one device for all.
+    dev, first = device, ""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        d = t.array.allocation(name).device
+        if dev is None:
+            dev, first = d, name
+        elif d is not dev:
+            where = f"{first} is on device {dev.device_id}" if first else f"device={dev.device_id} was asked for"
+            raise InvalidArgument(name, f"is on device {d.device_id} but {where}: a launch's tensors share one device")
     if dev is None:
         dev = current_device()
     core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)

@@ -74,8 +74,7 @@ def _attrs(active_num: Any, expert_capacity: Any, expert_num: Any, drop_pad_mode
         "expert_num": _args.int64("expert_num", expert_num),
         "drop_pad_mode": _args.int64("drop_pad_mode", drop_pad_mode),
         "expert_tokens_count_or_cumsum_flag": _args.int64("expert_tokens_count_or_cumsum_flag", count_flag),
-        "expert_tokens_before_capacity_flag": _args.instance("expert_tokens_before_capacity_flag", before_flag,
-                                                             bool, "a bool"),
+        "expert_tokens_before_capacity_flag": _args.boolean("expert_tokens_before_capacity_flag", before_flag),
     }
 
 
@@ -162,7 +161,7 @@ class MoeInitRoutingV2(Plan):
         validate: bool = True,
     ) -> None:
         self._closed = True  # until prepared
-        _args.instance("validate", validate, bool, "a bool")
+        validate = _args.boolean("validate", validate)
         attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                        expert_tokens_before_capacity_flag)
         arrays = {"x": _args.instance("x", x, DeviceArray, "a DeviceArray"),
@@ -184,7 +183,7 @@ class MoeInitRoutingV2(Plan):
             if name not in arrays and shape is not None:
                 arrays[name] = _new_output(name, shape, x.dtype, dev)
         self._validate = validate
-        self._prepare(dev, arrays, attrs, _args.instance("repeatable", repeatable, bool, "a bool"))
+        self._prepare(dev, arrays, attrs, _args.boolean("repeatable", repeatable))
 
     def _result(self) -> RoutingResult:
         a = self._arrays
@@ -305,7 +304,7 @@ def moe_init_routing_v2(
     """
     attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                    expert_tokens_before_capacity_flag)
-    _args.instance("validate", validate, bool, "a bool")
+    validate = _args.boolean("validate", validate)
     if stream is not None and not isinstance(stream, Stream):
         raise InvalidArgument("stream", f"must be a Stream or None, got {type(stream).__name__}")
     on_device = isinstance(x, DeviceArray)
