@@ -818,3 +818,94 @@ fwd.close(); back.close()
 """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["closed"] * 5, r.stdout
+
+
+# ------------------------------------------------------------------------------------------ 21
+
+@pytest.mark.parametrize("seconds", [1.5, pytest.param(10, marks=pytest.mark.slow)], ids=["short", "long"])
+def test_21_keyboard_interrupt_anywhere_in_the_forward_leaks_nothing_and_frees_nothing_early(isolated, seconds):
+    """test_08's method on the forward: its one call on host arrays and on DeviceArrays (with
+    and without out=, dropless and drop/pad), its plan (launched, rebound, closed) and
+    pm.routing on the device, interrupted at random; every result that completes is the
+    reference's, and nothing is left behind (defects 14 to 17 are the places found)."""
+    r = isolated(f"""
+import _thread, gc, random, signal, sys, threading, time, numpy as np, pyacl_moe as pm
+from contextlib import closing
+pm.use_emulator()
+LIVE = {LIVE!r}
+dev = pm.Device(0)
+x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+ids = pm.routing.random_top_k(64, 2, 8, seed=1)
+KW = dict(expert_num=8, expert_tokens_count_or_cumsum_flag=2)
+DP = dict(drop_pad_mode=1, expert_num=8, expert_capacity=12, expert_tokens_before_capacity_flag=True)
+want, want_dp = pm.reference.moe_init_routing_v2(x, ids, **KW), pm.reference.moe_init_routing_v2(x, ids, **DP)
+def same(r, w, s=None):
+    return all((a is None) == (b is None) and (b is None or np.array_equal(
+        a if isinstance(a, np.ndarray) else a.to_host(s), b)) for a, b in zip(r, w))
+dev.synchronize(); pm.empty_cache()
+before = pm.emulator.stats()
+faults = before['device_faults']
+stop = threading.Event()
+def interrupter():
+    rnd = random.Random(21)
+    while not stop.is_set():
+        time.sleep(rnd.uniform(0.0002, 0.003))
+        _thread.interrupt_main()
+armed = [False]
+def on_sigint(signum, frame):
+    if armed[0]:
+        raise KeyboardInterrupt
+signal.signal(signal.SIGINT, on_sigint)
+t = threading.Thread(target=interrupter, daemon=True); t.start()
+# Threads switch often, so that the interrupts land in Python code too, not only as foreign
+# calls that let the interrupter run return.
+sys.setswitchinterval(1e-5)
+interrupts = 0
+wrong = set()
+deadline = time.time() + {seconds}
+while time.time() < deadline:
+    try:
+        armed[0] = True
+        if not same(pm.moe_init_routing_v2(x, ids, **KW), want): wrong.add('host')
+        with closing(pm.Stream(dev)) as s:
+            dx = pm.to_device(x, stream=s); di = pm.to_device(ids, stream=s)
+            r = pm.moe_init_routing_v2(dx, di, **KW, stream=s)
+            if not same(r, want, s): wrong.add('device')
+            r = pm.moe_init_routing_v2(dx, di, **KW, stream=s, out=r)
+            if not same(r, want, s): wrong.add('out=')
+            if not same(pm.moe_init_routing_v2(dx, di, **DP, stream=s), want_dp, s): wrong.add('drop/pad')
+            with pm.MoeInitRoutingV2(dx, di, **KW) as plan:
+                plan(s)
+                if not same(plan(s), want, s): wrong.add('plan')
+                plan.rebind(x=pm.to_device(x, stream=s), expanded_x=pm.zeros((128, 32), np.float32))
+                if not same(plan(s), want, s): wrong.add('rebound plan')
+            rt = pm.routing.drop_pad(di, 8, 12, stream=s)
+            if not np.array_equal(rt.expanded_row_idx.to_host(s), want_dp[1]): wrong.add('routing')
+        armed[0] = False
+    except KeyboardInterrupt:
+        armed[0] = False
+        interrupts += 1
+stop.set()
+while t.is_alive():
+    try:
+        t.join(0.1)
+    except KeyboardInterrupt:
+        pass
+for _ in range(3):   # let the last interrupt land outside the cleanup
+    try:
+        time.sleep(0.02)
+    except KeyboardInterrupt:
+        pass
+for name in ('dx', 'di', 'r', 'plan', 's', 'rt'):
+    globals().pop(name, None)
+gc.collect(); dev.synchronize(); pm.empty_cache()
+after = pm.emulator.stats()
+leaked = {{k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}}
+print('interrupts', interrupts, 'wrong', sorted(wrong), 'leaked', leaked, 'faults', after['device_faults'] - faults,
+      'guards', pm.emulator.check_guards())
+assert interrupts > 50, interrupts
+assert not wrong and not leaked and after['device_faults'] == faults and pm.emulator.check_guards() == 0
+print('ok')
+""", timeout=120 + 2 * seconds)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok"), r.stdout
