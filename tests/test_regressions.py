@@ -1,6 +1,8 @@
 """One regression test per defect of the lifetimes-and-threads review (defects 1 to 13), each
 written against the public API so that it also runs, and fails, on the code the defects were
-found in. Stress tests of each shared object, run longer, are in test_threads.py."""
+found in; then the same for the forward's review (defects 14 to 20), with the forward's
+interrupt and fork soaks (21, 22). Stress tests of each shared object, run longer, are in
+test_threads.py."""
 
 from __future__ import annotations
 
@@ -520,10 +522,11 @@ def test_every_closed_object_raises_closed_error(device, no_leaks):
 
 
 # =============================================================================================
-# The forward's review (defects 14 to 20): the forward's one call, its plan and pm.routing
-# under interrupts, threads and fork, through the op layer it shares with the backward. An
-# interrupt that lands as a foreign call returns is made by a wrapper that makes the call,
-# then raises KeyboardInterrupt, as the handler of a SIGINT arriving then would.
+# The forward's review (defects 14 to 20, soaks 21 and 22): the forward's one call, its plan
+# and pm.routing under interrupts, threads and fork, through the op layer it shares with the
+# backward. An interrupt that lands as a foreign call returns (where most land: see test_21)
+# is made by a wrapper that makes the call, then raises KeyboardInterrupt, as the handler of
+# a SIGINT arriving then would.
 
 def _forward_inputs(seed: int = 0, n: int = 8, k: int = 2, h: int = 4, experts: int = 4):
     x = np.random.default_rng(seed).standard_normal((n, h)).astype(np.float32)
@@ -907,5 +910,95 @@ assert interrupts > 50, interrupts
 assert not wrong and not leaked and after['device_faults'] == faults and pm.emulator.check_guards() == 0
 print('ok')
 """, timeout=120 + 2 * seconds)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+# ------------------------------------------------------------------------------------------ 22
+
+def test_22_fork_while_threads_are_inside_the_forward_never_hangs_the_child(isolated):
+    """test_11's method on the forward: the parent's threads run the forward's one calls,
+    its plan (launched and rebound) and routing on the device while it forks; in each child
+    every inherited forward object raises ClosedError, closing the plan is quiet, and the
+    child exits. Before defect 19 was fixed the children hung or raised AclRuntimeError."""
+    r = isolated("""
+import os, threading, time, numpy as np, pyacl_moe as pm
+from contextlib import closing
+pm.use_emulator()
+dev = pm.Device(0)
+s = pm.Stream(dev)
+x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+ids = pm.routing.random_top_k(256, 2, 8, seed=1)
+KW = dict(expert_num=8, expert_tokens_count_or_cumsum_flag=2)
+dx, di = pm.to_device(x, stream=s), pm.to_device(ids, stream=s)
+plan = pm.MoeInitRoutingV2(dx, di, **KW)
+r0 = plan(s)
+stop = threading.Event()
+def busy(i):
+    out = None
+    while not stop.is_set():
+        pm.moe_init_routing_v2(x, ids, **KW)
+        with closing(pm.Stream(dev)) as t:
+            out = pm.moe_init_routing_v2(pm.to_device(x, stream=t), pm.to_device(ids, stream=t), **KW, stream=t,
+                                         out=out if i else None)
+            plan(t)
+            pm.routing.dropless(pm.to_device(ids, stream=t), 8, stream=t).to_host(t)
+        try:
+            plan.rebind(x=pm.to_device(x))
+        except pm.ClosedError:
+            pass
+        out = None
+ts = [threading.Thread(target=busy, args=(i,)) for i in range(3)]
+[t.start() for t in ts]
+uses = {
+    'plan()': lambda: plan(), 'plan(s)': lambda: plan(s), 'rebind()': lambda: plan.rebind(),
+    'rebind(x)': lambda: plan.rebind(x=dx), 'one call': lambda: pm.moe_init_routing_v2(dx, di, **KW, stream=s),
+    'one call, out=': lambda: pm.moe_init_routing_v2(dx, di, **KW, out=r0),
+    'unvalidated': lambda: pm.moe_init_routing_v2(dx, di, **KW, validate=False),
+    'host arrays': lambda: pm.moe_init_routing_v2(x, ids, **KW), 'new plan': lambda: pm.MoeInitRoutingV2(dx, di),
+    'routing': lambda: pm.routing.dropless(di, 8), 'result': lambda: r0.expanded_x.to_host(),
+}
+hung, bad = 0, set()
+for i in range(12):
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        report = []
+        for what, use in uses.items():
+            try:
+                use()
+                report.append(what + ': accepted')
+            except pm.ClosedError:
+                pass
+            except BaseException as e:
+                report.append(f'{what}: {type(e).__name__} {e}')
+        try:
+            plan.close()
+            pm.routing.dropless(ids, 8)   # the host routing needs no device
+        except BaseException as e:
+            report.append(f'close or host routing: {type(e).__name__} {e}')
+        os.write(wfd, '; '.join(report).encode())
+        os._exit(0)
+    os.close(wfd)
+    deadline = time.time() + 10
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            text = os.read(rfd, 1 << 16).decode()
+            if text or os.waitstatus_to_exitcode(status):
+                bad.add(text or str(status))
+            break
+        if time.time() > deadline:
+            os.kill(pid, 9); os.waitpid(pid, 0); hung += 1
+            break
+        time.sleep(0.005)
+    os.close(rfd)
+stop.set(); [t.join() for t in ts]
+plan.close()
+print('hung', hung, 'bad', sorted(bad))
+assert hung == 0 and not bad
+print('ok')
+""", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
