@@ -560,3 +560,16 @@ print('done')
 """, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "done", r.stdout
+
+
+def test_launch_probe_needs_a_repeatable_plan(device):
+    """A one-shot plan has no slot to probe: launch_probe launched it, then raised KeyError."""
+    x, idx = _inputs(np.float32)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), repeatable=False) as plan:
+        with pytest.raises(pm.InvalidArgument, match="one-shot") as e:
+            plan.launch_probe()
+        assert e.value.parameter == "plan"
+        _same(_host(plan()), pm.reference.moe_init_routing_v2(x, idx))  # not launched by the probe
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx)) as plan:
+        fn, args = plan.launch_probe()
+        assert fn(*args) == 0

@@ -398,9 +398,15 @@ class Plan:
     def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
         """The second phase's function and the arguments a launch on ``stream`` passes it, for
         timing one bare foreign call (the floor under the plan's launch). Launches once to bind
-        the stream first."""
-        self(stream)
-        slot = self._slots[resolve_stream(stream, self._device)]
+        the stream first (again if a rebind meanwhile unbound it)."""
+        if not self._repeatable:
+            raise InvalidArgument("plan", "is one-shot (repeatable=False): only a repeatable plan has a launch to "
+                                          "repeat")
+        while True:
+            self(stream)
+            slot = self._slots.get(resolve_stream(stream, self._device))
+            if slot is not None and not slot.dead:
+                break
         block = slot.keep[0]
         fn, args = aclnn.bound_call(self._spec.api, block.ptr if block is not None else 0, self._core.workspace_size,
                                     self._core.handle, slot.state.handle)
