@@ -48,6 +48,15 @@ def uint64(name: str, value: Any) -> int:
     return integer(name, value, *UINT64)
 
 
+def boolean(name: str, value: Any) -> bool:
+    """``value`` as a bool: Python's and NumPy's bools pass, nothing else does (1 is not
+    True: an int where a flag belongs is more likely a mistake than a choice)."""
+    t = type(value)
+    if t is bool or (t.__module__ == "numpy" and t.__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise InvalidArgument(name, f"must be a bool, got {t.__name__} {value!r}")
+
+
 def instance(name: str, value: Any, cls: type[T], what: str | None = None) -> T:
     """``value`` itself if it is a ``cls``; InvalidArgument otherwise."""
     if not isinstance(value, cls):

@@ -170,6 +170,7 @@ def _route(expert_idx: Any, expert_num: Any, active_num: int, capacity: int, mod
     num = _args.int64("expert_num", expert_num)
     if num < 1:
         raise InvalidArgument("expert_num", f"must be at least 1, got {num}")
+    _args.nbytes("expert_num", (num,), 4)  # the per-expert counts, [expert_num] int32
     if stream is not None and not isinstance(stream, Stream):
         raise InvalidArgument("stream", f"must be a Stream or None, got {type(stream).__name__}")
     on_device = isinstance(expert_idx, DeviceArray)
@@ -236,6 +237,9 @@ def random_top_k(n: int, k: int, expert_num: int, *, seed: Any = None, weights: 
         raise InvalidArgument("expert_num", f"must be at least 1, got {num}")
     if not 1 <= k_ <= num:
         raise InvalidArgument("k", f"must be in [1, expert_num = {num}] (distinct experts per token), got {k_}")
+    # What is made whole: the ids, [n, k] int32, and a score per expert, float64.
+    _args.nbytes("n", (n_, k_), 4)
+    _args.nbytes("expert_num", (num,), 8)
     if seed is not None and not isinstance(seed, np.random.Generator):
         seed = _args.int64("seed", seed, lo=0)
     rng = np.random.default_rng(seed)

@@ -107,6 +107,8 @@ class StreamState:
 
     def retire(self, what: Any) -> None:
         """Keep ``what`` until everything queued so far on the stream has run."""
+        if _lifetime.forked():
+            return  # nothing of CANN runs here, and a parent thread may have held the lock at fork
         with self.lock:
             if self.closed:
                 return  # its work has run; dropping is safe

@@ -400,3 +400,176 @@ def test_one_call_refuses_overlap_a_small_workspace_and_outputs_for_host_inputs(
     with pytest.raises(pm.InvalidArgument, match="host inputs") as e:
         pm.moe_init_routing_v2(x, idx, expert_num=6, out=r)
     assert e.value.parameter == "out"
+
+
+def test_a_plans_executor_lists_the_tensors_it_was_built_with(device):
+    """An optional output passed as a null pointer has no aclTensor: asking a forward plan
+    for its executor raised KeyError."""
+    x, idx = _inputs(np.float32)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), **SCENARIOS["drop-pad-before"]) as plan:
+        ex = plan.executor
+        assert ex.repeatable and ex.workspace_size == plan.workspace_size
+        assert [t.array for t in ex.tensors] == [plan._arrays[n] for n in ("x", "expert_idx", "expanded_x",
+                                                                             "expanded_row_idx",
+                                                                             "expert_tokens_before_capacity")]
+
+
+def test_a_workspace_that_shares_memory_with_a_tensor_or_is_strided_is_refused(device, no_leaks):
+    """The kernel writes its workspace (the forward sorts in it), as one block: a workspace
+    over an input or an output would be overwritten, or overwrite them, and a strided view's
+    gaps belong to other views."""
+    x, idx = _inputs(np.float32)
+    kw = SCENARIOS["dropless-count"]
+    dx, di = pm.to_device(x), pm.to_device(idx)
+    r = pm.moe_init_routing_v2(dx, di, **kw)
+    size = pm.MoeInitRoutingV2(dx, di, **kw).workspace_size
+    room = pm.empty((size + 4096,), np.uint8)
+    ws = room[:size]
+    # x, expert_idx and every output in turn placed in the workspace's memory.
+    x_in = pm.from_pointer(room.address + size - 64, x.shape, np.float32, owner=room)
+    idx_in = pm.from_pointer(room.address + 128, idx.shape, np.int32, owner=room)
+    count_in = pm.from_pointer(room.address, (6,), np.int32, owner=room)
+    for call, name in [
+        (lambda: pm.moe_init_routing_v2(x_in, di, **kw, workspace=ws), "x"),
+        (lambda: pm.moe_init_routing_v2(dx, idx_in, **kw, workspace=ws), "expert_idx"),
+        (lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws,
+                                        out=r._replace(expert_tokens_count_or_cumsum=count_in)),
+         "expert_tokens_count_or_cumsum"),
+        (lambda: pm.MoeInitRoutingV2(x_in, di, **kw)(None, ws), "x"),
+        (lambda: pm.MoeInitRoutingV2(dx, di, **kw, expert_tokens_count_or_cumsum=count_in)(None, ws),
+         "expert_tokens_count_or_cumsum"),
+    ]:
+        with pytest.raises(pm.InvalidArgument, match=f"shares device memory with {name}") as e:
+            call()
+        assert e.value.parameter == "workspace"
+    strided = pm.empty((2 * size,), np.uint8)[::2]
+    size0, executor = fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3])
+    for call in (lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=strided),
+                 lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=strided, validate=False),
+                 lambda: pm.MoeInitRoutingV2(dx, di, **kw)(None, strided),
+                 lambda: fwd.execute(strided, size0, executor)):
+        with pytest.raises(pm.InvalidArgument, match="contiguous") as e:
+            call()
+        assert e.value.parameter == "workspace"
+    executor.close()
+    # Apart from every tensor, it is used.
+    got = pm.moe_init_routing_v2(dx, di, **kw, workspace=ws)
+    _same(_host(got), pm.reference.moe_init_routing_v2(x, idx, **kw))
+
+
+@pytest.mark.parametrize("kw, c_name", [
+    ({"active_num": -1}, "activeNum"),
+    ({"drop_pad_mode": 1, "expert_num": -1, "expert_capacity": 4}, "expertNum"),
+    ({"drop_pad_mode": 1, "expert_num": 6, "expert_capacity": -4}, "expertCapacity"),
+    ({"expert_tokens_count_or_cumsum_flag": 1, "expert_num": -5}, "expertNum"),
+])
+def test_without_validation_a_negative_attribute_is_the_vendors_to_refuse(device, kw, c_name):
+    """validate=False hands the attributes to CANN: the outputs the binding makes for them
+    were sized from them, so a negative one was refused as an unnamed "shape[0]" before CANN
+    saw it."""
+    x, idx = _inputs(np.float32)
+    dx, di = pm.to_device(x), pm.to_device(idx)
+    for call in (lambda: pm.moe_init_routing_v2(x, idx, **kw, validate=False),
+                 lambda: pm.moe_init_routing_v2(dx, di, **kw, validate=False),
+                 lambda: pm.MoeInitRoutingV2(dx, di, **kw, validate=False)):
+        with pytest.raises(pm.AclnnError) as e:
+            call()
+        assert e.value.status == 561002 and c_name in e.value.message
+
+
+@pytest.mark.parametrize("kw, output", [
+    ({"drop_pad_mode": 1, "expert_num": 2**62, "expert_capacity": 2}, "expanded_x"),
+    ({"expert_num": 2**62, "expert_tokens_count_or_cumsum_flag": 2}, "expert_tokens_count_or_cumsum"),
+    ({"drop_pad_mode": 1, "expert_num": 2**62, "expert_capacity": 2, "expert_tokens_before_capacity_flag": True},
+     "expanded_x"),
+])
+def test_an_expert_num_whose_outputs_cannot_be_addressed_is_refused_by_name(device, kw, output):
+    x, idx = _inputs(np.float32)
+    dx, di = pm.to_device(x), pm.to_device(idx)
+    for validate, name in ((True, "expert_num"), (False, output)):
+        for fn, a, b in ((pm.moe_init_routing_v2, x, idx), (pm.moe_init_routing_v2, dx, di),
+                         (pm.MoeInitRoutingV2, dx, di)):
+            with pytest.raises(pm.InvalidArgument, match="cannot be addressed") as e:
+                fn(a, b, **kw, validate=validate)
+            assert e.value.parameter == name
+
+
+def test_numpy_bools_are_bools_and_other_flags_are_refused_by_type(device):
+    """NumPy's bool was refused as "must be a bool, got bool"."""
+    x, idx = _inputs(np.float32)
+    kw = {"drop_pad_mode": 1, "expert_capacity": 3, "expert_num": 6}
+    want = pm.reference.moe_init_routing_v2(x, idx, **kw, expert_tokens_before_capacity_flag=True)
+    _same(pm.moe_init_routing_v2(x, idx, **kw, expert_tokens_before_capacity_flag=np.True_, validate=np.True_), want)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), **kw, expert_tokens_before_capacity_flag=np.True_,
+                             repeatable=np.False_, validate=np.True_) as plan:
+        _same(_host(plan()), want)
+    for value, shown in ((1, "int 1"), (np.int8(1), "int8"), ("True", "str 'True'"), (None, "NoneType None")):
+        with pytest.raises(pm.InvalidArgument, match=f"must be a bool, got {re.escape(shown)}") as e:
+            pm.moe_init_routing_v2(x, idx, **kw, expert_tokens_before_capacity_flag=value)
+        assert e.value.parameter == "expert_tokens_before_capacity_flag"
+
+
+def test_every_forward_entry_refuses_arrays_streams_and_workspaces_of_another_device(isolated):
+    """CANN sees only addresses: the binding is where a launch's tensors are kept on one
+    device. The first phase took the first tensor's device (or device=) and handed CANN
+    tensors of another."""
+    r = isolated("""
+import numpy as np, pyacl_moe as pm
+from pyacl_moe.op import moe_init_routing_v2 as fwd
+pm.use_emulator()
+d1 = pm.Device(1); d0 = pm.Device(0); d0.set_current()
+x = np.ones((12, 16), np.float32); ids = pm.routing.random_top_k(12, 3, 6, seed=0)
+kw = dict(expert_num=6, expert_tokens_count_or_cumsum_flag=2)
+dx, di = pm.to_device(x), pm.to_device(ids)
+ox, oi = pm.to_device(x, stream=d1.default_stream), pm.to_device(ids, stream=d1.default_stream)
+r = pm.moe_init_routing_v2(dx, di, **kw)
+far = pm.moe_init_routing_v2(ox, oi, **kw)
+plan = pm.MoeInitRoutingV2(dx, di, **kw)
+s1 = pm.Stream(d1)
+ws1 = pm.empty((plan.workspace_size,), np.uint8, d1)
+size, executor = fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3])
+uses = {
+    'first phase, device=': lambda: fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3], device=1),
+    'first phase, an output': lambda: fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, far.expanded_x, *r[1:3]),
+    'first phase, an input': lambda: fwd.get_workspace_size(dx, oi, 0, 0, 6, 0, 2, False, *r[:3]),
+    'execute, workspace': lambda: fwd.execute(ws1, size, executor),
+    'execute, stream': lambda: fwd.execute(pm.empty((size,), np.uint8), size, executor, s1),
+    'one call, expert_idx': lambda: pm.moe_init_routing_v2(dx, oi, **kw),
+    'one call, out': lambda: pm.moe_init_routing_v2(dx, di, **kw, out=r._replace(expanded_x=far.expanded_x)),
+    'one call, stream': lambda: pm.moe_init_routing_v2(dx, di, **kw, stream=s1),
+    'one call, workspace': lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws1),
+    'one call unvalidated, workspace': lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws1, validate=False),
+    'plan, expert_idx': lambda: pm.MoeInitRoutingV2(dx, oi, **kw),
+    'plan, an output': lambda: pm.MoeInitRoutingV2(dx, di, **kw, expanded_x=far.expanded_x),
+    'plan, stream': lambda: plan(s1),
+    'plan, workspace': lambda: plan(None, ws1),
+    'rebind': lambda: plan.rebind(x=ox),
+    'routing, stream': lambda: pm.routing.dropless(di, 6, stream=s1),
+}
+for what, use in uses.items():
+    try:
+        use()
+        print(what, 'accepted')
+    except pm.InvalidArgument as e:
+        if 'device' not in e.rule:
+            print(what, e)
+    except Exception as e:
+        print(what, type(e).__name__, e)
+executor.close(); plan.close()
+print('done')
+""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "done", r.stdout
+
+
+def test_launch_probe_needs_a_repeatable_plan(device):
+    """A one-shot plan has no slot to probe: launch_probe launched it, then raised KeyError."""
+    x, idx = _inputs(np.float32)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), repeatable=False) as plan:
+        with pytest.raises(pm.InvalidArgument, match="one-shot") as e:
+            plan.launch_probe()
+        assert e.value.parameter == "plan"
+        _same(_host(plan()), pm.reference.moe_init_routing_v2(x, idx))  # not launched by the probe
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx)) as plan:
+        fn, args = plan.launch_probe()
+        assert fn(*args) == 0

@@ -1,6 +1,8 @@
 """One regression test per defect of the lifetimes-and-threads review (defects 1 to 13), each
 written against the public API so that it also runs, and fails, on the code the defects were
-found in. Stress tests of each shared object, run longer, are in test_threads.py."""
+found in; then the same for the forward's review (defects 14 to 20), with the forward's
+interrupt and fork soaks (21, 22). Stress tests of each shared object, run longer, are in
+test_threads.py."""
 
 from __future__ import annotations
 
@@ -517,3 +519,486 @@ def test_every_closed_object_raises_closed_error(device, no_leaks):
                 ex.set_repeatable, lambda: pm.execute(None, 0, ex)):
         with pytest.raises(ClosedError):
             use()
+
+
+# =============================================================================================
+# The forward's review (defects 14 to 20, soaks 21 and 22): the forward's one call, its plan
+# and pm.routing under interrupts, threads and fork, through the op layer it shares with the
+# backward. An interrupt that lands as a foreign call returns (where most land: see test_21)
+# is made by a wrapper that makes the call, then raises KeyboardInterrupt, as the handler of
+# a SIGINT arriving then would.
+
+def _forward_inputs(seed: int = 0, n: int = 8, k: int = 2, h: int = 4, experts: int = 4):
+    x = np.random.default_rng(seed).standard_normal((n, h)).astype(np.float32)
+    return x, pm.routing.random_top_k(n, k, experts, seed=seed)
+
+
+def _interrupt_after(monkeypatch, module, name: str, times: int = 1) -> None:
+    """``module.name`` makes its call, then raises KeyboardInterrupt (``times`` times)."""
+    real = getattr(module, name)
+    left = [times]
+
+    def then_interrupted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if left[0]:
+            left[0] -= 1
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(module, name, then_interrupted)
+
+
+# ------------------------------------------------------------------------------------------ 14
+
+def test_14_an_interrupted_rebind_of_a_streams_cached_executor_is_redone_in_full(device, monkeypatch):
+    """The one call rebinds the stream's cached executor tensor by tensor: an interrupt after
+    some were set left the cache believing the old addresses were bound, so a later call on
+    the old arrays read the new x and wrote the new outputs."""
+    from pyacl_moe._cann import aclnn
+
+    x1, ids = _forward_inputs(14)
+    x2 = x1 + 100
+    want = pm.reference.moe_init_routing_v2(x1, ids)
+    with closing(pm.Stream(device)) as s:
+        a1, a2, di = (pm.to_device(a, stream=s) for a in (x1, x2, ids))
+        first = pm.moe_init_routing_v2(a1, di, stream=s)
+        other = pm.RoutingResult(pm.empty((16, 4), np.float32), pm.empty((16,), np.int32), None, None)
+        _interrupt_after(monkeypatch, aclnn, "set_output_addr")
+        with pytest.raises(KeyboardInterrupt):
+            pm.moe_init_routing_v2(a2, di, stream=s, out=other)  # x and expanded_x set, then interrupted
+        monkeypatch.undo()
+        first.expanded_x.fill(0, stream=s)
+        again = pm.moe_init_routing_v2(a1, di, stream=s, out=first)  # the addresses bound before
+        np.testing.assert_array_equal(again.expanded_x.to_host(s), want[0])
+
+
+# ------------------------------------------------------------------------------------------ 15
+
+def test_15_an_interrupted_plan_rebind_frees_nothing_the_executor_points_at(device, monkeypatch):
+    """A plan's rebind set the executor's address, then recorded the new array: an interrupt
+    in between left the executor on memory nothing held, which the next allocation of its
+    size took, and the plan's launches wrote into it."""
+    from pyacl_moe._cann import aclnn
+
+    x, ids = _forward_inputs(15)
+    want = pm.reference.moe_init_routing_v2(x, ids)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids)) as plan:
+        plan()
+        new = pm.empty((16, 4), np.float32)
+        _interrupt_after(monkeypatch, aclnn, "set_output_addr")
+        with pytest.raises(KeyboardInterrupt):
+            plan.rebind(expanded_x=new)
+        monkeypatch.undo()
+        del new  # its block goes back to the cache unless the plan holds it
+        bystander = pm.zeros((16, 4), np.float32)  # the cache's block of that size, if any
+        r = plan()
+        np.testing.assert_array_equal(bystander.to_host(), np.zeros((16, 4), np.float32))
+        np.testing.assert_array_equal(r.expanded_x.to_host(), want[0])
+
+
+# ------------------------------------------------------------------------------------------ 16
+
+def test_16_an_interrupted_detach_leaves_no_launch_of_the_old_binding_published(device, monkeypatch):
+    """Detaching a plan's slots forgot them all before stopping each: an interrupt in between
+    left the steady state published, so after the next rebind the plan's launches returned
+    the old outputs while writing the new ones."""
+    from pyacl_moe.op import plan as plan_mod
+
+    x, ids = _forward_inputs(16)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids)) as plan:
+        plan()
+        plan()  # the steady state, published
+        real, calls = plan_mod._Slot.detach, []
+
+        def interrupted_once(slot):
+            if not calls:
+                calls.append(1)
+                raise KeyboardInterrupt
+            return real(slot)
+
+        monkeypatch.setattr(plan_mod._Slot, "detach", interrupted_once)
+        new = pm.empty((16, 4), np.float32)
+        with pytest.raises(KeyboardInterrupt):
+            plan.rebind(expanded_x=new)
+        monkeypatch.undo()
+        plan.rebind(expanded_x=new)
+        r = plan()
+        assert r.expanded_x is new
+        np.testing.assert_array_equal(new.to_host(), pm.reference.moe_init_routing_v2(x, ids)[0])
+
+
+# ------------------------------------------------------------------------------------------ 17
+
+def test_17_an_interrupted_close_is_finished_by_the_next_and_waits_for_launches_in_flight(device, monkeypatch):
+    """close() waits for launches in flight through the plan's slots; interrupted there, it
+    had already marked the plan closed, so the next close() returned at once, and the slot's
+    arrays and workspace were never handed to its stream while a launch still used them."""
+    import threading
+    import types
+
+    from pyacl_moe.op import plan as plan_mod
+
+    x, ids = _forward_inputs(17)
+    with closing(pm.Stream(device)) as s:
+        plan = pm.MoeInitRoutingV2(pm.to_device(x, stream=s), pm.to_device(ids, stream=s))
+        plan(s)
+        plan(s)  # published for s
+        # A launch in flight: its foreign call waits until released.
+        stream, fn, args, result, context = plan._now
+        inside, release = threading.Event(), threading.Event()
+
+        def held_call(*a):
+            inside.set()
+            release.wait(30)
+            return fn(*a)
+
+        plan._now = (stream, held_call, args, result, context)
+        launcher = threading.Thread(target=lambda: (device.set_current(), plan(s)))  # its context current
+        launcher.start()
+        assert inside.wait(10)
+        sleeps: list[float] = []
+
+        def interrupted_sleep(seconds):
+            if not sleeps:
+                sleeps.append(seconds)
+                raise KeyboardInterrupt
+            time.sleep(seconds)
+
+        monkeypatch.setattr(plan_mod, "time", types.SimpleNamespace(sleep=interrupted_sleep))
+        with pytest.raises(KeyboardInterrupt):
+            plan.close()  # interrupted while it waits for the launch
+        closed = threading.Event()
+        closer = threading.Thread(target=lambda: (plan.close(), closed.set()))
+        closer.start()
+        try:
+            assert not closed.wait(0.3), "close() returned while a launch through the plan was in flight"
+        finally:
+            release.set()
+            launcher.join(30)
+            closer.join(30)
+        assert closed.is_set()
+        s.synchronize()
+
+
+# ------------------------------------------------------------------------------------------ 18
+
+def test_18_two_rebinds_at_once_never_make_two_outputs_share_memory(device, monkeypatch):
+    """Each rebind checked its arrays against the plan's before taking the plan's lock: two
+    at once each passed against the old arrays, and together gave two outputs that share
+    memory."""
+    import threading
+
+    from pyacl_moe.array import may_overlap
+    from pyacl_moe.op.plan import Plan
+
+    x, ids = _forward_inputs(18)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids), expert_num=4,
+                             expert_tokens_count_or_cumsum_flag=2) as plan:
+        mem = pm.empty((20,), np.int32)
+        row_idx, counts = mem[:16], mem[15:19]  # one element in common
+        both = threading.Barrier(2)
+        real = Plan._checked_changes
+
+        def checked_then_both(self, given):
+            changes = real(self, given)
+            both.wait(10)  # each has checked its arrays before either rebinds
+            return changes
+
+        monkeypatch.setattr(Plan, "_checked_changes", checked_then_both)
+        outcomes: list[str] = []
+
+        def rebind(**kw):
+            try:
+                plan.rebind(**kw)
+                outcomes.append("rebound")
+            except pm.InvalidArgument as exc:
+                outcomes.append(exc.parameter)
+
+        threads = [threading.Thread(target=rebind, kwargs={"expanded_row_idx": row_idx}),
+                   threading.Thread(target=rebind, kwargs={"expert_tokens_count_or_cumsum": counts})]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(outcomes) in (["expanded_row_idx", "rebound"], ["expert_tokens_count_or_cumsum", "rebound"])
+        out = plan.outputs
+        assert not may_overlap(out.expanded_row_idx, out.expert_tokens_count_or_cumsum)
+
+
+# ------------------------------------------------------------------------------------------ 19
+
+def test_19_a_fork_child_never_waits_for_a_lock_a_parent_thread_held(isolated):
+    """In a fork() child, closing, rebinding or dropping an inherited plan took the plan's,
+    its executor's and its stream's locks, which a parent thread may have held at fork (the
+    child then hung), and called CANN (AclRuntimeError 100001 instead of nothing)."""
+    r = isolated("""
+import gc, os, threading, time, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+dev = pm.Device(0)
+s = pm.Stream(dev)
+x = np.ones((8, 4), np.float32); ids = pm.routing.random_top_k(8, 2, 4, seed=0)
+dx, di = pm.to_device(x, stream=s), pm.to_device(ids, stream=s)
+plan = pm.MoeInitRoutingV2(dx, di, expert_num=4)
+plan(s)
+dropped = pm.MoeInitRoutingV2(dx, di)
+dropped(s)
+held, release = threading.Event(), threading.Event()
+def inside():   # a parent thread inside the plan, its executor and its stream at fork
+    with plan._lock, plan._core.lock, s.state.lock:
+        held.set()
+        release.wait()
+t = threading.Thread(target=inside); t.start(); held.wait()
+pid = os.fork()
+if pid == 0:
+    code = 0
+    for use in (plan, lambda: plan(s), lambda: plan.rebind(), lambda: plan.rebind(x=dx),
+                lambda: pm.moe_init_routing_v2(dx, di, stream=s), lambda: pm.routing.dropless(di, 4)):
+        try:
+            use()
+            code = code or 3
+        except pm.ClosedError:
+            pass
+        except BaseException as e:
+            print(type(e).__name__, e, flush=True)
+            code = code or 4
+    try:
+        plan.close()
+    except BaseException as e:
+        print('close:', type(e).__name__, e, flush=True)
+        code = code or 5
+    del dropped
+    gc.collect()
+    try:
+        pm.empty_cache()   # a safe point: releases what was dropped
+    except BaseException as e:
+        print('empty_cache:', type(e).__name__, e, flush=True)
+        code = code or 6
+    os._exit(code)
+release.set(); t.join()
+deadline = time.time() + 20
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print('child', os.waitstatus_to_exitcode(status))
+        break
+    if time.time() > deadline:
+        os.kill(pid, 9); os.waitpid(pid, 0)
+        print('child hung')
+        break
+    time.sleep(0.01)
+""", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("child 0"), r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------ 20
+
+def test_20_a_plan_whose_device_closed_raises_closed_error_whatever_it_is_given(isolated):
+    """Once its device was closed and device 0 opened again, a plan given arrays or a stream
+    of the new device 0 said they were on another device ("on device 0, the plan on 0")
+    instead of that it was closed."""
+    r = isolated("""
+import numpy as np, pyacl_moe as pm
+pm.use_emulator()
+x = np.ones((8, 4), np.float32); ids = pm.routing.random_top_k(8, 2, 4, seed=0)
+old = pm.Device(0)
+fwd = pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids))
+back = pm.MoeInitRoutingV2Grad(pm.to_device(x.repeat(2, 0)), pm.to_device(np.arange(16, dtype=np.int32)), 2)
+old.close()
+new = pm.Device(0)
+s = pm.Stream(new)
+ws = pm.empty((fwd.workspace_size,), np.uint8, new)
+for use in (lambda: fwd.rebind(x=pm.to_device(x)), lambda: fwd(s), lambda: fwd(None, ws),
+            lambda: back.rebind(out=pm.empty((8, 4), np.float32)), lambda: back(s)):
+    try:
+        use()
+        print('accepted')
+    except pm.ClosedError:
+        print('closed')
+    except Exception as e:
+        print(type(e).__name__, e)
+fwd.close(); back.close()
+""")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["closed"] * 5, r.stdout
+
+
+# ------------------------------------------------------------------------------------------ 21
+
+@pytest.mark.parametrize("seconds", [1, pytest.param(10, marks=pytest.mark.slow)], ids=["short", "long"])
+def test_21_keyboard_interrupt_anywhere_in_the_forward_leaks_nothing_and_frees_nothing_early(isolated, seconds):
+    """test_08's method on the forward: its one call on host arrays and on DeviceArrays (with
+    and without out=, dropless and drop/pad), its plan (launched, rebound, closed) and
+    pm.routing on the device, interrupted at random; every result that completes is the
+    reference's, and nothing is left behind (defects 14 to 17 are the places found)."""
+    r = isolated(f"""
+import _thread, gc, random, signal, sys, threading, time, numpy as np, pyacl_moe as pm
+from contextlib import closing
+pm.use_emulator()
+LIVE = {LIVE!r}
+dev = pm.Device(0)
+x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+ids = pm.routing.random_top_k(64, 2, 8, seed=1)
+KW = dict(expert_num=8, expert_tokens_count_or_cumsum_flag=2)
+DP = dict(drop_pad_mode=1, expert_num=8, expert_capacity=12, expert_tokens_before_capacity_flag=True)
+want, want_dp = pm.reference.moe_init_routing_v2(x, ids, **KW), pm.reference.moe_init_routing_v2(x, ids, **DP)
+def same(r, w, s=None):
+    return all((a is None) == (b is None) and (b is None or np.array_equal(
+        a if isinstance(a, np.ndarray) else a.to_host(s), b)) for a, b in zip(r, w))
+dev.synchronize(); pm.empty_cache()
+before = pm.emulator.stats()
+faults = before['device_faults']
+stop = threading.Event()
+def interrupter():
+    rnd = random.Random(21)
+    while not stop.is_set():
+        time.sleep(rnd.uniform(0.0002, 0.003))
+        _thread.interrupt_main()
+armed = [False]
+def on_sigint(signum, frame):
+    if armed[0]:
+        raise KeyboardInterrupt
+signal.signal(signal.SIGINT, on_sigint)
+t = threading.Thread(target=interrupter, daemon=True); t.start()
+# Threads switch often, so that the interrupts land in Python code too, not only as foreign
+# calls that let the interrupter run return.
+sys.setswitchinterval(1e-5)
+interrupts = 0
+wrong = set()
+deadline = time.time() + {seconds}
+while time.time() < deadline:
+    try:
+        armed[0] = True
+        if not same(pm.moe_init_routing_v2(x, ids, **KW), want): wrong.add('host')
+        with closing(pm.Stream(dev)) as s:
+            dx = pm.to_device(x, stream=s); di = pm.to_device(ids, stream=s)
+            r = pm.moe_init_routing_v2(dx, di, **KW, stream=s)
+            if not same(r, want, s): wrong.add('device')
+            r = pm.moe_init_routing_v2(dx, di, **KW, stream=s, out=r)
+            if not same(r, want, s): wrong.add('out=')
+            if not same(pm.moe_init_routing_v2(dx, di, **DP, stream=s), want_dp, s): wrong.add('drop/pad')
+            with pm.MoeInitRoutingV2(dx, di, **KW) as plan:
+                plan(s)
+                if not same(plan(s), want, s): wrong.add('plan')
+                plan.rebind(x=pm.to_device(x, stream=s), expanded_x=pm.zeros((128, 32), np.float32))
+                if not same(plan(s), want, s): wrong.add('rebound plan')
+            rt = pm.routing.drop_pad(di, 8, 12, stream=s)
+            if not np.array_equal(rt.expanded_row_idx.to_host(s), want_dp[1]): wrong.add('routing')
+        armed[0] = False
+    except KeyboardInterrupt:
+        armed[0] = False
+        interrupts += 1
+stop.set()
+while t.is_alive():
+    try:
+        t.join(0.1)
+    except KeyboardInterrupt:
+        pass
+for _ in range(3):   # let the last interrupt land outside the cleanup
+    try:
+        time.sleep(0.02)
+    except KeyboardInterrupt:
+        pass
+for name in ('dx', 'di', 'r', 'plan', 's', 'rt'):
+    globals().pop(name, None)
+gc.collect(); dev.synchronize(); pm.empty_cache()
+after = pm.emulator.stats()
+leaked = {{k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}}
+print('interrupts', interrupts, 'wrong', sorted(wrong), 'leaked', leaked, 'faults', after['device_faults'] - faults,
+      'guards', pm.emulator.check_guards())
+assert interrupts > 50, interrupts
+assert not wrong and not leaked and after['device_faults'] == faults and pm.emulator.check_guards() == 0
+print('ok')
+""", timeout=120 + 2 * seconds)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+# ------------------------------------------------------------------------------------------ 22
+
+def test_22_fork_while_threads_are_inside_the_forward_never_hangs_the_child(isolated):
+    """test_11's method on the forward: the parent's threads run the forward's one calls,
+    its plan (launched and rebound) and routing on the device while it forks; in each child
+    every inherited forward object raises ClosedError, closing the plan is quiet, and the
+    child exits. Before defect 19 was fixed the children hung or raised AclRuntimeError."""
+    r = isolated("""
+import os, threading, time, numpy as np, pyacl_moe as pm
+from contextlib import closing
+pm.use_emulator()
+dev = pm.Device(0)
+s = pm.Stream(dev)
+x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+ids = pm.routing.random_top_k(256, 2, 8, seed=1)
+KW = dict(expert_num=8, expert_tokens_count_or_cumsum_flag=2)
+dx, di = pm.to_device(x, stream=s), pm.to_device(ids, stream=s)
+plan = pm.MoeInitRoutingV2(dx, di, **KW)
+r0 = plan(s)
+stop = threading.Event()
+def busy(i):
+    out = None
+    while not stop.is_set():
+        pm.moe_init_routing_v2(x, ids, **KW)
+        with closing(pm.Stream(dev)) as t:
+            out = pm.moe_init_routing_v2(pm.to_device(x, stream=t), pm.to_device(ids, stream=t), **KW, stream=t,
+                                         out=out if i else None)
+            plan(t)
+            pm.routing.dropless(pm.to_device(ids, stream=t), 8, stream=t).to_host(t)
+        try:
+            plan.rebind(x=pm.to_device(x))
+        except pm.ClosedError:
+            pass
+        out = None
+ts = [threading.Thread(target=busy, args=(i,)) for i in range(3)]
+[t.start() for t in ts]
+uses = {
+    'plan()': lambda: plan(), 'plan(s)': lambda: plan(s), 'rebind()': lambda: plan.rebind(),
+    'rebind(x)': lambda: plan.rebind(x=dx), 'one call': lambda: pm.moe_init_routing_v2(dx, di, **KW, stream=s),
+    'one call, out=': lambda: pm.moe_init_routing_v2(dx, di, **KW, out=r0),
+    'unvalidated': lambda: pm.moe_init_routing_v2(dx, di, **KW, validate=False),
+    'host arrays': lambda: pm.moe_init_routing_v2(x, ids, **KW), 'new plan': lambda: pm.MoeInitRoutingV2(dx, di),
+    'routing': lambda: pm.routing.dropless(di, 8), 'result': lambda: r0.expanded_x.to_host(),
+}
+hung, bad = 0, set()
+for i in range(12):
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        report = []
+        for what, use in uses.items():
+            try:
+                use()
+                report.append(what + ': accepted')
+            except pm.ClosedError:
+                pass
+            except BaseException as e:
+                report.append(f'{what}: {type(e).__name__} {e}')
+        try:
+            plan.close()
+            pm.routing.dropless(ids, 8)   # the host routing needs no device
+        except BaseException as e:
+            report.append(f'close or host routing: {type(e).__name__} {e}')
+        os.write(wfd, '; '.join(report).encode())
+        os._exit(0)
+    os.close(wfd)
+    deadline = time.time() + 10
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            text = os.read(rfd, 1 << 16).decode()
+            if text or os.waitstatus_to_exitcode(status):
+                bad.add(text or str(status))
+            break
+        if time.time() > deadline:
+            os.kill(pid, 9); os.waitpid(pid, 0); hung += 1
+            break
+        time.sleep(0.005)
+    os.close(rfd)
+stop.set(); [t.join() for t in ts]
+plan.close()
+print('hung', hung, 'bad', sorted(bad))
+assert hung == 0 and not bad
+print('ok')
+""", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok"), r.stdout

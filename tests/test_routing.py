@@ -168,6 +168,11 @@ def test_random_top_k_follows_the_weights():
     (lambda ids: routing.random_top_k(4, 2, 5, weights=[1, np.nan, 1, 1, 1]), "weights"),
     (lambda ids: routing.random_top_k(4, 2, 5, weights=[1, -1, 1, 1, 1]), "weights"),
     (lambda ids: routing.random_top_k(4, 2, 5, weights=[1, 0, 0, 0, 0]), "weights"),
+    # Sizes that cannot be addressed: NumPy's ValueError before.
+    (lambda ids: routing.dropless(ids, 2**62), "expert_num"),
+    (lambda ids: routing.drop_pad(pm.to_device(ids), 2**62, 2), "expert_num"),
+    (lambda ids: routing.random_top_k(2**62, 2, 5), "n"),
+    (lambda ids: routing.random_top_k(4, 2, 2**62), "expert_num"),
 ])
 def test_refusals_name_the_parameter(device, call, name):
     with pytest.raises(pm.InvalidArgument) as info:

@@ -100,10 +100,17 @@ def first_phase(spec: OpSpec, given: Mapping[str, AclTensor | DeviceArray | None
         elif value is not None and not isinstance(value, AclTensor):
             raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
         tensors[name] = value
-    dev = device
-    for t in tensors.values():
-        if dev is None and t is not None:
-            dev = t.array.device
+    # The binding knows each tensor's device (CANN only sees addresses): one device for all.
+    dev, first = device, ""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        d = t.array.allocation(name).device
+        if dev is None:
+            dev, first = d, name
+        elif d is not dev:
+            where = f"{first} is on device {dev.device_id}" if first else f"device={dev.device_id} was asked for"
+            raise InvalidArgument(name, f"is on device {d.device_id} but {where}: a launch's tensors share one device")
     if dev is None:
         dev = current_device()
     core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
@@ -117,6 +124,9 @@ def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> A
     alloc = ws.allocation("workspace")
     if ws.nbytes < size:
         raise InvalidArgument("workspace", f"holds {ws.nbytes} bytes, less than the {size} the launch needs")
+    if not ws.is_contiguous:
+        # The kernel uses its bytes as one block: a strided view's gaps belong to other views.
+        raise InvalidArgument("workspace", "must be contiguous (the kernel uses it as one block of bytes)")
     if alloc.device is not device:
         raise InvalidArgument("workspace", f"is on device {alloc.device.device_id}, the {user} on {device.device_id}")
     return alloc

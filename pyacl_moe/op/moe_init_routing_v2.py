@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _args, _contract
-from ..array import DeviceArray, empty, host_array, may_overlap, to_device
+from ..array import DeviceArray, empty, host_array, to_device
 from ..device import Device, current_device, resolve_device
 from ..errors import InvalidArgument
 from ..host import host_view, in_family
@@ -32,7 +32,7 @@ from ..stream import Stream, current_stream, resolve_stream
 from ..tensor import AclTensor
 from .executor import Executor, checked_workspace, first_phase, launch, mark_uses
 from .executor import execute as execute
-from .plan import Plan, check_no_overlap, device_of, launch_cached
+from .plan import Plan, check_no_overlap, check_workspace_apart, device_of, launch_cached
 from .spec import OpSpec, Param
 
 __all__ = ["SPEC", "MoeInitRoutingV2", "RoutingResult", "execute", "get_workspace_size", "moe_init_routing_v2"]
@@ -74,8 +74,7 @@ def _attrs(active_num: Any, expert_capacity: Any, expert_num: Any, drop_pad_mode
         "expert_num": _args.int64("expert_num", expert_num),
         "drop_pad_mode": _args.int64("drop_pad_mode", drop_pad_mode),
         "expert_tokens_count_or_cumsum_flag": _args.int64("expert_tokens_count_or_cumsum_flag", count_flag),
-        "expert_tokens_before_capacity_flag": _args.instance("expert_tokens_before_capacity_flag", before_flag,
-                                                             bool, "a bool"),
+        "expert_tokens_before_capacity_flag": _args.boolean("expert_tokens_before_capacity_flag", before_flag),
     }
 
 
@@ -162,7 +161,7 @@ class MoeInitRoutingV2(Plan):
         validate: bool = True,
     ) -> None:
         self._closed = True  # until prepared
-        _args.instance("validate", validate, bool, "a bool")
+        validate = _args.boolean("validate", validate)
         attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                        expert_tokens_before_capacity_flag)
         arrays = {"x": _args.instance("x", x, DeviceArray, "a DeviceArray"),
@@ -182,9 +181,9 @@ class MoeInitRoutingV2(Plan):
         for name in _OUTPUTS:
             shape = shapes[name]
             if name not in arrays and shape is not None:
-                arrays[name] = empty(shape, x.dtype if name == "expanded_x" else np.int32, dev)
+                arrays[name] = _new_output(name, shape, x.dtype, dev)
         self._validate = validate
-        self._prepare(dev, arrays, attrs, _args.instance("repeatable", repeatable, bool, "a bool"))
+        self._prepare(dev, arrays, attrs, _args.boolean("repeatable", repeatable))
 
     def _result(self) -> RoutingResult:
         a = self._arrays
@@ -206,13 +205,10 @@ class MoeInitRoutingV2(Plan):
                expert_tokens_before_capacity: DeviceArray | None = None) -> None:
         """Point the executor at other arrays with the same shapes, dtypes and strides (the
         offset may differ). Launches already queued keep the arrays they were queued with."""
-        changes = self._checked_changes({
+        self._rebind(self._checked_changes({
             "x": x, "expert_idx": expert_idx, "expanded_x": expanded_x, "expanded_row_idx": expanded_row_idx,
             "expert_tokens_count_or_cumsum": expert_tokens_count_or_cumsum,
-            "expert_tokens_before_capacity": expert_tokens_before_capacity})
-        if self._validate and changes:
-            check_no_overlap(SPEC, {**self._arrays, **changes})
-        self._rebind(changes)
+            "expert_tokens_before_capacity": expert_tokens_before_capacity}))
 
 
 # ---------------------------------------------------------------------------- one call
@@ -225,6 +221,20 @@ def _check(x_shape: tuple[int, ...], x_dtype: np.dtype, idx_shape: tuple[int, ..
     if attrs["drop_pad_mode"] == 1 and attrs["expert_capacity"] > x_shape[0]:
         # The vendor's tiling rule; the reference computes any capacity.
         raise InvalidArgument("expert_capacity", f"must be at most N = {x_shape[0]}, got {attrs['expert_capacity']}")
+    # The vendor sets no bound on expert_num, but the outputs it sizes must be addressable.
+    sizes = (x_shape[0], idx_shape[1], x_shape[1])
+    for name, shape in _shapes(*sizes, attrs).items():
+        if shape is None:
+            continue
+        total = np.dtype(x_dtype if name == "expanded_x" else np.int32).itemsize
+        for d in shape:
+            total *= d
+        if total > _args.MAX_BYTES:
+            # Only the expert count makes an output bigger than the inputs, bar mode 0's N*K rows.
+            too_big = f"{list(shape)}, {total} bytes: more than {_args.MAX_BYTES} cannot be addressed"
+            if name == "expanded_x" and attrs["drop_pad_mode"] == 0:
+                raise InvalidArgument(name, f"would be {too_big}")
+            raise InvalidArgument("expert_num", f"makes {name} {too_big}")
 
 
 def _sizes(x: DeviceArray, idx: DeviceArray) -> tuple[int, int, int]:
@@ -233,11 +243,13 @@ def _sizes(x: DeviceArray, idx: DeviceArray) -> tuple[int, int, int]:
 
 
 def _shapes(n: int, k: int, h: int, attrs: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
-    total, num = n * k, attrs["expert_num"]
+    # A negative attribute (validate=False) gives an empty dimension, not a negative one, so
+    # that the vendor's first phase sees the attribute and refuses it itself.
+    total, num, cap = n * k, max(attrs["expert_num"], 0), max(attrs["expert_capacity"], 0)
     if attrs["drop_pad_mode"] == 1:
-        ex: tuple[int, ...] = (num, attrs["expert_capacity"], h)
+        ex: tuple[int, ...] = (num, cap, h)
     else:
-        ex = (total if attrs["active_num"] == 0 else min(attrs["active_num"], total), h)
+        ex = (total if attrs["active_num"] == 0 else max(min(attrs["active_num"], total), 0), h)
     return {
         "expanded_x": ex,
         "expanded_row_idx": (total,),
@@ -246,6 +258,14 @@ def _shapes(n: int, k: int, h: int, attrs: dict[str, Any]) -> dict[str, tuple[in
         "expert_tokens_before_capacity": (num,) if attrs["drop_pad_mode"] == 1
         and attrs["expert_tokens_before_capacity_flag"] else None,
     }
+
+
+def _new_output(name: str, shape: tuple[int, ...], x_dtype: np.dtype, device: Device) -> DeviceArray:
+    """A new output ``name`` of ``shape`` (as the attributes size it), refused by name when it
+    cannot be addressed (validate=False: the contract was not checked)."""
+    dtype = x_dtype if name == "expanded_x" else np.dtype(np.int32)
+    _args.nbytes(name, shape, dtype.itemsize)
+    return empty(shape, dtype, device)
 
 
 def moe_init_routing_v2(
@@ -284,7 +304,7 @@ def moe_init_routing_v2(
     """
     attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                    expert_tokens_before_capacity_flag)
-    _args.instance("validate", validate, bool, "a bool")
+    validate = _args.boolean("validate", validate)
     if stream is not None and not isinstance(stream, Stream):
         raise InvalidArgument("stream", f"must be a Stream or None, got {type(stream).__name__}")
     on_device = isinstance(x, DeviceArray)
@@ -339,12 +359,9 @@ def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream:
         if given:
             check_no_overlap(SPEC, {"x": x, "expert_idx": idx, **given})
         if workspace is not None:
-            for name, a in given.items():
-                if may_overlap(workspace, a):
-                    raise InvalidArgument("workspace", f"shares device memory with {name}")
+            check_workspace_apart(workspace, {"x": x, "expert_idx": idx, **given})
     state = resolve_stream(stream, dev)
-    outs = {name: given[name] if name in given
-            else None if shp is None else empty(shp, x.dtype if name == "expanded_x" else np.int32, dev)
+    outs = {name: given[name] if name in given else None if shp is None else _new_output(name, shp, x.dtype, dev)
             for name, shp in shapes.items()}
     if validate:
         # A layout seen before on this stream relaunches its cached executor, rebound (the

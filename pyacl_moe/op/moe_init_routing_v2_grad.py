@@ -17,7 +17,7 @@ from typing import Any, overload
 import numpy as np
 
 from .. import _args, _contract
-from ..array import DeviceArray, empty, host_array, may_overlap, to_device
+from ..array import DeviceArray, empty, host_array, to_device
 from ..device import Device, current_device, resolve_device
 from ..errors import InvalidArgument
 from ..host import TORCH, host_view, in_family
@@ -26,7 +26,7 @@ from ..stream import Stream, current_stream, resolve_stream, thread_current
 from ..tensor import AclTensor
 from .executor import Executor, first_phase, launch, mark_uses
 from .executor import execute as execute
-from .plan import Plan, check_no_overlap, device_of, launch_cached
+from .plan import Plan, check_no_overlap, check_workspace_apart, device_of, launch_cached
 from .spec import OpSpec, Param
 
 __all__ = ["SPEC", "MoeInitRoutingV2Grad", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
@@ -169,11 +169,8 @@ class MoeInitRoutingV2Grad(Plan):
         """Point the executor at other arrays with the same shape, dtype and strides (the
         offset may differ). Launches already queued keep the arrays they were queued with; a
         launch in flight on another thread completes first."""
-        changes = self._checked_changes({"grad_expanded_x": grad_expanded_x,
-                                         "expanded_row_idx": expanded_row_idx, "out": out})
-        if self._validate and changes:
-            check_no_overlap(SPEC, {**self._arrays, **changes})
-        self._rebind(changes)
+        self._rebind(self._checked_changes({"grad_expanded_x": grad_expanded_x,
+                                            "expanded_row_idx": expanded_row_idx, "out": out}))
 
 
 # ---------------------------------------------------------------------------- one call
@@ -302,8 +299,8 @@ def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active:
             olo, ohi = out.span
             if (olo <= xhi and xlo <= ohi) or (olo <= ihi and ilo <= ohi):
                 check_no_overlap(SPEC, {"grad_expanded_x": x, "expanded_row_idx": idx, "out": out})
-        if workspace is not None and may_overlap(workspace, out):
-            raise InvalidArgument("workspace", "shares device memory with out")
+        if workspace is not None:
+            check_workspace_apart(workspace, {"grad_expanded_x": x, "expanded_row_idx": idx, "out": out})
         assert oa is not None
         # A layout seen before on this stream relaunches its cached executor, rebound.
         launch_cached(SPEC, key, (x, idx, out), (xa, ia, oa), (xlo, ilo, olo), (top_k, mode, active), state,

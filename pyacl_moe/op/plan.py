@@ -40,7 +40,7 @@ from ..tensor import AclTensor, TensorCore
 from .executor import Executor, build, checked_workspace, launch, mark_uses
 from .spec import OpSpec
 
-__all__ = ["Plan", "check_no_overlap", "device_of", "launch_cached"]
+__all__ = ["Plan", "check_no_overlap", "check_workspace_apart", "device_of", "launch_cached"]
 
 _P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
@@ -59,7 +59,7 @@ class _Slot:
     it in ``args``. A read-copy-update whose grace period costs the steady state nothing.
     Launch code deletes its local ``args`` before anything that may wait."""
 
-    __slots__ = ("state", "context", "call", "keep", "result", "dead", "plan", "__weakref__")
+    __slots__ = ("state", "context", "call", "keep", "result", "dead", "plan", "stopping", "__weakref__")
 
     def __init__(self, state: StreamState, keep: tuple[Any, ...], result: Any, plan: Plan) -> None:
         self.state = state
@@ -69,6 +69,7 @@ class _Slot:
         self.result = result  # what the plan returns
         self.dead = False
         self.plan = weakref.ref(plan)  # whose _now may publish this slot (the plan holds us)
+        self.stopping: tuple[Any, ...] = ()  # the arguments of the call a detach waits to see go
 
     def publish(self, stream: Stream | None) -> None:
         """Make this slot the plan's steady state for calls with this ``stream`` argument,
@@ -85,20 +86,25 @@ class _Slot:
     def detach(self) -> None:
         """Stop the slot and wait for the launches in flight through it (they are short: one
         foreign call each). Safe twice and from several threads (the plan, its stream, its
-        device may each stop it): the first does it, the others wait for it under the lock."""
+        device may each stop it): the first does it, the others wait for it under the lock.
+        An interrupted detach is resumed by the next: the call it waits for is kept on the
+        slot until no launch makes it."""
         with _DETACH_LOCK:
             if self.dead:
                 return
-            old = self.call[1]
-            self.call = _DETACHED
+            if self.call is not _DETACHED:
+                self.stopping = self.call[1]
+                self.call = _DETACHED
+            old = self.stopping
             plan = self.plan()
             if plan is not None and plan._now[2] is old:
                 plan._now = _NOT_STEADY
             del plan
-            # Two references are ours: `old`, and getrefcount's own argument.
-            while sys.getrefcount(old) > 2 and _in_a_launch(old):
+            # Three references are ours: the slot's, `old`, and getrefcount's own argument.
+            while old and sys.getrefcount(old) > 3 and _in_a_launch(old):
                 time.sleep(0.0001)
             self.dead = True
+            self.stopping = ()
 
 
 def _in_a_launch(args: tuple[Any, ...]) -> bool:
@@ -157,12 +163,15 @@ class _Slots:
 
     @staticmethod
     def detach(slots: dict[StreamState, _Slot]) -> None:
-        taken = list(slots.values())
-        slots.clear()
-        for s in taken:
-            s.detach()
-        for s in taken:
-            s.state.retire(s.keep)
+        # A slot is forgotten only once it is stopped and what it kept is retired: an
+        # interrupt leaves it (and the rest) to the next detach, which repeats what was done
+        # (a second retire of the same arrays only holds them as long as the first).
+        while slots:
+            state = next(iter(slots))
+            slot = slots[state]
+            slot.detach()
+            slot.state.retire(slot.keep)
+            del slots[state]
 
     def release(self) -> int:
         """The plan went without close() (the holder's release, at a safe point)."""
@@ -186,6 +195,16 @@ def check_no_overlap(spec: OpSpec, arrays: Mapping[str, DeviceArray | None]) -> 
                     out_name, f"shares device memory with {name}: the kernel would overwrite what it reads "
                               "(use a separate output array)"
                 )
+
+
+def check_workspace_apart(workspace: DeviceArray, arrays: Mapping[str, DeviceArray | None]) -> None:
+    """Refuse a caller's workspace that shares memory with a tensor of the launch: the kernel
+    writes its workspace (the forward sorts in it) and would overwrite what it reads or
+    writes."""
+    for name, a in arrays.items():
+        if a is not None and may_overlap(workspace, a):
+            raise InvalidArgument("workspace", f"shares device memory with {name}: the kernel writes its workspace "
+                                               "(use a separate array)")
 
 
 def device_of(arrays: dict[str, DeviceArray]) -> Device:
@@ -213,11 +232,12 @@ class Plan:
     """
 
     _spec: OpSpec
+    _validate = True  # whether outputs are checked against sharing memory (a subclass sets it)
     _now: tuple[Any, Any, tuple[Any, ...], Any, Any] = _NOT_STEADY  # the steady state (see _Slot)
 
     def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
                  repeatable: bool) -> None:
-        self._lock = threading.Lock()  # guards _slots, _closed, _spent, _arrays, the executor's addresses
+        self._lock = threading.Lock()  # guards _slots, _closed, _spent, _arrays, _rebinding, the executor's addresses
         _plans.add(self)
         # The slots, by stream. Their holder hands what they keep to their streams when the plan
         # goes without close(): launches it queued may not have run.
@@ -236,6 +256,8 @@ class Plan:
         self._repeatable = repeatable
         # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
         self._view_offsets = {n: a.offset for n, a in arrays.items()}
+        # A rebind not finished (see _finish_rebind): name -> (array, its allocation, base).
+        self._rebinding: dict[str, tuple[DeviceArray, Allocation, int]] = {}
         self._closed = False
 
     # -- properties
@@ -248,7 +270,8 @@ class Plan:
     @property
     def executor(self) -> Executor:
         """The plan's executor (closing it is the plan's business: use ``plan.close()``)."""
-        return Executor(self._core, tuple(self._tensors[n] for n in self._spec.tensors))
+        # An optional tensor passed as a null pointer has no aclTensor.
+        return Executor(self._core, tuple(self._tensors[n] for n in self._spec.tensors if n in self._tensors))
 
     @property
     def closed(self) -> bool:
@@ -265,9 +288,17 @@ class Plan:
 
     # -- launching
 
+    def _device_open(self) -> None:
+        # In a fork() child too (its devices are closed): checked before any lock of the plan,
+        # which a parent thread may have held at fork.
+        if self._device.closed:
+            raise ClosedError("plan", f"its device {self._device.device_id} was closed"
+                                      + (" (or this is a fork() child)" if _lifetime.forked() else ""))
+
     def _usable(self) -> None:
         if self._closed:
             raise ClosedError("plan", "it was closed")
+        self._device_open()
         if self._spent:
             raise ClosedError("plan", "it was one-shot (repeatable=False) and has launched; build a new plan")
 
@@ -278,6 +309,8 @@ class Plan:
         size = self._core.workspace_size
         if workspace is not None:
             ws_alloc = checked_workspace(workspace, size, self._device, "plan")
+            if self._validate:
+                check_workspace_apart(workspace, self._arrays)
             return self._launch_held(state, workspace.address, size, ws_alloc)
         if not self._repeatable:
             block = workspace_for(state, size) if size else None
@@ -305,6 +338,7 @@ class Plan:
         launch."""
         with self._lock:
             self._usable()
+            self._finish_rebind()
             core = self._core
             mark_uses(core, state)
             if not self._repeatable:
@@ -320,6 +354,7 @@ class Plan:
         block = workspace_for(state, size) if size else None
         with self._lock:
             self._usable()
+            self._finish_rebind()
             slot = self._slots.get(state)
             if slot is not None and not slot.dead:
                 return slot
@@ -363,9 +398,15 @@ class Plan:
     def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
         """The second phase's function and the arguments a launch on ``stream`` passes it, for
         timing one bare foreign call (the floor under the plan's launch). Launches once to bind
-        the stream first."""
-        self(stream)
-        slot = self._slots[resolve_stream(stream, self._device)]
+        the stream first (again if a rebind meanwhile unbound it)."""
+        if not self._repeatable:
+            raise InvalidArgument("plan", "is one-shot (repeatable=False): only a repeatable plan has a launch to "
+                                          "repeat")
+        while True:
+            self(stream)
+            slot = self._slots.get(resolve_stream(stream, self._device))
+            if slot is not None and not slot.dead:
+                break
         block = slot.keep[0]
         fn, args = aclnn.bound_call(self._spec.api, block.ptr if block is not None else 0, self._core.workspace_size,
                                     self._core.handle, slot.state.handle)
@@ -380,6 +421,7 @@ class Plan:
     def _checked_changes(self, given: Mapping[str, Any]) -> dict[str, DeviceArray]:
         """The arrays a rebind was given (None: unchanged), each checked to have the layout
         the plan was built for and to be on its device."""
+        self._device_open()  # a closed device's plan has none to compare with
         changes: dict[str, DeviceArray] = {}
         for name, new in given.items():
             if new is None:
@@ -403,37 +445,56 @@ class Plan:
         return changes
 
     def _rebind(self, changes: Mapping[str, DeviceArray]) -> None:
-        """Point the executor at ``changes`` (name -> array, checked by the subclass for its
-        layout, device and overlap). Launches already queued keep the arrays they were queued
-        with."""
+        """Point the executor at ``changes`` (name -> array, checked by :meth:`_checked_changes`
+        for its layout and device; for overlap here, under the lock, against the arrays the
+        plan has then). Launches already queued keep the arrays they were queued with."""
+        self._device_open()
+        # What CANN is told of each new array, read before anything changes. CANN keeps the
+        # tensor's view offset: the base puts the first element where the new array has it.
+        todo = {name: (new, new.allocation(name), new.address - self._view_offsets[name] * new.itemsize)
+                for name, new in changes.items()}
         with self._lock:
             if self._closed:
                 raise ClosedError("plan", "it was closed")
             if not self._repeatable:
                 raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
-            self._detach_all()
-            core = self._core
-            for name, new in changes.items():
-                alloc = new.allocation(name)
-                # CANN keeps the tensor's view offset: give it the base that puts the first
-                # element where the new array has it.
-                base = new.address - self._view_offsets[name] * new.itemsize
-                tcore = self._tensors[name].core()
-                core.set_address(name, tcore, base)
-                tcore.alloc = alloc
-                self._tensors[name].rebound(new)
-                self._arrays[name] = new
+            if self._validate and todo:
+                bound = {**self._arrays, **{n: v[0] for n, v in self._rebinding.items()}}
+                check_no_overlap(self._spec, {**bound, **changes})
+            self._rebinding = {**self._rebinding, **todo}
+            self._finish_rebind()
+
+    def _finish_rebind(self) -> None:
+        """Carry out the recorded rebind (lock held): stop the slots, then set each address
+        and record its array. The record holds the new arrays until it is done, and the plan
+        the old ones, so an interrupt anywhere leaves the executor on memory held; the next
+        rebind or launch repeats the steps (setting an address again is harmless)."""
+        todo = self._rebinding
+        if not todo:
+            return
+        self._detach_all()
+        core = self._core
+        for name, (new, alloc, base) in todo.items():
+            tcore = self._tensors[name].core()
+            core.set_address(name, tcore, base)
+            tcore.alloc = alloc
+            self._tensors[name].rebound(new)
+            self._arrays[name] = new
+        self._rebinding = {}
 
     def close(self) -> None:
         """Destroy the executor, and release the plan's hold on its arrays and workspace once
         the work it queued is done. Safe twice; a launch in flight on another thread completes
-        first."""
+        first; a close that was interrupted is finished by the next. In a fork() child there
+        is nothing left to release: the plan is only marked closed."""
+        if _lifetime.forked():
+            self._closed = True  # no lock: a parent thread may have held it at fork
+            return
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-            self._detach_all()
-        status = self._core.destroy()
+            self._detach_all()  # nothing left to do after a complete close
+            self._rebinding = {}
+        status = self._core.destroy()  # exactly once, whoever calls
         _lifetime.collect()
         check(status, "aclDestroyAclOpExecutor")
 
@@ -455,7 +516,7 @@ class _Cached:
     and its launch with every argument bound, with the workspace it was bound with (kept alive
     here: the stream may have taken another since, and this one is still good)."""
 
-    __slots__ = ("core", "tensors", "offsets", "bound", "call", "call_ws", "size")
+    __slots__ = ("core", "tensors", "offsets", "bound", "unknown", "call", "call_ws", "size")
 
     def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray | None],
                  attrs: Mapping[str, Any]) -> None:
@@ -472,13 +533,17 @@ class _Cached:
         self.size = core.workspace_size
         self.offsets = [0 if a is None else a.offset * a.itemsize for a in arrays]
         self.bound = tuple(0 if a is None else a.span[0] for a in arrays)  # first-element addresses bound now
+        # What ``bound`` is while a rebind is under way: no address (a null pointer's stays 0).
+        self.unknown = tuple(0 if a is None else -1 for a in arrays)
         self.call: Any = None
         self.call_ws: Any = None
 
     def rebind(self, spec: OpSpec, firsts: tuple[int, ...]) -> None:
         """Point the executor at views whose first elements are at ``firsts`` (the stream's
-        lock held)."""
+        lock held). Until every address is set the entry claims none, so that an interrupt
+        half-way leaves the next call to set them all."""
         bound = self.bound
+        self.bound = self.unknown
         for i, addr in enumerate(firsts):
             if addr != bound[i]:
                 kind, index = spec.slot(spec.tensors[i])
