@@ -267,7 +267,7 @@ def on_sigint(signum, frame):
 signal.signal(signal.SIGINT, on_sigint)
 t = threading.Thread(target=interrupter, daemon=True); t.start()
 interrupts = wrong = 0
-deadline = time.time() + 3
+deadline = time.time() + 2
 while time.time() < deadline:
     try:
         armed[0] = True

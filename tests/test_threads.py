@@ -189,27 +189,6 @@ def test_the_pool_and_empty_cache(device, no_leaks, case, seconds):
 
 
 @duration
-def test_the_executor_cache(device, no_leaks, seconds):
-    # More layouts than a stream caches, on one stream: entries are evicted while others launch.
-    cases = [make_case(8, 2, 8 + 8 * i, "float32", "dropless", seed=i) for i in range(12)]
-    data = [(pm.to_device(k.grad_expanded_x), pm.to_device(k.expanded_row_idx), pm.moe_init_routing_v2_grad(*k.args()))
-            for k in cases]
-    shared = pm.Stream(device)
-
-    def worker(stop, i):
-        n = i
-        while not stop.is_set():
-            x, idx, expected = data[n % len(data)]
-            out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=shared)
-            assert np.array_equal(out.to_host(shared), expected)
-            n += 3
-
-    errors = hammer([worker] * THREADS, seconds)
-    shared.close()
-    assert not errors, errors[0]
-
-
-@duration
 def test_closing_the_device_under_load(isolated, seconds):
     rounds = max(5, int(seconds / 0.6))
     r = isolated(f"""
@@ -329,7 +308,7 @@ def test_the_forward_shared_plan_and_stream_beside_the_backward(device, no_leaks
 
 
 @duration
-def test_both_ops_in_the_executor_cache_under_eviction_and_empty_cache(device, no_leaks, seconds):
+def test_the_executor_cache(device, no_leaks, seconds):
     """More layouts of each op than a stream caches, on one shared stream and the default
     one: entries of both ops are evicted while others launch; streams made and dropped take
     and give back workspace; empty_cache() runs throughout."""
