@@ -435,3 +435,35 @@ def test_selecting_or_building_the_emulator_with_a_malformed_variable_raises_fir
     monkeypatch.setenv("PYACL_MOE_EMU_MEMROY", "8G")  # a typo is not ignored silently
     with pytest.warns(UserWarning, match="PYACL_MOE_EMU_MEMROY"):
         emulator.check_environment()
+
+
+def test_a_kernel_reading_another_devices_memory_is_a_device_fault(isolated):
+    """Each device's AI Cores reach their own memory only: an executor pointed (by a raw address
+    setter) at memory of device 0 and launched on device 1 faults, for both ops, and the
+    message names the device the memory belongs to."""
+    r = isolated("""
+import numpy as np, pyacl_moe as pm
+pm.use_emulator()
+d0, d1 = pm.Device(0), pm.Device(1)
+s1 = d1.default_stream
+x = np.arange(32, dtype=np.float32).reshape(8, 4)
+ids = pm.routing.random_top_k(8, 2, 4, seed=0)
+elsewhere = pm.to_device(x + 100, stream=d0.default_stream)
+d0.synchronize()
+fwd = pm.MoeInitRoutingV2(pm.to_device(x, stream=s1), pm.to_device(ids, stream=s1))
+bwd = pm.MoeInitRoutingV2Grad(pm.to_device(np.ones((16, 4), np.float32), stream=s1),
+                              pm.to_device(np.arange(16, dtype=np.int32), stream=s1), 2)
+for plan in (fwd, bwd):
+    ex = plan.executor
+    ex.set_input_addr(0, ex.tensors[0], elsewhere.address)
+    plan(s1)
+    try:
+        d1.synchronize()
+        print('no fault')
+    except pm.AclRuntimeError as e:
+        print(e.status, 'memory of device 0' in str(e))
+    plan.close()
+print(pm.emulator.stats()['device_faults'])
+""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["507015", "True", "507015", "True", "2"], r.stdout

@@ -115,9 +115,10 @@ EMU_API int aclemuLaunch(const char *api, int32_t device, aclrtStream stream, ui
 EMU_API int aclemuPin(uintptr_t addr, size_t len, emu_pin *pin);
 EMU_API void aclemuUnpin(emu_pin *pin);
 /* Pin n ranges under one lock (zero-length ranges are not allowed). Returns -1 when all are
- * pinned, else the index of the first range that is not inside a live allocation (then
- * nothing stays pinned). */
-EMU_API int aclemuPinMany(const uintptr_t *addr, const size_t *len, emu_pin *pins, int n);
+ * pinned, else the index of the first range that is not inside a live allocation of the
+ * device whose stream runs the calling task (then nothing stays pinned, and *owner is the
+ * device the range belongs to, or -1 when it is inside no live allocation). */
+EMU_API int aclemuPinMany(const uintptr_t *addr, const size_t *len, emu_pin *pins, int n, int32_t *owner);
 EMU_API void aclemuUnpinMany(emu_pin *pins, int n);
 /* Active mutation id (0 none, 1 skip-last-k, 2 fp16-accumulate, 3 off-by-one-row; 4
  * fwd-unstable-sort and 5 fwd-wrong-row, which only the forward kernel reads). */

@@ -174,6 +174,24 @@ EMU_HIDDEN int view_extent(const emu_tensor_desc *t, int64_t *lo, int64_t *hi) {
     return 1;
 }
 
+EMU_HIDDEN int moe_pin_ranges(const uintptr_t *starts, const size_t *lens, const int *which,
+                              const char *const *names, int n, emu_pin *pins, char *msg, size_t len) {
+    int32_t owner;
+    int bad = aclemuPinMany(starts, lens, pins, n, &owner);
+    if (bad < 0) return 0;
+    if (owner >= 0)
+        snprintf(msg, len,
+                 "device fault (AI Core exception): %s spans [%p, +%zu), memory of device %d, which "
+                 "this device's AI Cores cannot reach",
+                 names[which[bad]], (void *)starts[bad], lens[bad], (int)owner);
+    else
+        snprintf(msg, len,
+                 "device fault (AI Core exception): %s spans [%p, +%zu) but that is not inside a "
+                 "live device allocation (freed before the kernel ran?)",
+                 names[which[bad]], (void *)starts[bad], lens[bad]);
+    return ACL_ERROR_RT_AICORE_EXCEPTION;
+}
+
 typedef struct mapped_view {
     const emu_tensor_desc *t;
     size_t esize;
@@ -431,14 +449,7 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
         which[n++] = 3;
     }
     emu_pin pins[4];
-    int bad = aclemuPinMany(starts, lens, pins, n);
-    if (bad >= 0) {
-        snprintf(msg, len,
-                 "device fault (AI Core exception): %s spans [%p, +%zu) but that is not inside a "
-                 "live device allocation (freed before the kernel ran?)",
-                 names[which[bad]], (void *)starts[bad], lens[bad]);
-        return status;
-    }
+    if (moe_pin_ranges(starts, lens, which, names, n, pins, msg, len)) return status;
     for (int i = 0; i < n; i++)
         if (which[i] < 3) views[which[i]]->host = pins[i].host;
 

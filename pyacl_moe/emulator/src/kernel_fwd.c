@@ -85,14 +85,8 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
         which[n++] = v;
     }
     emu_pin pins[V_COUNT];
-    int bad = aclemuPinMany(starts, lens, pins, n);
-    if (bad >= 0) {
-        snprintf(msg, len,
-                 "device fault (AI Core exception): %s spans [%p, +%zu) but that is not inside a "
-                 "live device allocation (freed before the kernel ran?)",
-                 names[which[bad]], (void *)starts[bad], lens[bad]);
-        return ACL_ERROR_RT_AICORE_EXCEPTION;
-    }
+    int fault = moe_pin_ranges(starts, lens, which, names, n, pins, msg, len);
+    if (fault) return fault;
     unsigned char *host[V_COUNT] = {NULL};
     for (int i = 0; i < n; i++) host[which[i]] = pins[i].host;
 

@@ -32,6 +32,11 @@ EMU_HIDDEN size_t moe_dtype_size(aclDataType dt);
 /* The element range [*lo, *hi] a view touches; 0 when it has no elements (kernel.c). */
 EMU_HIDDEN int view_extent(const emu_tensor_desc *t, int64_t *lo, int64_t *hi);
 
+/* Pin the n device ranges a kernel touches (range i is names[which[i]]); 0 when all are
+ * pinned, else ACL_ERROR_RT_AICORE_EXCEPTION with the fault described in msg (kernel.c). */
+EMU_HIDDEN int moe_pin_ranges(const uintptr_t *starts, const size_t *lens, const int *which,
+                              const char *const *names, int n, emu_pin *pins, char *msg, size_t len);
+
 /* nnopbase rules and emulator guards shared by the ops' first phases (opapi.c). */
 EMU_HIDDEN const char *dtype_name(aclDataType dt);
 EMU_HIDDEN int format_is_nd_like(aclFormat f);

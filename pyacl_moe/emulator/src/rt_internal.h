@@ -114,6 +114,7 @@ extern int g_device_count;
 extern size_t g_capacity;
 extern char g_soc[64];
 extern int g_mutation;
+extern __thread int32_t g_task_device; /* device of the stream whose task this thread runs, or -1 */
 extern int g_async;       /* stream mode: 1 async (engine), 0 lazy */
 extern int g_queue_depth; /* bound of a stream's queue in async mode */
 extern emu_device g_devices[EMU_MAX_DEVICES];

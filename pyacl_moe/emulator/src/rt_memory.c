@@ -149,11 +149,20 @@ static void unpin_locked(emu_pin *pin) {
     }
 }
 
-EMU_API int aclemuPinMany(const uintptr_t *addr, const size_t *len, emu_pin *pins, int n) {
+EMU_API int aclemuPinMany(const uintptr_t *addr, const size_t *len, emu_pin *pins, int n, int32_t *owner) {
     int bad = -1;
+    *owner = -1;
     pthread_mutex_lock(&g_lock);
     for (int i = 0; i < n && bad < 0; i++) {
-        if (pin_locked(addr[i], len[i], &pins[i])) {
+        int failed = pin_locked(addr[i], len[i], &pins[i]);
+        /* A device's AI Cores reach their own device's memory only: another device's address
+         * is not mapped there, whatever it holds. */
+        if (!failed && g_task_device >= 0 && ((emu_block *)pins[i].block)->device != g_task_device) {
+            *owner = ((emu_block *)pins[i].block)->device;
+            unpin_locked(&pins[i]);
+            failed = 1;
+        }
+        if (failed) {
             bad = i;
             while (i-- > 0) unpin_locked(&pins[i]);
         }

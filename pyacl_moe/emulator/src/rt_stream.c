@@ -35,6 +35,8 @@
 
 /* ------------------------------------------------------------------ engine state */
 
+__thread int32_t g_task_device = -1;
+
 static pthread_t g_engine_thread;
 static int g_engine_started;   /* a thread of generation g_engine_gen exists */
 static unsigned g_engine_gen;  /* bumped to tell the current engine thread to exit */
@@ -124,7 +126,9 @@ static void run_head_locked(emu_stream *s) {
     pthread_mutex_unlock(&g_lock);
     char msg[EMU_MSG_LEN];
     msg[0] = 0;
+    g_task_device = s->device;
     int st = t->run ? t->run(t->payload, msg, sizeof msg) : 0;
+    g_task_device = -1;
     pthread_mutex_lock(&g_lock);
     s->running = 0;
     s->done_seq = t->seq;
@@ -187,11 +191,13 @@ static void run_batch_locked(emu_stream *s) {
     char *fault_msg[EMU_ENGINE_BATCH]; /* each faulting task's message (rare: on the heap) */
     char msg[EMU_MSG_LEN];
     int i = 0;
+    g_task_device = s->device;
     for (emu_task *t = first; t; t = t->next, i++) {
         msg[0] = 0;
         status[i] = t->run ? t->run(t->payload, msg, sizeof msg) : 0;
         fault_msg[i] = status[i] ? strdup(msg) : NULL;
     }
+    g_task_device = -1;
     pthread_mutex_lock(&g_lock);
     s->running = 0;
     s->done_seq = last->seq;
