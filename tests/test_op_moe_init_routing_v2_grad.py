@@ -194,3 +194,23 @@ def test_results_are_bit_identical_across_runs(device):
     a = pm.moe_init_routing_v2_grad(*case.args())
     b = pm.moe_init_routing_v2_grad(*case.args())
     assert a.tobytes() == b.tobytes()
+
+
+def test_numpy_bools_are_bools_for_validate_and_repeatable(device):
+    """NumPy's bool was refused as "must be a bool, got bool" (as the forward's flags were);
+    an int where a flag belongs is still refused, naming the parameter."""
+    case = make_case(4, 2, 8, "float32", "dropless", seed=3)
+    want = pm.moe_init_routing_v2_grad(*case.args())
+    got = pm.moe_init_routing_v2_grad(*case.args(), validate=np.True_)
+    assert np.array_equal(got, want)
+    dx, di = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    assert np.array_equal(pm.moe_init_routing_v2_grad(dx, di, case.top_k, validate=np.False_).to_host(), want)
+    with pm.MoeInitRoutingV2Grad(dx, di, case.top_k, repeatable=np.False_, validate=np.True_) as plan:
+        assert np.array_equal(plan().to_host(), want)
+    for name in ("validate", "repeatable"):
+        with pytest.raises(pm.InvalidArgument, match="must be a bool, got int 1") as e:
+            pm.MoeInitRoutingV2Grad(dx, di, case.top_k, **{name: 1})
+        assert e.value.parameter == name
+    with pytest.raises(pm.InvalidArgument, match="must be a bool, got int 1") as e:
+        pm.moe_init_routing_v2_grad(dx, di, case.top_k, validate=1)
+    assert e.value.parameter == "validate"

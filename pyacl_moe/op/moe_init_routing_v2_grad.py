@@ -124,7 +124,7 @@ class MoeInitRoutingV2Grad(Plan):
         validate: bool = True,
     ) -> None:
         self._closed = True  # until prepared
-        _args.instance("validate", validate, bool, "a bool")
+        validate = _args.boolean("validate", validate)
         arrays = {
             "grad_expanded_x": _args.instance("grad_expanded_x", grad_expanded_x, DeviceArray, "a DeviceArray"),
             "expanded_row_idx": _args.instance("expanded_row_idx", expanded_row_idx, DeviceArray, "a DeviceArray"),
@@ -148,7 +148,7 @@ class MoeInitRoutingV2Grad(Plan):
         if out is None:
             out = arrays["out"] = empty((n, h), x.dtype, dev)
         self._validate = validate
-        self._prepare(dev, arrays, attrs, _args.instance("repeatable", repeatable, bool, "a bool"))
+        self._prepare(dev, arrays, attrs, _args.boolean("repeatable", repeatable))
 
     @property
     def out(self) -> DeviceArray:
@@ -240,8 +240,7 @@ def moe_init_routing_v2_grad(
         raise InvalidArgument("stream", f"must be a Stream or None, got {type(stream).__name__}")
     if workspace is not None and not isinstance(workspace, DeviceArray):
         raise InvalidArgument("workspace", f"must be a DeviceArray or None, got {type(workspace).__name__}")
-    if not isinstance(validate, bool):
-        raise InvalidArgument("validate", f"must be a bool, got {type(validate).__name__}")
+    validate = _args.boolean("validate", validate)
     if on_device:
         return _run_device(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out, stream,
                            workspace, validate)
