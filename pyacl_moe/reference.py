@@ -56,7 +56,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import _contract
+from . import _args, _contract
 from .errors import InvalidArgument
 
 __all__ = ["moe_init_routing_v2", "moe_init_routing_v2_grad"]
@@ -248,8 +248,12 @@ def moe_init_routing_v2(
     """
     xs = _contract.native(np.asarray(x))
     ids = np.asarray(expert_idx)
-    mode, flag = int(drop_pad_mode), int(expert_tokens_count_or_cumsum_flag)
-    active, cap, num = int(active_num), int(expert_capacity), int(expert_num)
+    # The binding's own argument rules: "3" or 2.5 where an int belongs is refused, not converted.
+    mode = _args.int64("drop_pad_mode", drop_pad_mode)
+    flag = _args.int64("expert_tokens_count_or_cumsum_flag", expert_tokens_count_or_cumsum_flag)
+    active, cap = _args.int64("active_num", active_num), _args.int64("expert_capacity", expert_capacity)
+    num = _args.int64("expert_num", expert_num)
+    before_flag = _args.boolean("expert_tokens_before_capacity_flag", expert_tokens_before_capacity_flag)
     _contract.check_routing(xs.shape, xs.dtype, ids.shape, ids.dtype, active, cap, num, mode, flag)
     _contract.check_expert_ids(ids, num, mode, flag)
     n, k = ids.shape
@@ -274,5 +278,5 @@ def moe_init_routing_v2(
     count = None
     if mode == 0 and flag:
         count = np.cumsum(hist, dtype=np.int32) if flag == 1 else hist
-    before = hist if mode == 1 and expert_tokens_before_capacity_flag else None
+    before = hist if mode == 1 and before_flag else None
     return expanded, row_idx, count, before

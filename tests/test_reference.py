@@ -72,3 +72,16 @@ def test_bfloat16_widening_moves_the_bits_for_every_pattern():
     widened = np.empty(bits.shape, np.float32)
     np.copyto(widened, bits.view(ml_dtypes.bfloat16), casting="unsafe")
     assert np.array_equal(widened.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
+def test_the_forward_reference_refuses_attributes_of_the_wrong_type_by_name():
+    """int() converted them: "3" and 2.5 passed as 3 and 2, 1 as a flag."""
+    x, ids = np.ones((4, 2), np.float32), np.zeros((4, 1), np.int32)
+    for kw, name in ((dict(expert_num="3"), "expert_num"), (dict(active_num=2.5), "active_num"),
+                     (dict(expert_tokens_before_capacity_flag=1), "expert_tokens_before_capacity_flag"),
+                     (dict(drop_pad_mode=None), "drop_pad_mode")):
+        with pytest.raises(pm.InvalidArgument) as e:
+            pm.reference.moe_init_routing_v2(x, ids, **kw)
+        assert e.value.parameter == name
+    counts = pm.reference.moe_init_routing_v2(x, ids, expert_num=np.int64(2), expert_tokens_count_or_cumsum_flag=2)[2]
+    assert counts is not None and counts.tolist() == [4, 0]
