@@ -25,6 +25,8 @@ from .test_emulator import (  # noqa: F401  (res is a fixture)
     ACLNN_ERR_INNER_TILING_ERROR,
     RT_AICORE_EXCEPTION,
     WORKSPACE,
+    launch,
+    op_on,
     phase1,
     res,
 )
@@ -128,3 +130,15 @@ def test_the_kernel_tests_index_law_in_drop_pad_reads_past_the_rows(emu, res):
     assert emu.acl.aclrtSynchronizeStream(emu.NULL) == RT_AICORE_EXCEPTION
     assert "expandedRowIdx" in emu.msg()
     assert (res.read(out_p, (80, 512), np.float32) == 7.0).all()
+
+
+def test_the_vendor_samples_values(emu, res):
+    # The vendor's sample (examples/test_aclnn_moe_init_routing_v2_grad.cpp): dropless, topK 2,
+    # its own four rows; it prints out with %f. tests/test_cann.py builds the sample itself.
+    x = np.float32([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]])
+    idx = np.int32([2, 0, 1, 3])
+    xt, it, ot, out_p = op_on(emu, res, x, idx, 2, 0, 0, F32)
+    launch(emu, res, xt, it, 2, 0, 0, ot)
+    out = res.read(out_p, (2, 2), np.float32)
+    assert out.tolist() == [[x[2, 0] + x[0, 0]] * 2, [x[1, 0] + x[3, 0]] * 2]
+    assert [f"{v:f}" for v in out.ravel()] == ["0.300000", "0.300000", "0.700000", "0.700000"]
