@@ -421,10 +421,10 @@ class Vendor:
 
 def _vendor_inputs(rng: np.random.Generator, v: Vendor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(gradExpandedX, the indices as passed, the indices the kernel reads). The kernel reads
-    dim 0 of expandedRowIdx elements in row-major order; any others hold -7, which no kernel
-    may read (a row of none). Indices follow the documented ranges: a permutation of the
-    positions outside drop/pad (active mode skips those >= activeNum), and in drop/pad mode
-    distinct flattened [E*C] rows at random positions, -1 elsewhere."""
+    dim 0 of expandedRowIdx elements in row-major order; any others hold -7, which addresses
+    no row, so a kernel that read them would fault. Indices follow the documented ranges: a
+    permutation of the positions outside drop/pad (active mode skips those >= activeNum), and
+    in drop/pad mode distinct flattened [E*C] rows at random positions, -1 elsewhere."""
     dt = _cases.DTYPES[v.dtype]
     if v.values == "normal":
         x = rng.standard_normal(v.x, dtype=np.float32).astype(dt)
@@ -527,7 +527,7 @@ def _vendor_accepted() -> list[Case]:
 # op_host/op_api/test_aclnn_moe_init_routing_v2_grad.cpp, op_kernel/test_moe_init_routing_v2_grad.cpp)
 # and the catalogue case that makes its call through the aclnn entry. None: the test describes
 # unknown dimensions of graph mode (-1, -2), which an aclnn call cannot pass;
-# tests/test_vendor_ut.py runs them as negative dimensions. docs/conformance.md has the table.
+# tests/test_emulator_vendor_ut.py runs them as negative dimensions. docs/conformance.md has the table.
 VENDOR_UT: dict[str, str | None] = {
     "tiling_01": "vendor-tiling-float32-dropless",
     "tiling_02": "vendor-tiling-float16-dropless",
