@@ -2,14 +2,17 @@
 
 The header check needs only CANN's headers: $PYACL_MOE_CANN_INCLUDE, or
 $ASCEND_HOME_PATH/include, or /usr/local/Ascend/ascend-toolkit/latest/include (for the op's
-header, also $PYACL_MOE_CANN_OP_INCLUDE or <include>/aclnnop). Tests marked ``cann`` need a
-device: run them with PYACL_MOE_TEST_BACKEND=cann.
+header, also $PYACL_MOE_CANN_OP_INCLUDE or <include>/aclnnop). The sample check needs those
+headers, a C++ compiler and a checkout of the vendor's ops-transformer repository
+($PYACL_MOE_OPS_TRANSFORMER), whose samples it builds against the emulator. Tests marked
+``cann`` need a device: run them with PYACL_MOE_TEST_BACKEND=cann.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +107,54 @@ def test_headers_match_the_installed_cann():
                 problems.append(f"{ours}: {name} not in CANN's header")
     assert compared >= 49
     assert not problems, "\n".join(problems)
+
+
+# What each of the vendor's published samples (ops-transformer, moe/<op>/examples/) must print,
+# by name: the values its own data gives by the op's formulas. The backward adds rows 2 and 0
+# of [[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]] for token 0 and rows 1 and 3 for token 1;
+# the forward routes 3 tokens of 0.1, 0.2 and 0.3 to experts [[1, 2], [0, 1], [0, 2]] with
+# capacity 2 (docs/emulator.md, "The forward op").
+SAMPLES = {
+    "moe_init_routing_v2_grad": {"gradXData": [0.3, 0.3, 0.7, 0.7]},
+    "moe_init_routing_v2": {
+        "expandedXData": [v for v in (0.2, 0.3, 0.1, 0.2, 0.1, 0.3) for _ in range(4)],
+        "expandedRowIdxData": [2, 4, 0, 3, 1, 5],
+        "expertTokenIdxData": [2, 2, 2],
+    },
+}
+
+
+@pytest.mark.parametrize("op", list(SAMPLES))
+def test_vendor_sample_builds_against_cann_headers_and_runs_on_the_emulator(op, tmp_path):
+    """The sample, unmodified, compiled against CANN's headers only and linked to the
+    emulator's libraries, prints the documented values."""
+    dirs = _include_dirs()
+    repo = os.environ.get("PYACL_MOE_OPS_TRANSFORMER")
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if dirs is None or not repo or not compiler:
+        pytest.skip("needs CANN's headers, PYACL_MOE_OPS_TRANSFORMER (a checkout of ops-transformer) and a C++ "
+                    "compiler")
+    include, op_include = dirs
+    source = Path(repo) / "moe" / op / "examples" / f"test_aclnn_{op}.cpp"
+    if not source.is_file() or not (op_include / f"aclnn_{op}.h").is_file():
+        pytest.skip(f"{source} or {op_include / f'aclnn_{op}.h'} not found")
+    from pyacl_moe import emulator
+
+    lib64 = Path(emulator.build()) / "lib64"
+    exe = tmp_path / "sample"
+    build = subprocess.run([compiler, "-std=c++14", str(source), "-I", str(include), "-I", str(op_include.parent),
+                            "-L", str(lib64), "-lascendcl", "-lnnopbase", "-lopapi", f"-Wl,-rpath,{lib64}",
+                            "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    printed: dict[str, list[float]] = {}
+    for name, index, value in re.findall(r"^(\w+)\[(\d+)\] is: (\S+)$", run.stdout, re.M):
+        assert int(index) == len(printed.setdefault(name, []))
+        printed[name].append(float(value))
+    assert printed.keys() == SAMPLES[op].keys(), run.stdout
+    for name, want in SAMPLES[op].items():
+        assert printed[name] == pytest.approx(want, abs=1e-6), name
 
 
 @pytest.mark.cann

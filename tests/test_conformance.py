@@ -6,6 +6,7 @@ import io
 import json
 import socket
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -391,3 +392,45 @@ def test_adjoint_bound_holds_for_float32_sums_and_not_for_a_float16_accumulation
         dx16 = (dx16.astype(np.float32) + terms[:, t]).astype(np.float16)
     diff, bound, _, _ = pair.adjoint_check(x, ex, ri, g, dx16.astype(np.float32), k, kept, "float32")
     assert (diff > bound).mean() > 0.9
+
+
+# ---------------------------------------------------------------------------- the vendor's unit tests
+
+def _vendor_cases(kind: str | None = None) -> list[conformance.Case]:
+    names = {n for n in conformance.VENDOR_UT.values() if n is not None}
+    return [c for c in conformance.catalogue("quick") if c.name in names and kind in (None, c.kind)]
+
+
+def test_every_vendor_unit_test_has_a_case_and_the_emulator_passes_it_bit_for_bit(device):
+    quick = conformance.catalogue("quick")
+    mapped = {n for n in conformance.VENDOR_UT.values() if n is not None}
+    assert mapped <= {c.name for c in quick}
+    assert {c.name for c in quick if c.op == "backward" and "vendor-" in c.name} <= mapped
+    # Seventeen tiling tests, twelve infershape tests, the op_api test, four kernel cases.
+    files = Counter(test.split("_")[0] for test in conformance.VENDOR_UT)
+    assert files == {"tiling": 17, "infershape": 12, "api": 1, "kernel": 4}
+    report = conformance.run(cases=_vendor_cases(), progress=None, exact=True, strict=True)
+    assert report.ok and len(report.cases) == len(mapped), report.table()
+    assert all(c.source == "op" for c in report.cases)
+    assert all(c.status == 561002 for c in report.cases if c.kind == "negative")
+    # The tiling tests tile each dtype in each scenario (tiling keys 1000 to 1102).
+    tiled = {(c.dtype, c.scenario) for c in report.cases if c.name.startswith("vendor-tiling-")}
+    assert tiled == {(d, s) for d in conformance.DTYPES for s in conformance.SCENARIOS}
+
+
+def test_vendor_cases_fail_when_the_emulator_breaks_their_rules(device, clean_emulator):
+    # The first phase's checks skipped: every refusal is accepted, and the executors of the
+    # accepted calls are never launched.
+    pm.emulator.weaken_validation()
+    report = conformance.run(cases=_vendor_cases(), progress=None)
+    assert [c.name for c in report.cases if c.outcome != "fail"] == []
+    assert all(c.status == 0 for c in report.cases if c.kind == "negative")
+    pm.emulator.clear_faults()
+    # A kernel that reads the row after the indexed one: every case with a second row to read.
+    pm.emulator.set_mutation("off-by-one-row")
+    report = conformance.run(cases=_vendor_cases("positive"), progress=None)
+    assert [c.name for c in report.cases if c.passed] == ["vendor-api-float32-dropless"]
+    # A kernel that sums in float16: every float32 case (the 16-bit ones of K <= 2 round once).
+    pm.emulator.set_mutation("fp16-accumulate")
+    report = conformance.run(cases=_vendor_cases("positive"), progress=None)
+    assert not any(c.passed for c in report.cases if c.dtype == "float32")

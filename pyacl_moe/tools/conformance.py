@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import __version__, reference
 from .._cann.loader import library_info, load
+from .._contract import scenario as scenario_of
 from ..array import DeviceArray, empty, to_device
 from ..device import Device, acl_version, current_device, soc_name
 from ..errors import AclError, InvalidArgument
@@ -351,7 +352,8 @@ def _negatives() -> list[Case]:
              x=(0, 4), n_idx=0, out=(0, 4)),
         nnop("out-zero-hidden", OK, "zero hidden size, empty out: accepted, nothing tiled", x=(8, 0),
              out=(4, 0)),
-        # The vendor's own tiling tests, as refusals.
+        # The vendor's own tiling tests, as refusals (VENDOR_UT says which test each one is;
+        # its 4-D gradExpandedX is neg-x-4d-huge above).
         neg("vendor-2d-in-drop-pad", T, "[10,512] bf16 in drop/pad", x=(10, 512), x_dtype=bf, n_idx=640,
             out=(80, 512), out_dtype=bf, top_k=8, mode=1, active=40),
         neg("vendor-hidden-510", T, "out [10,510] for [40,512]", x=(40, 512), x_dtype=bf, n_idx=640,
@@ -360,7 +362,208 @@ def _negatives() -> list[Case]:
             out=(4096, 8), top_k=6),
         neg("vendor-top-k-10", T, "640 indices, topK 10, out 10 rows", x=(40, 512), x_dtype=bf, n_idx=640,
             out=(10, 512), out_dtype=bf, top_k=10, active=40),
+        neg("vendor-drop-pad-mode-minus-1", T, "dropPadMode -1 on [10,8,512] bf16", x=(10, 8, 512), x_dtype=bf,
+            n_idx=640, out=(80, 512), out_dtype=bf, top_k=8, mode=-1, active=40),
+        neg("vendor-active-num-minus-1", T, "activeNum -1 on [40,512] bf16", x=(40, 512), x_dtype=bf, n_idx=640,
+            out=(10, 512), out_dtype=bf, top_k=64, active=-1),
+        neg("vendor-active-rows-differ", T, "activeNum 30 for a [40,512] gradExpandedX", x=(40, 512), x_dtype=bf,
+            n_idx=640, out=(10, 512), out_dtype=bf, top_k=64, active=30),
+        # The vendor's infershape tests that fail, as the aclnn entry answers them: it runs no
+        # infershape, the tiling refuses each (out is the shape topK 64 would give). The first
+        # one infershape accepts (out [2,16]) and the tiling refuses: 16 indices, topK 6.
+        neg("vendor-infershape-not-divisible", T, "16 indices, topK 6: infershape gives out [2,16], the tiling "
+            "refuses", x=(16, 16), n_idx=16, out=(2, 16), top_k=6),
+        neg("vendor-infershape-top-k-0", T, "topK 0 on [1024,512] fp16", x=(1024, 512), x_dtype=f16, n_idx=1024,
+            out=(16, 512), out_dtype=f16, top_k=0),
+        neg("vendor-infershape-drop-pad-mode-2", T, "dropPadMode 2 on [1024,512] fp16", x=(1024, 512), x_dtype=f16,
+            n_idx=1024, out=(16, 512), out_dtype=f16, top_k=64, mode=2),
+        neg("vendor-infershape-active-num-minus-1", T, "activeNum -1 on [1024,512] fp16", x=(1024, 512),
+            x_dtype=f16, n_idx=1024, out=(16, 512), out_dtype=f16, top_k=64, active=-1),
+        neg("vendor-infershape-idx-2d-active-neg", T, "2-D expandedRowIdx [1024,512] and activeNum -1",
+            x=(1024, 512), x_dtype=f16, n_idx=None, idx_shape=(1024, 512), out=(16, 512), out_dtype=f16,
+            top_k=64, active=-1),
+        neg("vendor-infershape-mode-2-active-neg", T, "dropPadMode 2 and activeNum -1",
+            x=(1024, 512), x_dtype=f16, n_idx=1024, out=(16, 512), out_dtype=f16, top_k=64, mode=2, active=-1),
     ]
+
+
+# The tiling's workspace: a fixed 16 MiB whatever the shapes (GetWorkspaceSize in the op's
+# op_host/moe_init_routing_v2_grad_tiling_base.cpp), which the vendor's tiling tests expect of
+# every case they tile; nnopbase reports it as it is for contiguous inputs.
+TILING_WORKSPACE = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Vendor:
+    """A call the vendor's unit tests accept: shapes, dtype and attributes as the test gives
+    them. ``values``: "normal" (standard normal), "unit" (uniform in [0, 1), as the kernel
+    test's data generator draws them) or "api" (uniform in [-10, 10), the op_api test's range)."""
+
+    x: tuple[int, ...]
+    idx: tuple[int, ...]
+    out: tuple[int, ...]
+    dtype: str
+    top_k: int
+    mode: int = 0
+    active: int = 0
+    values: str = "normal"
+
+    @property
+    def rows(self) -> int:
+        """Rows of gradExpandedX as the kernel reads them: [E*C] in drop/pad mode, dim 0 otherwise."""
+        return self.x[0] * self.x[1] if self.mode == 1 else self.x[0]
+
+    def infershape(self) -> tuple[int, int]:
+        """out's shape by the op's infershape rule: [len(expandedRowIdx) / topK, H], H being
+        gradExpandedX's dim 1 in mode 0 and dim 2 in mode 1 (op_host/moe_init_routing_v2_grad_infershape.cpp)."""
+        return self.idx[0] // self.top_k, self.x[1] if self.mode == 0 else self.x[2]
+
+
+def _vendor_inputs(rng: np.random.Generator, v: Vendor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(gradExpandedX, the indices as passed, the indices the kernel reads). The kernel reads
+    dim 0 of expandedRowIdx elements in row-major order; any others hold -7, which addresses
+    no row, so a kernel that read them would fault. Indices follow the documented ranges: a
+    permutation of the positions outside drop/pad (active mode skips those >= activeNum), and
+    in drop/pad mode distinct flattened [E*C] rows at random positions, -1 elsewhere."""
+    dt = _cases.DTYPES[v.dtype]
+    if v.values == "normal":
+        x = rng.standard_normal(v.x, dtype=np.float32).astype(dt)
+    else:
+        lo, hi = (0.0, 1.0) if v.values == "unit" else (-10.0, 10.0)
+        x = rng.uniform(lo, hi, v.x).astype(np.float32).astype(dt)
+    n = v.idx[0]
+    if v.mode == 1:
+        used = np.full(n, -1, np.int32)
+        kept = min(v.rows, n)
+        used[rng.choice(n, kept, replace=False)] = rng.choice(v.rows, kept, replace=False)
+    else:
+        used = rng.permutation(n).astype(np.int32)
+    given = np.full(v.idx, -7, np.int32)
+    given.reshape(-1)[:n] = used
+    return x, given, used
+
+
+def _vendor_positive(name: str, v: Vendor, why: str) -> Case:
+    """An accepted case of the vendor's tests: the first phase with the test's own out must
+    succeed with the tiling's workspace; then the one-call function (validate=False, out
+    allocated by the binding) must give out the infershape rule's shape and the reference's
+    values."""
+
+    def body(ctx: Context) -> CaseResult:
+        t0 = time.perf_counter()
+        s, dev = ctx.stream, ctx.stream.device
+        x, given, used = _vendor_inputs(ctx.rng(name), v)
+        case = _cases.Case(x, used, v.top_k, v.mode, v.active)
+        text = f"x{list(v.x)} idx{list(v.idx)} k={v.top_k}"
+        dx, di = to_device(x, stream=s), to_device(given, stream=s)
+        step = "the first phase refused it"
+        try:
+            size, executor = get_workspace_size(dx, di, v.top_k, v.mode, v.active, empty(v.out, x.dtype, dev),
+                                                device=dev)
+            executor.close()
+            step = "the one call (validate=False) failed"
+            got = moe_init_routing_v2_grad(dx, di, v.top_k, v.mode, v.active, stream=s, validate=False).to_host(s)
+        except AclError as exc:
+            return CaseResult(name, "positive", v.dtype, case.scenario, text, False, time.perf_counter() - t0,
+                              expected_status=0, status=exc.status, detail=f"{why}: {step}: {exc.message}")
+        wrong: list[str] = []
+        if size != TILING_WORKSPACE:
+            wrong.append(f"workspace {size} bytes, the tiling's is {TILING_WORKSPACE}")
+        if got.shape != v.infershape() or v.out != v.infershape():
+            wrong.append(f"out {got.shape}, the test's {v.out}, the infershape rule's {v.infershape()}")
+        result = _judge(ctx, name, "positive", v.dtype, case, got, False, t0)
+        result.shape = text
+        if wrong:
+            result.passed = False
+            result.detail = "; ".join([*wrong, result.detail] if result.detail else wrong)
+        return result
+
+    item = _cases.DTYPES[v.dtype].itemsize
+    nbytes = int(np.prod(v.x)) * item + int(np.prod(v.idx)) * 4 + 2 * int(np.prod(v.out)) * item
+    scen = scenario_of(v.mode, v.active)
+    return Case(name, "positive", v.dtype, scen, f"x{list(v.x)} idx{list(v.idx)} K={v.top_k}", body, source="op",
+                nbytes=nbytes, judged_by="reference")
+
+
+def _vendor_accepted() -> list[Case]:
+    """What the vendor's unit tests accept (VENDOR_UT says which test each case is): its tiling
+    tests tile one case per dtype and scenario (drop/pad with activeNum 40, which the drop/pad
+    kernel ignores), its infershape tests two (one with a 2-D expandedRowIdx, which only
+    infershape refuses), its op_api test one, and its kernel test runs four. Names put the
+    dtype before the scenario, so that no other case's --filter selects them."""
+    f32, f16, bf = "float32", "float16", "bfloat16"
+    cases = [
+        ("tiling-float32-dropless", Vendor((480, 8), (480,), (80, 8), f32, 6), "tiling test 01, key 1000"),
+        ("tiling-float16-dropless", Vendor((16, 5120), (16,), (8, 5120), f16, 2), "tiling test 02, key 1001"),
+        ("tiling-bfloat16-dropless", Vendor((16, 5120), (16,), (8, 5120), bf, 2), "tiling test 03, key 1002"),
+        ("tiling-float32-active", Vendor((40, 512), (640,), (10, 512), f32, 64, 0, 40), "tiling test 04, key 1010"),
+        ("tiling-float16-active", Vendor((40, 512), (80,), (80, 512), f16, 1, 0, 40), "tiling test 05, key 1011"),
+        ("tiling-bfloat16-active", Vendor((40, 512), (640,), (10, 512), bf, 64, 0, 40), "tiling test 06, key 1012"),
+        ("tiling-float32-drop-pad", Vendor((10, 8, 512), (640,), (80, 512), f32, 8, 1, 40),
+         "tiling test 07, key 1100"),
+        ("tiling-float16-drop-pad", Vendor((10, 8, 512), (640,), (80, 512), f16, 8, 1, 40),
+         "tiling test 08, key 1101"),
+        ("tiling-bfloat16-drop-pad", Vendor((10, 8, 512), (640,), (80, 512), bf, 8, 1, 40),
+         "tiling test 09, key 1102"),
+        ("infershape-float16-dropless", Vendor((1024, 512), (1024,), (16, 512), f16, 64), "infershape test 03"),
+        ("infershape-float16-idx-2d", Vendor((1024, 512), (1024, 512), (16, 512), f16, 64),
+         "infershape test 11: the tiling reads dim 0 of a 2-D expandedRowIdx"),
+        ("api-float32-dropless", Vendor((1, 64), (1,), (1, 64), f32, 1, values="api"), "op_api test"),
+        ("kernel-float32-dropless", Vendor((16, 5120), (16,), (8, 5120), f32, 2, values="unit"),
+         "kernel test case 0, key 1000"),
+        ("kernel-float16-dropless", Vendor((163840, 8), (163840,), (4096, 8), f16, 40, values="unit"),
+         "kernel test case 1, key 1001"),
+        ("kernel-float16-active", Vendor((40, 512), (640,), (10, 512), f16, 64, 0, 40, values="unit"),
+         "kernel test case 2, key 1011"),
+        ("kernel-bfloat16-drop-pad", Vendor((10, 8, 512), (640,), (80, 512), bf, 8, 1, 40, values="unit"),
+         "kernel test case 3, key 1102"),
+    ]
+    return [_vendor_positive(f"vendor-{name}", v, why) for name, v, why in cases]
+
+
+# Every test of the vendor's unit tests of the backward (repo-mirror-test/ops-transformer,
+# moe/moe_init_routing_v2_grad/tests/ut/: op_host/test_moe_init_routing_v2_grad_tiling.cpp,
+# op_host/test_moe_init_routing_v2_grad_infershape.cpp,
+# op_host/op_api/test_aclnn_moe_init_routing_v2_grad.cpp, op_kernel/test_moe_init_routing_v2_grad.cpp)
+# and the catalogue case that makes its call through the aclnn entry. None: the test describes
+# unknown dimensions of graph mode (-1, -2), which an aclnn call cannot pass;
+# tests/test_emulator_vendor_ut.py runs them as negative dimensions. docs/conformance.md has the table.
+VENDOR_UT: dict[str, str | None] = {
+    "tiling_01": "vendor-tiling-float32-dropless",
+    "tiling_02": "vendor-tiling-float16-dropless",
+    "tiling_03": "vendor-tiling-bfloat16-dropless",
+    "tiling_04": "vendor-tiling-float32-active",
+    "tiling_05": "vendor-tiling-float16-active",
+    "tiling_06": "vendor-tiling-bfloat16-active",
+    "tiling_07": "vendor-tiling-float32-drop-pad",
+    "tiling_08": "vendor-tiling-float16-drop-pad",
+    "tiling_09": "vendor-tiling-bfloat16-drop-pad",
+    "tiling_10": "neg-vendor-drop-pad-mode-minus-1",
+    "tiling_11": "neg-vendor-active-num-minus-1",
+    "tiling_12": "neg-x-4d-huge",
+    "tiling_13": "neg-vendor-2d-in-drop-pad",
+    "tiling_14": "neg-vendor-rows-196607",
+    "tiling_15": "neg-vendor-active-rows-differ",
+    "tiling_16": "neg-vendor-hidden-510",
+    "tiling_17": "neg-vendor-top-k-10",
+    "infershape_00": "neg-vendor-infershape-not-divisible",
+    "infershape_01": None,
+    "infershape_02": None,
+    "infershape_03": "vendor-infershape-float16-dropless",
+    "infershape_04": "neg-vendor-infershape-top-k-0",
+    "infershape_05": "neg-vendor-infershape-drop-pad-mode-2",
+    "infershape_06": "neg-vendor-infershape-active-num-minus-1",
+    "infershape_07": "neg-vendor-infershape-idx-2d-active-neg",
+    "infershape_08": "neg-vendor-infershape-mode-2-active-neg",
+    "infershape_09": None,
+    "infershape_10": None,
+    "infershape_11": "vendor-infershape-float16-idx-2d",
+    "api_fp32": "vendor-api-float32-dropless",
+    "kernel_case0": "vendor-kernel-float32-dropless",
+    "kernel_case1": "vendor-kernel-float16-dropless",
+    "kernel_case2": "vendor-kernel-float16-active",
+    "kernel_case3": "vendor-kernel-bfloat16-drop-pad",
+}
 
 
 def catalogue(profile: str = "quick") -> list[Case]:
@@ -406,7 +609,7 @@ def catalogue(profile: str = "quick") -> list[Case]:
             _determinism(f"determinism-{dtype}-k8", dtype, "dropless", Shape(64, 8, 1024)),
             _determinism(f"determinism-{dtype}-k128", dtype, "drop-pad", Shape(8, 128, 256, experts=16)),
         ]
-    return out + _negatives() + pair.catalogue(profile)
+    return out + _negatives() + _vendor_accepted() + pair.catalogue(profile)
 
 
 # ---------------------------------------------------------------------------- the install
