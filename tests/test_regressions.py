@@ -369,7 +369,7 @@ import pyacl_moe as pm
 pm.use_emulator()
 d0, d1 = pm.Device(0), pm.Device(1)
 base = pm.emulator.stats()['devices_set']
-for _ in range(20000):
+for _ in range(2000):  # a reference per switch would show at once
     d0.set_current(); d1.set_current()
 print(base, pm.emulator.stats()['devices_set'])
 """, env={"PYACL_MOE_EMU_DEVICES": "2"})
