@@ -363,6 +363,27 @@ def test_destroying_a_tensor_list_destroys_its_tensors(emu, res):
     assert nn.aclGetTensorListSize(emu.NULL, size) == 161001
 
 
+def test_array_handles_refuse_a_null_or_huge_array_and_make_empty_ones(emu):
+    # aclCreateIntArray and aclCreateTensorList share their checks: NULL with a size, a size
+    # past 2^32, and an empty array (size 0, even from NULL) is a live handle of size 0.
+    nn, ffi = emu.nn, emu.ffi
+    before = emu.stats()
+    for create, ctype in ((nn.aclCreateIntArray, "int64_t[]"), (nn.aclCreateTensorList, "aclTensor *[]")):
+        assert create(emu.NULL, 2) == emu.NULL and "value is NULL" in emu.msg()
+        assert create(ffi.new(ctype, 1), (1 << 32) + 1) == emu.NULL and "too large" in emu.msg()
+    assert emu.stats() == before
+    arr, lst = nn.aclCreateIntArray(emu.NULL, 0), nn.aclCreateTensorList(emu.NULL, 0)
+    assert arr != emu.NULL and lst != emu.NULL
+    size = ffi.new("uint64_t *")
+    emu.ok(nn.aclGetTensorListSize(lst, size))
+    assert size[0] == 0
+    assert emu.stats()["int_arrays"] == before["int_arrays"] + 1
+    assert emu.stats()["tensor_lists"] == before["tensor_lists"] + 1
+    emu.ok(nn.aclDestroyIntArray(arr))
+    emu.ok(nn.aclDestroyTensorList(lst))
+    assert emu.stats() == before
+
+
 # ============================================================================ 4. the vendor's cases
 
 # The cases of moe/moe_init_routing_v2/tests/utest/ts_moe_init_routing_v2_tc.cpp

@@ -340,8 +340,9 @@ EMU_API aclnnStatus aclDestroyScalar(const aclScalar *scalar) {
     return ACLNN_SUCCESS;
 }
 
-EMU_API aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size) {
-    EMU_ENTRY_NULL(ACLNN_ERR_INNER);
+/* What the array-like handles (aclIntArray, aclTensorList) share: a copy of the `size`
+ * elements of `esize` bytes at `value`, or NULL with the thread's message set. */
+static void *copy_values(const char *api, const void *value, uint64_t size, size_t esize) {
     if (!value && size) {
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "value is NULL but size is %llu",
                         (unsigned long long)size);
@@ -352,22 +353,34 @@ EMU_API aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size) {
                         (unsigned long long)size);
         return NULL;
     }
-    struct aclIntArray *a = calloc(1, sizeof *a);
-    if (a) a->values = malloc((size ? size : 1) * sizeof(int64_t));
-    if (!a || !a->values) {
-        free(a);
-        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
-        return NULL;
-    }
-    a->size = size;
-    if (size) memcpy(a->values, value, size * sizeof(int64_t));
+    void *values = malloc((size ? size : 1) * esize);
+    if (!values) aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
+    else if (size) memcpy(values, value, size * esize);
+    return values;
+}
+
+/* Register a complete object under a new handle; -1 (the message set) when out of memory. */
+static int add_handle(const char *api, emu_htab *table, void *obj, uintptr_t *handle) {
     pthread_mutex_lock(&g_lock);
-    int bad = emu_ht_add(&g_arrays, a, &a->handle);
+    int bad = emu_ht_add(table, obj, handle);
     pthread_mutex_unlock(&g_lock);
-    if (bad) {
-        free(a->values);
+    if (bad) aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
+    return bad ? -1 : 0;
+}
+
+EMU_API aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size) {
+    EMU_ENTRY_NULL(ACLNN_ERR_INNER);
+    int64_t *values = copy_values(api, value, size, sizeof *values);
+    if (!values) return NULL;
+    struct aclIntArray *a = calloc(1, sizeof *a);
+    if (a) {
+        a->values = values;
+        a->size = size;
+    }
+    if (!a || add_handle(api, &g_arrays, a, &a->handle)) {
+        if (!a) aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
+        free(values);
         free(a);
-        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
         return NULL;
     }
     aclemuCountAdd(EMU_C_INT_ARRAYS, 1);
@@ -401,32 +414,17 @@ struct aclTensorList {
 
 EMU_API aclTensorList *aclCreateTensorList(const aclTensor *const *value, uint64_t size) {
     EMU_ENTRY_NULL(ACLNN_ERR_INNER);
-    if (!value && size) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "value is NULL but size is %llu",
-                        (unsigned long long)size);
-        return NULL;
-    }
-    if (size > ((uint64_t)1 << 32)) {
-        aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID, "size %llu is too large",
-                        (unsigned long long)size);
-        return NULL;
-    }
+    const aclTensor **items = copy_values(api, value, size, sizeof *items);
+    if (!items) return NULL;
     struct aclTensorList *l = calloc(1, sizeof *l);
-    if (l) l->items = malloc((size ? size : 1) * sizeof *l->items);
-    if (!l || !l->items) {
-        if (l) free(l);
-        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
-        return NULL;
+    if (l) {
+        l->items = items;
+        l->size = size;
     }
-    l->size = size;
-    if (size) memcpy(l->items, value, size * sizeof *l->items);
-    pthread_mutex_lock(&g_lock);
-    int bad = emu_ht_add(&g_lists, l, &l->handle);
-    pthread_mutex_unlock(&g_lock);
-    if (bad) {
-        free(l->items);
+    if (!l || add_handle(api, &g_lists, l, &l->handle)) {
+        if (!l) aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
+        free(items);
         free(l);
-        aclemuSetErrMsg(api, ACLNN_ERR_INNER, "out of host memory");
         return NULL;
     }
     aclemuCountAdd(EMU_C_TENSOR_LISTS, 1);
