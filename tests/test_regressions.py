@@ -239,6 +239,26 @@ def test_07_an_asynchronous_call_never_blocks_and_a_fault_keeps_its_own_error(de
 
 # ------------------------------------------------------------------------------------------- 8
 
+def _interrupter(seed: int) -> str:
+    """Script text: a thread that interrupts the main thread every 0.2 to 3 ms until ``stop``
+    is set (``t`` is that thread). The interrupts land only while ``armed[0]`` is true (the
+    handler runs on the main thread and reads the flag there), so none escapes the script's
+    own bookkeeping around the loop body."""
+    return f"""stop = threading.Event()
+def interrupter():
+    rnd = random.Random({seed})
+    while not stop.is_set():
+        time.sleep(rnd.uniform(0.0002, 0.003))
+        _thread.interrupt_main()
+armed = [False]
+def on_sigint(signum, frame):
+    if armed[0]:
+        raise KeyboardInterrupt
+signal.signal(signal.SIGINT, on_sigint)
+t = threading.Thread(target=interrupter, daemon=True); t.start()
+"""
+
+
 def test_08_keyboard_interrupt_anywhere_leaks_nothing_and_frees_nothing_early(isolated):
     r = isolated(f"""
 import _thread, random, signal, threading, time, gc, numpy as np, pyacl_moe as pm
@@ -252,21 +272,7 @@ expected = pm.moe_init_routing_v2_grad(x, idx, 4)   # the kernel is deterministi
 dev.synchronize(); pm.empty_cache()
 before = pm.emulator.stats()
 faults = before['device_faults']
-stop = threading.Event()
-def interrupter():
-    rnd = random.Random(3)
-    while not stop.is_set():
-        time.sleep(rnd.uniform(0.0002, 0.003))
-        _thread.interrupt_main()
-# The interrupts land only while the loop body runs (the handler runs on the main thread and
-# reads the flag there), so none escapes the test's own bookkeeping around it.
-armed = [False]
-def on_sigint(signum, frame):
-    if armed[0]:
-        raise KeyboardInterrupt
-signal.signal(signal.SIGINT, on_sigint)
-t = threading.Thread(target=interrupter, daemon=True); t.start()
-interrupts = wrong = 0
+{_interrupter(3)}interrupts = wrong = 0
 deadline = time.time() + 2
 while time.time() < deadline:
     try:
@@ -848,19 +854,7 @@ def same(r, w, s=None):
 dev.synchronize(); pm.empty_cache()
 before = pm.emulator.stats()
 faults = before['device_faults']
-stop = threading.Event()
-def interrupter():
-    rnd = random.Random(21)
-    while not stop.is_set():
-        time.sleep(rnd.uniform(0.0002, 0.003))
-        _thread.interrupt_main()
-armed = [False]
-def on_sigint(signum, frame):
-    if armed[0]:
-        raise KeyboardInterrupt
-signal.signal(signal.SIGINT, on_sigint)
-t = threading.Thread(target=interrupter, daemon=True); t.start()
-# Threads switch often, so that the interrupts land in Python code too, not only as foreign
+{_interrupter(21)}# Threads switch often, so that the interrupts land in Python code too, not only as foreign
 # calls that let the interrupter run return.
 sys.setswitchinterval(1e-5)
 interrupts = 0
