@@ -259,6 +259,21 @@ t = threading.Thread(target=interrupter, daemon=True); t.start()
 """
 
 
+# Script text: stop the interrupter and let its last interrupt land outside the cleanup.
+_INTERRUPTER_STOP = """stop.set()
+while t.is_alive():
+    try:
+        t.join(0.1)
+    except KeyboardInterrupt:
+        pass
+for _ in range(3):
+    try:
+        time.sleep(0.02)
+    except KeyboardInterrupt:
+        pass
+"""
+
+
 def test_08_keyboard_interrupt_anywhere_leaks_nothing_and_frees_nothing_early(isolated):
     r = isolated(f"""
 import _thread, random, signal, threading, time, gc, numpy as np, pyacl_moe as pm
@@ -292,18 +307,7 @@ while time.time() < deadline:
     except KeyboardInterrupt:
         armed[0] = False
         interrupts += 1
-stop.set()
-while t.is_alive():
-    try:
-        t.join(0.1)
-    except KeyboardInterrupt:
-        pass
-for _ in range(3):   # let the last interrupt land outside the cleanup
-    try:
-        time.sleep(0.02)
-    except KeyboardInterrupt:
-        pass
-for name in ('got', 'dx', 'di', 'out', 'plan', 's', 'ev', 't_'):
+{_INTERRUPTER_STOP}for name in ('got', 'dx', 'di', 'out', 'plan', 's', 'ev', 't_'):
     globals().pop(name, None)
 gc.collect(); dev.synchronize(); pm.empty_cache()
 after = pm.emulator.stats()
@@ -882,18 +886,7 @@ while time.time() < deadline:
     except KeyboardInterrupt:
         armed[0] = False
         interrupts += 1
-stop.set()
-while t.is_alive():
-    try:
-        t.join(0.1)
-    except KeyboardInterrupt:
-        pass
-for _ in range(3):   # let the last interrupt land outside the cleanup
-    try:
-        time.sleep(0.02)
-    except KeyboardInterrupt:
-        pass
-for name in ('dx', 'di', 'r', 'plan', 's', 'rt'):
+{_INTERRUPTER_STOP}for name in ('dx', 'di', 'r', 'plan', 's', 'rt'):
     globals().pop(name, None)
 gc.collect(); dev.synchronize(); pm.empty_cache()
 after = pm.emulator.stats()
