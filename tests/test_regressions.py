@@ -71,22 +71,26 @@ def test_01_synchronize_on_one_thread_never_frees_what_another_thread_queued(dev
     queued during the wait: the NumPy path then copied a freed host temporary."""
     _lazy(mode == "lazy")
     try:
-        case = make_case(64, 4, 256, "float32", "dropless", seed=11)
-        x = np.asfortranarray(case.grad_expanded_x)  # the NumPy path copies it to a temporary
-        expected = pm.moe_init_routing_v2_grad(case.grad_expanded_x, case.expanded_row_idx, 4)  # bit-exact
+        # Each caller its own data: memory freed under one caller's queued copy and reused by
+        # the other's shows as the other's values.
+        cases = [make_case(64, 4, 256, "float32", "dropless", seed=11 + i) for i in range(2)]
+        xs = [np.asfortranarray(c.grad_expanded_x) for c in cases]  # the NumPy path copies them to a temporary
+        expected = [pm.moe_init_routing_v2_grad(c.grad_expanded_x, c.expanded_row_idx, 4) for c in cases]
         wrong = []
 
-        def caller(stop):
-            while not stop.is_set():
-                got = pm.moe_init_routing_v2_grad(x, case.expanded_row_idx, 4)
-                if not np.array_equal(got, expected):
-                    wrong.append(1)
+        def caller(i):
+            def run(stop):
+                while not stop.is_set():
+                    got = pm.moe_init_routing_v2_grad(xs[i], cases[i].expanded_row_idx, 4)
+                    if not np.array_equal(got, expected[i]):
+                        wrong.append(1)
+            return run
 
         def syncer(stop):
             while not stop.is_set():
                 device.default_stream.synchronize()
 
-        errors = _hammer([caller, caller, syncer, syncer], 1.0)
+        errors = _hammer([caller(0), caller(1), syncer, syncer], 1.0)
         assert not errors, errors[0]
         assert not wrong, f"{len(wrong)} wrong results"
     finally:
