@@ -930,6 +930,34 @@ def test_kernel_runs_only_when_stream_is_synchronized(emu, res, lazy):
     assert_matches(res.read(out_p, (8, 5), np.float32), ref, mag)
 
 
+def test_queued_launches_outlive_their_executor_and_keep_their_addresses(emu, res, lazy):
+    # A queued launch shares its executor's plan (it does not copy its descriptors): launches
+    # rebound in between, then the executor destroyed, all still run on their own addresses
+    # once the stream is waited for. Under ASan this is also the use-after-free check.
+    rng = np.random.default_rng(22)
+    x, idx, mode, act = make_case(rng, "dropless", n=6, k=2, h=4, dtype=ACL_FLOAT)
+    xt, it, ot, out_p = op_on(emu, res, x, idx, 2, mode, act, ACL_FLOAT)
+    s = res.stream()
+    before = emu.stats()
+    st, ws, ex = phase1(emu, xt, it, 2, mode, act, ot)
+    emu.ok(st)
+    emu.ok(emu.nn.aclSetAclOpExecutorRepeatable(ex))
+    wsp = res.workspace()
+    xs = [(x * (i + 1) - i).astype(np.float32) for i in range(3)]
+    outs = [res.dev(np.zeros((6, 4), np.float32)) for _ in xs]
+    for xi, o in zip(xs, outs):
+        emu.ok(emu.nn.aclSetInputTensorAddr(ex, 0, xt, res.dev(xi)))
+        emu.ok(emu.nn.aclSetOutputTensorAddr(ex, 0, ot, o))
+        emu.ok(emu.op.aclnnMoeInitRoutingV2Grad(wsp, ws, ex, s))
+    emu.ok(emu.nn.aclDestroyAclOpExecutor(ex))
+    assert emu.stats()["executors"] == before["executors"]
+    assert emu.stats()["kernels_run"] == before["kernels_run"]  # nothing has run yet
+    emu.ok(emu.acl.aclrtSynchronizeStream(s))
+    for xi, o in zip(xs, outs):
+        ref, mag = reference(xi, idx, 2, mode, act, np.float32)
+        assert_matches(res.read(o, (6, 4), np.float32), ref, mag)
+
+
 def test_async_copies_and_memset_are_ordered(emu, res, lazy):
     ffi = emu.ffi
     s = res.stream()

@@ -28,7 +28,45 @@ typedef struct moe_op {
     moe_kernel_args args; /* addresses are refreshed from the executor at each launch */
     int unchecked;        /* built with the checks skipped: never launched */
     int empty;            /* out has no elements: tiling skipped, nothing is ever launched */
+    int refs;             /* the executor's, and one per launch still queued */
 } moe_op;
+
+/* The executor's destructor (and what tells this op's executors from the forward's): the
+ * plan goes once no queued launch still reads it. */
+static void moe_op_unref(void *p) {
+    moe_op *op = p;
+    if (__atomic_sub_fetch(&op->refs, 1, __ATOMIC_ACQ_REL) == 0) free(op);
+}
+
+/* What a queued launch keeps: the plan it shares with its executor and the addresses bound
+ * when it was launched (later rebinding affects later launches). A few dozen bytes, where a
+ * copy of the plan's descriptors is over 3 KiB: a device's task queue does not grow the
+ * host's heap by kilobytes per queued kernel, and a host heap that grows and shrinks by
+ * megabytes around each synchronize makes every launch pay page faults. */
+typedef struct moe_launch {
+    moe_op *op;
+    uintptr_t x, idx, out, workspace;
+    uint64_t workspace_size;
+    int mutation;
+} moe_launch;
+
+static int moe_launch_run(void *p, char *msg, size_t len) {
+    const moe_launch *l = p;
+    moe_kernel_args a = l->op->args;
+    a.x.addr = l->x;
+    a.idx.addr = l->idx;
+    a.out.addr = l->out;
+    a.workspace = l->workspace;
+    a.workspace_size = l->workspace_size;
+    a.mutation = l->mutation;
+    return moe_kernel_run(&a, msg, len);
+}
+
+static void moe_launch_release(void *p) {
+    moe_launch *l = p;
+    moe_op_unref(l->op);
+    free(l);
+}
 
 EMU_HIDDEN const char *dtype_name(aclDataType dt) {
     switch (dt) {
@@ -333,6 +371,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
         aclemuSetErrMsg(API1, ACLNN_ERR_INNER, "out of host memory");
         return ACLNN_ERR_INNER;
     }
+    op->refs = 1;
     emu_tensor_desc *x = &op->args.x, *idx = &op->args.idx, *o = &op->args.out;
     int st = get_desc(gradExpandedX, "gradExpandedX", x);
     if (!st) st = get_desc(expandedRowIdx, "expandedRowIdx", idx);
@@ -378,7 +417,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     info.input_tensor[1] = expandedRowIdx;
     info.output_tensor[0] = out;
     info.op_data = op;
-    info.op_free = free;
+    info.op_free = moe_op_unref;
     return emu_first_phase_finish(API1, &info, workspaceSize, executor);
 }
 
@@ -415,8 +454,6 @@ EMU_HIDDEN int emu_first_phase_finish(const char *api, const emu_executor_info *
     *executor = ex;
     return ACLNN_SUCCESS;
 }
-
-static void kernel_release(void *p) { free(p); }
 
 EMU_HIDDEN int emu_second_phase_take(const char *api, const emu_op_kind *kind, void *workspace,
                                      uint64_t workspaceSize, aclOpExecutor *executor,
@@ -491,7 +528,7 @@ EMU_HIDDEN int emu_second_phase_launch(const char *api, emu_executor_info *info,
 
 static int grad_unchecked(const void *op) { return ((const moe_op *)op)->unchecked; }
 static int grad_empty(const void *op) { return ((const moe_op *)op)->empty; }
-static const emu_op_kind GRAD = {free, "aclnnMoeInitRoutingV2GradGetWorkspaceSize", grad_unchecked,
+static const emu_op_kind GRAD = {moe_op_unref, "aclnnMoeInitRoutingV2GradGetWorkspaceSize", grad_unchecked,
                                  grad_empty};
 
 EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspaceSize,
@@ -501,17 +538,17 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
     int nothing;
     int st = emu_second_phase_take(api, &GRAD, workspace, workspaceSize, executor, &info, &nothing);
     if (st || nothing) return st;
-    const moe_op *op = info.op_data;
-    moe_kernel_args *k = malloc(sizeof *k);
-    if (k) {
-        /* A launch captures the addresses bound now; later rebinding affects later launches. */
-        *k = op->args;
-        k->x.addr = info.input_addr[0];
-        k->idx.addr = info.input_addr[1];
-        k->out.addr = info.output_addr[0];
-        k->workspace = (uintptr_t)workspace;
-        k->workspace_size = info.workspace_size;
+    moe_op *op = info.op_data;
+    moe_launch *l = malloc(sizeof *l);
+    if (l) {
+        __atomic_add_fetch(&op->refs, 1, __ATOMIC_RELAXED); /* before a one-shot executor goes */
+        l->op = op;
+        l->x = info.input_addr[0];
+        l->idx = info.input_addr[1];
+        l->out = info.output_addr[0];
+        l->workspace = (uintptr_t)workspace;
+        l->workspace_size = info.workspace_size;
     }
-    return emu_second_phase_launch(api, &info, stream, workspace, k ? &k->mutation : NULL,
-                                   moe_kernel_run, kernel_release, k);
+    return emu_second_phase_launch(api, &info, stream, workspace, l ? &l->mutation : NULL,
+                                   moe_launch_run, moe_launch_release, l);
 }

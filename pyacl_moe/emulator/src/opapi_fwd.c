@@ -37,10 +37,15 @@ typedef struct fwd_op {
     emu_tensor_desc d[T_COUNT];
     int unchecked; /* built with the checks skipped: never launched */
     int empty;     /* every output is empty: nothing is ever launched */
+    int refs;      /* the executor's, and one per launch still queued */
 } fwd_op;
 
-/* A destructor of its own: it also tells this op's executors from the backward's (emu_op_kind). */
-static void fwd_op_free(void *p) { free(p); }
+/* A destructor of its own: it also tells this op's executors from the backward's (emu_op_kind).
+ * The plan goes once no queued launch still reads it. */
+static void fwd_op_free(void *p) {
+    fwd_op *op = p;
+    if (__atomic_sub_fetch(&op->refs, 1, __ATOMIC_ACQ_REL) == 0) free(op);
+}
 
 #define tiling_error(...) emu_fail(API, ACLNN_ERR_INNER_TILING_ERROR, __VA_ARGS__)
 #define invalid(...) emu_fail(API, ACLNN_ERR_PARAM_INVALID, __VA_ARGS__)
@@ -291,6 +296,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
         aclemuSetErrMsg(API, ACLNN_ERR_INNER, "out of host memory");
         return ACLNN_ERR_INNER;
     }
+    op->refs = 1;
     const aclTensor *t[T_COUNT] = {x, expertIdx, expandedXOut, expandedRowIdxOut,
                                    expertTokensCountOrCumsumOutOptional,
                                    expertTokensBeforeCapacityOutOptional};
@@ -337,7 +343,35 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
     return emu_first_phase_finish(API, &info, workspaceSize, executor);
 }
 
-static void kernel_release(void *p) { free(p); }
+/* What a queued launch keeps: the plan it shares with its executor and the addresses bound
+ * when it was launched, as the backward's (opapi.c says why it is not a copy of the plan). */
+typedef struct fwd_launch {
+    fwd_op *op;
+    uintptr_t x, idx, ex, ri, cnt, bc, workspace;
+    uint64_t workspace_size;
+    int mutation;
+} fwd_launch;
+
+static int fwd_launch_run(void *p, char *msg, size_t len) {
+    const fwd_launch *l = p;
+    moe_fwd_args a = l->op->args;
+    a.x.addr = l->x;
+    a.idx.addr = l->idx;
+    a.ex_addr = l->ex;
+    a.ri_addr = l->ri;
+    a.cnt_addr = l->cnt;
+    a.bc_addr = l->bc;
+    a.workspace = l->workspace;
+    a.workspace_size = l->workspace_size;
+    a.mutation = l->mutation;
+    return moe_fwd_kernel_run(&a, msg, len);
+}
+
+static void fwd_launch_release(void *p) {
+    fwd_launch *l = p;
+    fwd_op_free(l->op);
+    free(l);
+}
 
 /* Where the kernel writes an output: its bound address plus the view offset in bytes. The
  * extent guard bounded offset * element size for the outputs the kernel writes; unsigned
@@ -357,19 +391,19 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSiz
     int nothing;
     int st = emu_second_phase_take(api, &FWD, workspace, workspaceSize, executor, &info, &nothing);
     if (st || nothing) return st;
-    const fwd_op *op = info.op_data;
-    moe_fwd_args *k = malloc(sizeof *k);
-    if (k) {
-        /* A launch captures the addresses bound now; later rebinding affects later launches. */
-        *k = op->args;
-        k->x.addr = info.input_addr[0];
-        k->idx.addr = info.input_addr[1];
-        uintptr_t *slots[T_COUNT] = {NULL, NULL, &k->ex_addr, &k->ri_addr, &k->cnt_addr, &k->bc_addr};
+    fwd_op *op = info.op_data;
+    fwd_launch *l = malloc(sizeof *l);
+    if (l) {
+        __atomic_add_fetch(&op->refs, 1, __ATOMIC_RELAXED); /* before a one-shot executor goes */
+        l->op = op;
+        l->x = info.input_addr[0];
+        l->idx = info.input_addr[1];
+        uintptr_t *slots[T_COUNT] = {NULL, NULL, &l->ex, &l->ri, &l->cnt, &l->bc};
         for (int i = T_EX; i < T_COUNT; i++)
-            if (writes(op, i)) *slots[i] = out_addr(&op->d[i], info.output_addr[i - T_EX]);
-        k->workspace = (uintptr_t)workspace;
-        k->workspace_size = info.workspace_size;
+            *slots[i] = writes(op, i) ? out_addr(&op->d[i], info.output_addr[i - T_EX]) : 0;
+        l->workspace = (uintptr_t)workspace;
+        l->workspace_size = info.workspace_size;
     }
-    return emu_second_phase_launch(api, &info, stream, workspace, k ? &k->mutation : NULL,
-                                   moe_fwd_kernel_run, kernel_release, k);
+    return emu_second_phase_launch(api, &info, stream, workspace, l ? &l->mutation : NULL,
+                                   fwd_launch_run, fwd_launch_release, l);
 }
