@@ -284,11 +284,20 @@ void engine_forget_after_fork(void) {
     g_ready_head = g_ready_tail = NULL;
 }
 
-/* A query that answers "not ready" gives the lock a moment before the caller polls again:
- * glibc's mutex is not fair, and a thread polling in a tight loop re-takes it before the
- * engine, woken from its wait for it, can, which delayed the work being polled for by
- * milliseconds. */
-static void poll_backoff(void) { sched_yield(); }
+/* A query that answers "not ready" to a thread polling in a loop gives the lock a moment
+ * before it polls again: glibc's mutex is not fair, and a thread polling in a tight loop
+ * re-takes it before the engine, woken from its wait for it, can, which delayed the work being
+ * polled for by milliseconds. A loop is a second "not ready" with no enqueue by the thread in
+ * between. A single query between launches (a binding checking a fence now and then) does not
+ * yield: on a device such a query is one cheap driver call, and a yield on a busy machine costs
+ * a whole time slice. */
+static __thread uint64_t t_enqueues;  /* tasks this thread has queued */
+static __thread uint64_t t_busy_mark; /* t_enqueues + 1 at this thread's last "not ready" */
+
+static void poll_backoff(void) {
+    if (t_busy_mark == t_enqueues + 1) sched_yield();
+    t_busy_mark = t_enqueues + 1;
+}
 
 /* ------------------------------------------------------------------ stream execution */
 
@@ -450,6 +459,7 @@ int enqueue_locked(emu_stream *s, emu_task_run run, emu_task_release release, vo
     }
     emu_task *t = malloc(sizeof *t);
     if (!t) return -1;
+    t_enqueues++;
     t->next = NULL;
     t->seq = ++s->next_seq;
     t->run = run;
