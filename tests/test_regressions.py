@@ -6,6 +6,7 @@ test_threads.py."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -993,3 +994,117 @@ print('ok')
 """, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+# ------------------------------------------------------------------------------------------ 23
+# Found in this review: the one call on DeviceArrays took its stream's lock before it looked at
+# the device, so a fork() child hung on a lock a parent thread held at fork.
+
+def test_23_a_fork_child_gets_closed_error_from_every_stream_use_never_a_parent_threads_lock(isolated):
+    """In a fork() child whose parent had threads inside a stream (its lock held at fork), the
+    one call on DeviceArrays (stream given, default stream, output made, own workspace),
+    copies, waits and queries raise ClosedError and never wait for that lock."""
+    r = isolated("""
+import os, threading, time, numpy as np, pyacl_moe as pm
+pm.use_emulator()
+dev = pm.Device(0)
+s = pm.Stream(dev)
+x = np.ones((8, 4), np.float32); idx = np.arange(8, dtype=np.int32)
+dx, di = pm.to_device(x, stream=s), pm.to_device(idx, stream=s)
+dout = pm.empty((4, 4), np.float32)
+ws = pm.empty((16 << 20,), np.uint8)
+pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s)  # the stream's executor is cached
+pm.moe_init_routing_v2_grad(dx, di, 2, out=dout)
+s.synchronize(); dev.synchronize()
+held, release = threading.Event(), threading.Event()
+def inside():   # a parent thread inside both streams at fork
+    with s.state.lock, dev.default_stream.state.lock:
+        held.set()
+        release.wait()
+t = threading.Thread(target=inside); t.start(); held.wait()
+uses = {
+    'one call, stream given': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s),
+    'one call, default stream': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout),
+    'one call, out made': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, stream=s),
+    'one call, own workspace': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s, workspace=ws),
+    'one call, unvalidated': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s, validate=False),
+    'copy in': lambda: pm.to_device(x, stream=s),
+    'copy out': lambda: dx.to_host(s),
+    'copy from host': lambda: dout.copy_from_host(np.zeros((4, 4), np.float32), stream=s),
+    'stream synchronize': lambda: s.synchronize(),
+    'stream query': lambda: s.query(),
+    'device synchronize': lambda: dev.synchronize(),
+}
+pid = os.fork()
+if pid == 0:
+    code = 0
+    for name, use in uses.items():
+        print(name, flush=True)   # the last one printed is the one that hung
+        try:
+            use()
+            print('  no error', flush=True); code = 3
+        except pm.ClosedError:
+            pass
+        except BaseException as e:
+            print('  ', type(e).__name__, e, flush=True); code = 4
+    os._exit(code)
+report = []
+deadline = time.time() + 20
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        if os.waitstatus_to_exitcode(status):
+            report.append(f'child exit {os.waitstatus_to_exitcode(status)}')
+        break
+    if time.time() > deadline:
+        os.kill(pid, 9); os.waitpid(pid, 0)
+        report.append('child hung')
+        break
+    time.sleep(0.005)
+release.set(); t.join()
+print(report)
+assert not report
+print('ok')
+""", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+# ------------------------------------------------------------------------------------------ 24
+# Found in this review (a rare failure of test 21): a stream's destroy marks it closed before it
+# releases the handle, and an interrupt in between left the handle to nobody.
+
+@pytest.mark.parametrize("how", ["close", "dropped"])
+def test_24_an_interrupt_after_a_stream_is_marked_closed_still_destroys_it(device, no_leaks, monkeypatch, how):
+    """close() (or the release of a dropped Stream) interrupted after the stream was marked
+    closed and before aclrtDestroyStream: a second close(), or the drop, destroys it."""
+    base = pm.emulator.stats()["streams"]
+    real = type(device).remove_queue
+    hits = []
+
+    def interrupted_once(self, q):
+        if not hits:
+            hits.append(q)
+            raise KeyboardInterrupt
+        real(self, q)
+
+    monkeypatch.setattr(type(device), "remove_queue", interrupted_once)
+    s = pm.Stream(device)
+    assert pm.emulator.stats()["streams"] == base + 1
+    if how == "close":
+        with pytest.raises(KeyboardInterrupt):
+            s.close()
+        assert s.closed
+        s.close()  # finishes the job
+    else:
+        x = pm.to_device(np.ones(4, np.float32), stream=s)  # queued work: released at a safe point
+        del s
+        with pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            device.synchronize()  # a safe point: the dropped stream is released there
+        del x
+    assert hits, "the interrupt was not injected"
+    monkeypatch.undo()
+    gc.collect()
+    pm.empty_cache()
+    assert pm.emulator.stats()["streams"] == base

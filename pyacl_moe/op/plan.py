@@ -10,7 +10,8 @@ there is done.
 
 The one-call functions use :func:`launch_cached`: each stream keeps a small cache of repeatable
 executors by layout, used under the stream's lock, and rebinds the one that matches to each
-call's arrays.
+call's arrays. Its steady state, :func:`relaunch`, comes first: a layout cached on the stream
+was validated when its executor was made, so a caller checks layouts only on a miss.
 
 Lock order: a plan's lock, an executor's lock, a stream's lock, a pool's lock.
 """
@@ -40,7 +41,8 @@ from ..tensor import AclTensor, TensorCore
 from .executor import Executor, build, checked_workspace, launch, mark_uses
 from .spec import OpSpec
 
-__all__ = ["Plan", "check_no_overlap", "check_workspace_apart", "device_of", "launch_cached"]
+__all__ = ["Plan", "check_no_overlap", "check_workspace_apart", "device_of", "launch_cached", "register_uses",
+           "relaunch"]
 
 _P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
@@ -579,6 +581,58 @@ class _ExecutorCache:
         return []
 
 
+def register_uses(spec: OpSpec, allocs: tuple[Allocation | None, ...], state: StreamState) -> None:
+    """Record that work queued on ``state`` reads ``allocs`` (in ``spec.tensors`` order) and
+    writes its outputs: host writes to them wait for the stream from now on, and reading back
+    waits for it where it writes. A stream stays registered until it closes."""
+    for alloc in allocs:
+        if alloc is not None and state not in alloc.users:
+            alloc.users[state] = None
+    for i in spec.output_positions:
+        out = allocs[i]
+        if out is not None and state not in out.writers:
+            out.writers[state] = None
+
+
+def relaunch(spec: OpSpec, key: Any, firsts: tuple[int, ...], allocs: tuple[Allocation | None, ...],
+             state: StreamState, unregistered: bool) -> bool:
+    """The steady state of :func:`launch_cached` (same arguments): launch the stream's cached
+    executor for ``key`` with one bound foreign call and return True; False, launching
+    nothing, when the stream has none for ``key`` yet. A key is cached only once its layout
+    was validated, so a caller may check the layout only when this returns False.
+    ``unregistered``: the caller could not tell that :func:`register_uses` was done already."""
+    if state.device.closed:
+        # Before the lock: in a fork() child (its devices are closed) a parent thread may have
+        # held it.
+        state.check_open()
+    with state.lock:
+        cache = state.caches.get(spec.api)  # a closing stream has none
+        entry = cache.entries.get(key) if cache is not None else None
+        if entry is None or entry.call is None:
+            return False
+        if unregistered:
+            register_uses(spec, allocs, state)
+        # With one device open, the thread's context is not checked first: a launch without
+        # one fails cleanly, and the context is made current for the retry.
+        if acl.only_context is not state.context and _thread.context is not state.context:
+            state.device.activate()
+        if firsts != entry.bound:
+            entry.rebind(spec, firsts)
+        ledger = state.ledger
+        ledger.count += 1
+        ledger.holds.append((ledger.count, entry.call_ws, allocs))
+        st = entry.call()
+        if st:
+            if _thread.context is state.context:
+                check(st, spec.api)
+            recent_message()
+            state.device.activate()
+            check(entry.call(), spec.api)
+        done = ledger.after_enqueue() if ledger.count >= ledger.next_fence else None
+    del done  # outside the lock: dropping the last reference may free memory
+    return True
+
+
 def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
                   allocs: tuple[Allocation | None, ...], firsts: tuple[int, ...], attrs: Sequence[Any],
                   state: StreamState, workspace: DeviceArray | None) -> None:
@@ -587,41 +641,11 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
     tensor passed as a null pointer) through the stream's cached executor for ``key`` (layout,
     which tensors are present, and attribute values, in ``spec.attrs`` order), made on a
     miss."""
-    # Host writes to these arrays wait for this stream from now on; reading back waits for it
-    # where it writes.
-    for alloc in allocs:
-        if alloc is not None and state not in alloc.users:
-            alloc.users[state] = None
-    for i in spec.output_positions:
-        out = allocs[i]
-        if out is not None and state not in out.writers:
-            out.writers[state] = None
-    if workspace is None:
-        with state.lock:
-            if state.closing or state.device.closed:
-                state.check_open()
-            cache = state.caches.get(spec.api)
-            entry = cache.entries.get(key) if cache is not None else None
-            if entry is not None and entry.call is not None:
-                # The steady state: one bound foreign call. With one device open, the thread's
-                # context is not checked first: a launch without one fails cleanly, and the
-                # context is made current for the retry.
-                if acl.only_context is not state.context and _thread.context is not state.context:
-                    state.device.activate()
-                if firsts != entry.bound:
-                    entry.rebind(spec, firsts)
-                ledger = state.ledger
-                ledger.count += 1
-                ledger.holds.append((ledger.count, entry.call_ws, allocs))
-                st = entry.call()
-                if st:
-                    if _thread.context is state.context:
-                        check(st, spec.api)
-                    recent_message()
-                    state.device.activate()
-                    check(entry.call(), spec.api)
-                done = ledger.after_enqueue() if ledger.count >= ledger.next_fence else None
-                return
+    if workspace is None and relaunch(spec, key, firsts, allocs, state, True):
+        return
+    if state.device.closed:
+        state.check_open()  # before any lock (see relaunch)
+    register_uses(spec, allocs, state)
     # A miss (a new layout, a user's workspace, a stream without a workspace yet): the first
     # phase and the workspace are made outside the lock, then the launch under it. An entry
     # is only ever used under the lock: another thread may evict (and destroy) it meanwhile.
