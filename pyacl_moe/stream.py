@@ -218,17 +218,24 @@ class StreamState:
             done = self.ledger.release_all()
             self.closed = True
         del done
+        return self._finish_destroy()
+
+    def _finish_destroy(self) -> int:
+        """The end of _destroy, repeated by whoever finds the stream closed while its device
+        is open (an interrupt may have cut _destroy short after it marked the stream closed):
+        no longer a queue of the device, and the handle released (a second release does
+        nothing)."""
         self.device.remove_queue(self)
-        status = self.handle.release() if self.handle is not None else 0
-        return status
+        return self.handle.release() if self.handle is not None else 0
 
     def close(self) -> None:
         """Wait for the stream, then destroy it (an explicit close; raises what the wait or
         the destruction reports, after releasing everything)."""
-        if self.closed:
-            return
         if self.device.closed:  # its device closed it (or this is a fork() child): nothing left
             self.closing = self.closed = True
+            return
+        if self.closed:
+            _check_destroy(self._finish_destroy())  # after an interrupted close, or nothing
             return
         caches = self._shut()
         try:
@@ -244,9 +251,11 @@ class StreamState:
     def release(self) -> int:
         """The Stream was dropped without close(): release without blocking (the holder's
         release, called from collect())."""
-        if self.closed or self.device.closed:
+        if self.device.closed:
             self.closed = True
             return 0
+        if self.closed:
+            return self._finish_destroy()
         _lifetime.retiring(_Retiring(self, self._shut()))
         return 0
 
@@ -277,8 +286,11 @@ class _Retiring:
 
     def poll(self) -> bool:
         s = self.state
-        if s.closed or s.device.closed:
+        if s.device.closed:
             s.closed = True
+            return True
+        if s.closed:
+            s._finish_destroy()
             return True
         if s.waiters:
             return False  # a thread still waits on it (through a plan's stream): later
