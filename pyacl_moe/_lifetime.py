@@ -32,15 +32,15 @@ import collections
 import os
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
 
 from ._cann import acl
 from ._cann.errcheck import check
 from ._cann.handles import process_forked
 
-__all__ = ["Holder", "Ledger", "Owner", "close_core", "collect", "forked", "quiesce", "release", "release_where",
-           "retiring", "track", "while_releases_wait"]
+__all__ = ["Holder", "Ledger", "Owner", "WeakMap", "close_core", "collect", "forked", "quiesce", "release",
+           "release_where", "retiring", "track", "while_releases_wait"]
 
 
 class Holder(Protocol):
@@ -210,6 +210,52 @@ def release_where(predicate: Callable[[Holder], bool]) -> list[BaseException]:
             except Exception as exc:
                 errors.append(exc)
     return errors
+
+
+# ---------------------------------------------------------------------------- weak registries
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class WeakMap(Generic[_K, _V]):
+    """A map from objects, held weakly, to values: a registry the binding walks (a stream's
+    launchers, every plan, a pool's blocks) that must not keep its members alive.
+
+    Unlike weakref's WeakSet and WeakKeyDictionary it runs no Python code when a member dies:
+    its references have no callback (CPython swallows an exception raised in one, so a
+    KeyboardInterrupt landing there was lost, and the entry left half removed). Dead entries are
+    dropped as the map grows and skipped when it is read. Each method is one dict operation
+    under the GIL, or works on a copy."""
+
+    __slots__ = ("_refs", "_limit")
+
+    def __init__(self) -> None:
+        self._refs: dict[weakref.ref[Any], _V] = {}
+        self._limit = 16
+
+    def set(self, key: _K, value: _V) -> None:
+        # A reference without a callback is shared by every caller, and hashes as its object
+        # (computed now, while it lives, and kept once it is dead).
+        self._refs[weakref.ref(key)] = value
+        if len(self._refs) > self._limit:
+            dead = [r for r in list(self._refs) if r() is None]
+            for r in dead:
+                self._refs.pop(r, None)
+            self._limit = max(16, 2 * len(self._refs))
+
+    def add(self, key: _K) -> None:
+        self.set(key, None)  # type: ignore[arg-type]
+
+    def get(self, key: _K) -> _V | None:
+        return self._refs.get(weakref.ref(key))
+
+    def keys(self) -> list[_K]:
+        """The live members, a copy."""
+        return [k for r in list(self._refs) if (k := r()) is not None]
+
+    def __iter__(self) -> Iterator[_K]:
+        return iter(self.keys())
 
 
 # ---------------------------------------------------------------------------- stream order

@@ -11,7 +11,6 @@ streams once their queued work is done. Lock order: a stream's lock, then the po
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 from . import _lifetime
@@ -37,8 +36,8 @@ class WorkspacePool:
         self.device = device
         self.lock = threading.Lock()
         self.idle: list[Allocation] = []
-        self.blocks: weakref.WeakSet[Allocation] = weakref.WeakSet()  # every live block it made
-        self.last_stream: weakref.WeakKeyDictionary[Allocation, Any] = weakref.WeakKeyDictionary()
+        # every live block it made, and the stream that took it last
+        self.blocks: _lifetime.WeakMap[Allocation, StreamState] = _lifetime.WeakMap()
         self.hits = 0
         self.misses = 0
         self.cross_stream = 0
@@ -55,15 +54,14 @@ class WorkspacePool:
                 i = self.idle.index(best)
                 del self.idle[i]
                 self.hits += 1
-                if self.last_stream.get(best) not in (None, state):
+                if self.blocks.get(best) not in (None, state):
                     self.cross_stream += 1
-                self.last_stream[best] = state
+                self.blocks.set(best, state)
                 return best
         block = allocate(self.device, nbytes)
         with self.lock:
             self.misses += 1
-            self.blocks.add(block)
-            self.last_stream[block] = state
+            self.blocks.set(block, state)
         return block
 
     def give(self, block: Allocation) -> None:
@@ -82,7 +80,7 @@ class WorkspacePool:
 
     def stats(self) -> dict[str, int]:
         with self.lock:
-            blocks = list(self.blocks)
+            blocks = self.blocks.keys()
             return {
                 "hits": self.hits,
                 "misses": self.misses,

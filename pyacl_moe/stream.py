@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -78,7 +77,7 @@ class StreamState:
         self.caches: dict[Any, Any] = {}
         self.shut_caches: dict[Any, Any] = {}  # the caches once shut, until the stream is destroyed
         self.waiters = 0  # threads in synchronize() or query() (the handle in use outside the lock)
-        self.launchers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.launchers: _lifetime.WeakMap[Any, None] = _lifetime.WeakMap()
         self.owner: Any = None  # what keeps a borrowed stream alive (Stream.from_handle)
 
     # -- use
@@ -194,7 +193,7 @@ class StreamState:
         """Stop new work and the launchers (waiting for launches in flight). Safe twice."""
         with self.lock:
             self.closing = True
-            launchers = list(self.launchers)
+            launchers = self.launchers.keys()
             self.shut_caches.update(self.caches)
             self.caches = {}
         for launcher in launchers:

@@ -341,3 +341,28 @@ print("ok")
 """, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_weak_registries_run_no_python_code_when_a_member_dies():
+    """The binding's weak registries (a stream's launchers, every plan, a pool's blocks) give
+    their references no callback: a KeyboardInterrupt that lands while a member dies can
+    never be swallowed inside one. Dead members are skipped, and dropped as the map grows."""
+    import gc
+    import weakref
+
+    from pyacl_moe._lifetime import WeakMap
+
+    class Member:
+        pass
+
+    m: WeakMap[Member, int] = WeakMap()
+    keep = [Member() for _ in range(5)]
+    for i, k in enumerate(keep):
+        m.set(k, i)
+    for _ in range(1000):
+        m.add(Member())  # dies at once
+    gc.collect()
+    assert m.keys() == keep and [m.get(k) for k in keep] == [0, 1, 2, 3, 4]
+    assert len(m._refs) <= 64  # bounded by what lives, not by what was ever added
+    # No callbacks: each reference is the shared one that weakref.ref(obj) returns.
+    assert all(weakref.getweakrefs(k) == [r] for k, r in zip(keep, (weakref.ref(k) for k in keep)))

@@ -127,14 +127,14 @@ _NO_STREAM = object()  # matches no stream argument (not even None)
 # A plan's _now before a launch and after its slot is detached: (stream argument, function,
 # arguments, result, context to check or None).
 _NOT_STEADY = (_NO_STREAM, *_DETACHED, None, None)
-_plans: weakref.WeakSet[Plan] = weakref.WeakSet()  # every plan, to unpublish
+_plans: _lifetime.WeakMap[Plan, None] = _lifetime.WeakMap()  # every plan, to unpublish
 
 
 def _unpublish_all() -> None:
     """A second device opened: published launches that skip the context check must go (the
     next launch of each plan publishes again, with the check)."""
     with _DETACH_LOCK:
-        for plan in list(_plans):
+        for plan in _plans.keys():
             if plan._now[4] is None:
                 plan._now = _NOT_STEADY
 
@@ -147,7 +147,7 @@ def _after_fork_in_child() -> None:
     _DETACH_LOCK = threading.Lock()  # a parent thread may have held it
     # Inherited CANN objects are dead here: no launch may reach them without the slow way's
     # checks.
-    for plan in list(_plans):
+    for plan in _plans.keys():
         plan._now = _NOT_STEADY
 
 
