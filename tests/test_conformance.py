@@ -39,7 +39,13 @@ def test_quick_profile_passes_and_covers_the_catalogue(device):
         assert expected in names
 
 
-@pytest.mark.parametrize("mutation", pm.emulator.MUTATIONS)
+def _one_by_default(mutations, default):
+    """Every mutation: ``default`` in the default run, the others in the slow step (each runs
+    the quick catalogue)."""
+    return [m if m == default else pytest.param(m, marks=pytest.mark.slow) for m in mutations]
+
+
+@pytest.mark.parametrize("mutation", _one_by_default(pm.emulator.MUTATIONS, "skip-last-k"))
 def test_each_wrong_kernel_fails_and_is_named(device, clean_emulator, mutation):
     pm.emulator.set_mutation(mutation)
     report = conformance.run("quick", progress=None)
@@ -57,7 +63,7 @@ def test_each_wrong_kernel_fails_and_is_named(device, clean_emulator, mutation):
     assert all(name.endswith(("-n3k2", "-wide")) for name in missed), missed
 
 
-@pytest.mark.parametrize("mutation", pm.emulator.FORWARD_MUTATIONS)
+@pytest.mark.parametrize("mutation", _one_by_default(pm.emulator.FORWARD_MUTATIONS, "fwd-wrong-row"))
 def test_each_wrong_forward_fails_its_cases_and_the_pair_catches_a_wrong_row(device, clean_emulator, mutation):
     pm.emulator.set_mutation(mutation)
     report = conformance.run("quick", progress=None)

@@ -26,6 +26,8 @@ def _build_in(cache: Path, env_extra: dict[str, str] | None = None) -> subproces
     )
 
 
+# The tests of a build from scratch share one compile of a few seconds: the slow step runs them
+# (the default run builds, or reuses, the emulator it tests with anyway).
 @pytest.fixture(scope="module")
 def fresh_build(tmp_path_factory):
     """One build from scratch in a cache of its own, shared by the tests that inspect it."""
@@ -38,6 +40,7 @@ def fresh_build(tmp_path_factory):
     return cache, Path(out.strip()), elapsed
 
 
+@pytest.mark.slow  # a compile from scratch (fresh_build)
 def test_fresh_build_is_laid_out_like_cann(fresh_build):
     cache, home, _ = fresh_build
     assert home.parent == cache
@@ -58,6 +61,7 @@ def test_concurrent_builds_both_succeed(tmp_path):
     assert not [d for d in tmp_path.iterdir() if d.name.startswith(".build-")]  # no debris
 
 
+@pytest.mark.slow  # a compile from scratch (fresh_build)
 def test_cached_build_is_reused(fresh_build, monkeypatch):
     cache, home, _ = fresh_build
     monkeypatch.setenv("PYACL_MOE_CACHE", str(cache))
@@ -209,6 +213,7 @@ def test_a_hanging_compile_times_out(tmp_path, monkeypatch):
         _build.build()
 
 
+@pytest.mark.slow  # a compile from scratch (fresh_build)
 def test_release_file_says_what_the_build_is(fresh_build):
     _, home, _ = fresh_build
     infos = list(home.glob("*-linux/ascend_toolkit_install.info"))

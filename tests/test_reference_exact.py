@@ -229,7 +229,8 @@ def test_emulator_and_model_agree_bit_for_bit_on_the_full_catalogue(device, monk
     assert catalogue_mismatches("full", monkeypatch) == []
 
 
-@pytest.mark.parametrize("mutation", pm.emulator.MUTATIONS)
+@pytest.mark.parametrize("mutation", [m if i == 0 else pytest.param(m, marks=pytest.mark.slow)
+                                      for i, m in enumerate(pm.emulator.MUTATIONS)])  # the others: slow step
 def test_each_wrong_kernel_breaks_the_bit_exact_agreement(isolated, mutation):
     # The mutation is chosen by the environment at the emulator's first call, hence a fresh
     # interpreter; the same sweep agrees without it (test_emulator_and_model_agree_...).
