@@ -555,3 +555,39 @@ def test_output_indices_count_a_null_optional_output(emu, res):
     assert np.array_equal(res.read(bc2, (3,), np.int32), want)
     assert (res.read(c.bc_p, (3,), np.int32) == -6).all()  # the old address was left alone
     emu.ok(nn.aclDestroyAclOpExecutor(exe))
+
+
+def test_queued_launches_outlive_their_executor_and_keep_their_addresses(emu, res):
+    """As the backward's: a queued launch shares its executor's plan and keeps the addresses
+    bound when it was made (x and every output rebound between launches), so launches queued
+    before the executor was destroyed all run, each on its own buffers."""
+    previous = emu.ffi.string(emu.acl.aclemuGetStreamMode())
+    assert emu.acl.aclemuSetStreamMode(b"lazy") == 0
+    try:
+        x, idx = data(6, 2, 4, 3, seed=31)
+        c = Case(emu, res, x, idx, num=3, flag=1)
+        st, ws, exe = c.phase1()
+        emu.ok(st)
+        emu.ok(emu.nn.aclSetAclOpExecutorRepeatable(exe))
+        wsp = res.dev(ws) if ws else emu.NULL
+        s = res.stream()
+        xs = [x * (i + 1) for i in range(3)]
+        outs = []
+        for xi in xs:
+            ex_p = res.dev(np.zeros(c.ex_shape, np.float32))
+            ri_p = res.dev(np.zeros(c.ri_len, np.int32))
+            cnt_p = res.dev(np.zeros(3, np.int32))
+            emu.ok(emu.nn.aclSetInputTensorAddr(exe, 0, c.xt, res.dev(xi)))
+            for slot, (t, p) in enumerate(((c.ext, ex_p), (c.rit, ri_p), (c.cnt, cnt_p))):
+                emu.ok(emu.nn.aclSetOutputTensorAddr(exe, slot, t, p))
+            emu.ok(emu.op.aclnnMoeInitRoutingV2(wsp, ws, exe, s))
+            outs.append((ex_p, ri_p, cnt_p))
+        emu.ok(emu.nn.aclDestroyAclOpExecutor(exe))
+        emu.ok(emu.acl.aclrtSynchronizeStream(s))
+        for xi, (ex_p, ri_p, cnt_p) in zip(xs, outs):
+            rex, rri, rcnt, _ = reference(xi, idx, *c.args)
+            np.testing.assert_array_equal(res.read(ex_p, c.ex_shape, np.float32), rex)
+            np.testing.assert_array_equal(res.read(ri_p, (c.ri_len,), np.int32), rri)
+            np.testing.assert_array_equal(res.read(cnt_p, (3,), np.int32), rcnt)
+    finally:
+        assert emu.acl.aclemuSetStreamMode(previous) == 0

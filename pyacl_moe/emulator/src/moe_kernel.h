@@ -82,6 +82,12 @@ EMU_HIDDEN int emu_first_phase_finish(const char *api, const emu_executor_info *
 EMU_HIDDEN int emu_second_phase_take(const char *api, const emu_op_kind *kind, void *workspace,
                                      uint64_t workspaceSize, aclOpExecutor *executor,
                                      emu_executor_info *info, int *nothing);
+/* An op's plan (what its first phase validated) is shared by its executor and by every launch
+ * still queued: one reference each. A launch takes its reference before the executor may go (a
+ * one-shot one is released by the launch itself); the last one frees the plan. */
+static inline void emu_plan_hold(int *refs) { __atomic_add_fetch(refs, 1, __ATOMIC_RELAXED); }
+static inline int emu_plan_drop(int *refs) { return __atomic_sub_fetch(refs, 1, __ATOMIC_ACQ_REL) == 0; }
+
 /* Then: release the executor and queue ``run(args)`` (args NULL: out of host memory). */
 EMU_HIDDEN int emu_second_phase_launch(const char *api, emu_executor_info *info, aclrtStream stream,
                                        void *workspace, int *mutation, emu_task_run run,

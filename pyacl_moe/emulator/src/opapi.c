@@ -35,7 +35,7 @@ typedef struct moe_op {
  * plan goes once no queued launch still reads it. */
 static void moe_op_unref(void *p) {
     moe_op *op = p;
-    if (__atomic_sub_fetch(&op->refs, 1, __ATOMIC_ACQ_REL) == 0) free(op);
+    if (emu_plan_drop(&op->refs)) free(op);
 }
 
 /* What a queued launch keeps: the plan it shares with its executor and the addresses bound
@@ -541,7 +541,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
     moe_op *op = info.op_data;
     moe_launch *l = malloc(sizeof *l);
     if (l) {
-        __atomic_add_fetch(&op->refs, 1, __ATOMIC_RELAXED); /* before a one-shot executor goes */
+        emu_plan_hold(&op->refs);
         l->op = op;
         l->x = info.input_addr[0];
         l->idx = info.input_addr[1];

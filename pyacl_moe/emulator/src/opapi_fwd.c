@@ -44,7 +44,7 @@ typedef struct fwd_op {
  * The plan goes once no queued launch still reads it. */
 static void fwd_op_free(void *p) {
     fwd_op *op = p;
-    if (__atomic_sub_fetch(&op->refs, 1, __ATOMIC_ACQ_REL) == 0) free(op);
+    if (emu_plan_drop(&op->refs)) free(op);
 }
 
 #define tiling_error(...) emu_fail(API, ACLNN_ERR_INNER_TILING_ERROR, __VA_ARGS__)
@@ -394,7 +394,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSiz
     fwd_op *op = info.op_data;
     fwd_launch *l = malloc(sizeof *l);
     if (l) {
-        __atomic_add_fetch(&op->refs, 1, __ATOMIC_RELAXED); /* before a one-shot executor goes */
+        emu_plan_hold(&op->refs);
         l->op = op;
         l->x = info.input_addr[0];
         l->idx = info.input_addr[1];
