@@ -12,7 +12,7 @@ Lock order: an executor's lock, then a stream's lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import _args, _lifetime
@@ -24,7 +24,8 @@ from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
-__all__ = ["Executor", "ExecutorCore", "build", "checked_workspace", "execute", "launch", "mark_uses"]
+__all__ = ["Executor", "ExecutorCore", "build", "checked_workspace", "device_of", "execute", "launch", "mark_uses",
+           "register_uses"]
 
 
 class ExecutorCore:
@@ -100,21 +101,24 @@ def first_phase(spec: OpSpec, given: Mapping[str, AclTensor | DeviceArray | None
         elif value is not None and not isinstance(value, AclTensor):
             raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
         tensors[name] = value
-    # The binding knows each tensor's device (CANN only sees addresses): one device for all.
+    dev = device_of({n: t.array for n, t in tensors.items() if t is not None}, device)
+    core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
+    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
+
+
+def device_of(arrays: Mapping[str, DeviceArray], device: Device | None = None) -> Device:
+    """The one device ``arrays`` are all on, and ``device`` when given; refused if they differ
+    (CANN sees only addresses: the binding knows each array's device). With no array and no
+    ``device``, the current device."""
     dev, first = device, ""
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        d = t.array.allocation(name).device
+    for name, a in arrays.items():
+        d = a.allocation(name).device
         if dev is None:
             dev, first = d, name
         elif d is not dev:
             where = f"{first} is on device {dev.device_id}" if first else f"device={dev.device_id} was asked for"
-            raise InvalidArgument(name, f"is on device {d.device_id} but {where}: a launch's tensors share one device")
-    if dev is None:
-        dev = current_device()
-    core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
-    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
+            raise InvalidArgument(name, f"is on device {d.device_id} but {where}: a launch's arrays share one device")
+    return dev if dev is not None else current_device()
 
 
 def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> Allocation:
@@ -148,6 +152,15 @@ def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, ho
             done = state.ledger.after_enqueue()
     del done
     _lifetime.collect()
+
+
+def register_uses(spec: OpSpec, allocs: Sequence[Allocation | None], state: StreamState) -> None:
+    """Record that work queued on ``state`` reads ``allocs`` (in ``spec.tensors`` order, None
+    for a null pointer) and writes the outputs among them (see :meth:`Allocation.used_on`)."""
+    outputs = spec.output_positions
+    for i, alloc in enumerate(allocs):
+        if alloc is not None:
+            alloc.used_on(state, write=i in outputs)
 
 
 def _allocations(core: ExecutorCore) -> tuple[Allocation, ...]:

@@ -30,9 +30,9 @@ from ..host import host_view, in_family
 from ..pool import workspace_for
 from ..stream import Stream, current_stream, resolve_stream
 from ..tensor import AclTensor
-from .executor import Executor, checked_workspace, first_phase, launch, mark_uses
+from .executor import Executor, checked_workspace, device_of, first_phase, launch, mark_uses
 from .executor import execute as execute
-from .plan import Plan, check_no_overlap, check_workspace_apart, device_of, launch_cached
+from .plan import Plan, check_no_overlap, check_workspace_apart, launch_cached
 from .spec import OpSpec, Param
 
 __all__ = ["SPEC", "MoeInitRoutingV2", "RoutingResult", "execute", "get_workspace_size", "moe_init_routing_v2"]

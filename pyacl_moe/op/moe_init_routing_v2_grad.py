@@ -24,9 +24,9 @@ from ..host import TORCH, host_view, in_family
 from ..pool import workspace_for
 from ..stream import Stream, current_stream, resolve_stream, thread_current
 from ..tensor import AclTensor
-from .executor import Executor, first_phase, launch, mark_uses
+from .executor import Executor, device_of, first_phase, launch, mark_uses
 from .executor import execute as execute
-from .plan import Plan, check_no_overlap, check_workspace_apart, device_of, launch_cached, relaunch
+from .plan import Plan, check_no_overlap, check_workspace_apart, launch_cached, relaunch
 from .spec import OpSpec, Param
 
 __all__ = ["SPEC", "MoeInitRoutingV2Grad", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]

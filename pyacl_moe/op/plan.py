@@ -38,11 +38,10 @@ from ..errors import ClosedError, InvalidArgument
 from ..pool import workspace_for
 from ..stream import Stream, StreamState, resolve_stream, thread_current
 from ..tensor import AclTensor, TensorCore
-from .executor import Executor, build, checked_workspace, launch, mark_uses
+from .executor import Executor, build, checked_workspace, launch, mark_uses, register_uses
 from .spec import OpSpec
 
-__all__ = ["Plan", "check_no_overlap", "check_workspace_apart", "device_of", "launch_cached", "register_uses",
-           "relaunch"]
+__all__ = ["Plan", "check_no_overlap", "check_workspace_apart", "launch_cached", "relaunch"]
 
 _P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
@@ -207,22 +206,6 @@ def check_workspace_apart(workspace: DeviceArray, arrays: Mapping[str, DeviceArr
         if a is not None and may_overlap(workspace, a):
             raise InvalidArgument("workspace", f"shares device memory with {name}: the kernel writes its workspace "
                                                "(use a separate array)")
-
-
-def device_of(arrays: dict[str, DeviceArray]) -> Device:
-    """The one device all ``arrays`` are on (refused if they are on several)."""
-    dev: Device | None = None
-    first = ""
-    for name, a in arrays.items():
-        d = a.allocation(name).device
-        if dev is None:
-            dev, first = d, name
-        elif d is not dev:
-            raise InvalidArgument(
-                name, f"is on device {d.device_id} but {first} is on device {dev.device_id}: all must share one device"
-            )
-    assert dev is not None
-    return dev
 
 
 class Plan:
@@ -581,26 +564,14 @@ class _ExecutorCache:
         return []
 
 
-def register_uses(spec: OpSpec, allocs: tuple[Allocation | None, ...], state: StreamState) -> None:
-    """Record that work queued on ``state`` reads ``allocs`` (in ``spec.tensors`` order) and
-    writes its outputs: host writes to them wait for the stream from now on, and reading back
-    waits for it where it writes. A stream stays registered until it closes."""
-    for alloc in allocs:
-        if alloc is not None and state not in alloc.users:
-            alloc.users[state] = None
-    for i in spec.output_positions:
-        out = allocs[i]
-        if out is not None and state not in out.writers:
-            out.writers[state] = None
-
-
 def relaunch(spec: OpSpec, key: Any, firsts: tuple[int, ...], allocs: tuple[Allocation | None, ...],
              state: StreamState, unregistered: bool) -> bool:
     """The steady state of :func:`launch_cached` (same arguments): launch the stream's cached
     executor for ``key`` with one bound foreign call and return True; False, launching
     nothing, when the stream has none for ``key`` yet. A key is cached only once its layout
     was validated, so a caller may check the layout only when this returns False.
-    ``unregistered``: the caller could not tell that :func:`register_uses` was done already."""
+    ``unregistered``: the caller could not tell that the allocations are registered as used on
+    the stream already (:func:`~.executor.register_uses`)."""
     if state.device.closed:
         # Before the lock: in a fork() child (its devices are closed) a parent thread may have
         # held it.
