@@ -279,6 +279,41 @@ for _ in range(3):
 """
 
 
+def _soak_verdict(names: tuple[str, ...], min_interrupts: int) -> str:
+    """Script text after an interrupt soak (``before``, ``faults``, ``interrupts`` and
+    ``wrong`` set by it): drop the loop's objects, let everything finish, then require that
+    the soak was interrupted more than ``min_interrupts`` times, that every result that
+    completed was right, and that no live object, device fault or corrupt guard is left."""
+    return f"""for name in {names!r}:
+    globals().pop(name, None)
+gc.collect(); dev.synchronize(); pm.empty_cache()
+after = pm.emulator.stats()
+leaked = {{k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}}
+print('interrupts', interrupts, 'wrong', wrong, 'leaked', leaked, 'faults', after['device_faults'] - faults,
+      'guards', pm.emulator.check_guards())
+assert interrupts > {min_interrupts}, interrupts
+assert not wrong and not leaked and after['device_faults'] == faults and pm.emulator.check_guards() == 0
+print('ok')
+"""
+
+
+# Script text: wait_child(pid, seconds), a fork() child's exit code, or None when it had to be
+# killed after ``seconds`` (it hung).
+_WAIT_CHILD = """
+def wait_child(pid, seconds):
+    import os, time
+    deadline = time.time() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.time() > deadline:
+            os.kill(pid, 9); os.waitpid(pid, 0)
+            return None
+        time.sleep(0.005)
+"""
+
+
 def test_08_keyboard_interrupt_anywhere_leaks_nothing_and_frees_nothing_early(isolated):
     r = isolated(f"""
 import _thread, random, signal, threading, time, gc, numpy as np, pyacl_moe as pm
@@ -312,17 +347,7 @@ while time.time() < deadline:
     except KeyboardInterrupt:
         armed[0] = False
         interrupts += 1
-{_INTERRUPTER_STOP}for name in ('got', 'dx', 'di', 'out', 'plan', 's', 'ev', 't_'):
-    globals().pop(name, None)
-gc.collect(); dev.synchronize(); pm.empty_cache()
-after = pm.emulator.stats()
-leaked = {{k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}}
-print('interrupts', interrupts, 'wrong', wrong, 'leaked', leaked, 'faults', after['device_faults'] - faults,
-      'guards', pm.emulator.check_guards())
-assert interrupts > 100, interrupts
-assert not wrong and not leaked and after['device_faults'] == faults and pm.emulator.check_guards() == 0
-print('ok')
-""", timeout=120)
+{_INTERRUPTER_STOP}{_soak_verdict(('got', 'dx', 'di', 'out', 'plan', 's', 'ev', 't_'), 100)}""", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
     print(r.stdout)
@@ -396,7 +421,7 @@ print(base, pm.emulator.stats()['devices_set'])
 # ------------------------------------------------------------------------------------------ 11
 
 def test_11_fork_while_another_thread_is_inside_never_hangs_the_child(isolated):
-    r = isolated("""
+    r = isolated(_WAIT_CHILD + """
 import os, sys, threading, numpy as np, pyacl_moe as pm
 from contextlib import closing
 pm.use_emulator()
@@ -429,17 +454,9 @@ for i in range(30):
             except Exception as e:
                 code = 0 if isinstance(e, Closed) else 6
         os._exit(code)
-    import time
-    deadline = time.time() + 10
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            if os.waitstatus_to_exitcode(status) != 0: bad += 1
-            break
-        if time.time() > deadline:
-            os.kill(pid, 9); os.waitpid(pid, 0); hung += 1
-            break
-        time.sleep(0.005)
+    code = wait_child(pid, 10)
+    if code is None: hung += 1
+    elif code != 0: bad += 1
 stop.set(); [t.join() for t in ts]
 print('hung', hung, 'bad', bad)
 assert hung == 0 and bad == 0
@@ -746,7 +763,7 @@ def test_19_a_fork_child_never_waits_for_a_lock_a_parent_thread_held(isolated):
     """In a fork() child, closing, rebinding or dropping an inherited plan took the plan's,
     its executor's and its stream's locks, which a parent thread may have held at fork (the
     child then hung), and called CANN (AclRuntimeError 100001 instead of nothing)."""
-    r = isolated("""
+    r = isolated(_WAIT_CHILD + """
 import gc, os, threading, time, numpy as np, pyacl_moe as pm
 pm.use_emulator()
 dev = pm.Device(0)
@@ -790,17 +807,8 @@ if pid == 0:
         code = code or 6
     os._exit(code)
 release.set(); t.join()
-deadline = time.time() + 20
-while True:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        print('child', os.waitstatus_to_exitcode(status))
-        break
-    if time.time() > deadline:
-        os.kill(pid, 9); os.waitpid(pid, 0)
-        print('child hung')
-        break
-    time.sleep(0.01)
+code = wait_child(pid, 20)
+print('child hung' if code is None else f'child {code}')
 """, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("child 0"), r.stdout + r.stderr
@@ -891,17 +899,7 @@ while time.time() < deadline:
     except KeyboardInterrupt:
         armed[0] = False
         interrupts += 1
-{_INTERRUPTER_STOP}for name in ('dx', 'di', 'r', 'plan', 's', 'rt'):
-    globals().pop(name, None)
-gc.collect(); dev.synchronize(); pm.empty_cache()
-after = pm.emulator.stats()
-leaked = {{k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}}
-print('interrupts', interrupts, 'wrong', sorted(wrong), 'leaked', leaked, 'faults', after['device_faults'] - faults,
-      'guards', pm.emulator.check_guards())
-assert interrupts > 50, interrupts
-assert not wrong and not leaked and after['device_faults'] == faults and pm.emulator.check_guards() == 0
-print('ok')
-""", timeout=120 + 2 * seconds)
+{_INTERRUPTER_STOP}{_soak_verdict(('dx', 'di', 'r', 'plan', 's', 'rt'), 50)}""", timeout=120 + 2 * seconds)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
 
@@ -913,7 +911,7 @@ def test_22_fork_while_threads_are_inside_the_forward_never_hangs_the_child(isol
     its plan (launched and rebound) and routing on the device while it forks; in each child
     every inherited forward object raises ClosedError, closing the plan is quiet, and the
     child exits. Before defect 19 was fixed the children hung or raised AclRuntimeError."""
-    r = isolated("""
+    r = isolated(_WAIT_CHILD + """
 import os, threading, time, numpy as np, pyacl_moe as pm
 from contextlib import closing
 pm.use_emulator()
@@ -973,18 +971,13 @@ for i in range(12):
         os.write(wfd, '; '.join(report).encode())
         os._exit(0)
     os.close(wfd)
-    deadline = time.time() + 10
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            text = os.read(rfd, 1 << 16).decode()
-            if text or os.waitstatus_to_exitcode(status):
-                bad.add(text or str(status))
-            break
-        if time.time() > deadline:
-            os.kill(pid, 9); os.waitpid(pid, 0); hung += 1
-            break
-        time.sleep(0.005)
+    code = wait_child(pid, 10)
+    if code is None:
+        hung += 1
+    else:
+        text = os.read(rfd, 1 << 16).decode()
+        if text or code:
+            bad.add(text or f'exit {code}')
     os.close(rfd)
 stop.set(); [t.join() for t in ts]
 plan.close()
@@ -1004,7 +997,7 @@ def test_23_a_fork_child_gets_closed_error_from_every_stream_use_never_a_parent_
     """In a fork() child whose parent had threads inside a stream (its lock held at fork), the
     one call on DeviceArrays (stream given, default stream, output made, own workspace),
     copies, waits and queries raise ClosedError and never wait for that lock."""
-    r = isolated("""
+    r = isolated(_WAIT_CHILD + """
 import os, threading, time, numpy as np, pyacl_moe as pm
 pm.use_emulator()
 dev = pm.Device(0)
@@ -1048,19 +1041,8 @@ if pid == 0:
         except BaseException as e:
             print('  ', type(e).__name__, e, flush=True); code = 4
     os._exit(code)
-report = []
-deadline = time.time() + 20
-while True:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        if os.waitstatus_to_exitcode(status):
-            report.append(f'child exit {os.waitstatus_to_exitcode(status)}')
-        break
-    if time.time() > deadline:
-        os.kill(pid, 9); os.waitpid(pid, 0)
-        report.append('child hung')
-        break
-    time.sleep(0.005)
+code = wait_child(pid, 20)
+report = ['child hung'] if code is None else [f'child exit {code}'] if code else []
 release.set(); t.join()
 print(report)
 assert not report

@@ -343,14 +343,31 @@ print("ok")
     assert r.stdout.strip() == "ok"
 
 
-def test_weak_registries_run_no_python_code_when_a_member_dies():
+def test_weak_registries_run_no_python_code_when_a_member_dies(device):
     """The binding's weak registries (a stream's launchers, every plan, a pool's blocks) give
-    their references no callback: a KeyboardInterrupt that lands while a member dies can
-    never be swallowed inside one. Dead members are skipped, and dropped as the map grows."""
+    their references no callback that runs Python code: a KeyboardInterrupt that lands while a
+    member dies can never be swallowed inside one (only the lifetime mechanism's own callback,
+    deque.append, which runs none, is allowed). Dead members are skipped, and dropped as the
+    map grows."""
     import gc
     import weakref
 
+    from pyacl_moe import _lifetime
     from pyacl_moe._lifetime import WeakMap
+
+    # The real registries, filled: a plan launched on a stream (a launcher of the stream, and
+    # a plan) and the stream's workspace block from the pool.
+    x = pm.to_device(np.ones((8, 4), np.float32))
+    idx = pm.to_device(np.arange(8, dtype=np.int32))
+    with closing(pm.Stream(device)) as s, pm.MoeInitRoutingV2Grad(x, idx, 2) as plan:
+        plan(s)
+        pool = device.attached("workspace_pool")
+        members = [plan, *s.state.launchers, *pool.blocks]
+        assert len(members) >= 3
+        for obj in members:
+            for r in weakref.getweakrefs(obj):
+                assert r.__callback__ in (None, _lifetime._dead.append), (obj, r.__callback__)
+        s.synchronize()
 
     class Member:
         pass
@@ -364,5 +381,40 @@ def test_weak_registries_run_no_python_code_when_a_member_dies():
     gc.collect()
     assert m.keys() == keep and [m.get(k) for k in keep] == [0, 1, 2, 3, 4]
     assert len(m._refs) <= 64  # bounded by what lives, not by what was ever added
-    # No callbacks: each reference is the shared one that weakref.ref(obj) returns.
-    assert all(weakref.getweakrefs(k) == [r] for k, r in zip(keep, (weakref.ref(k) for k in keep)))
+
+
+def test_a_weak_registry_shared_by_threads():
+    """8 threads add members that live and members that die, read and prune one WeakMap for a
+    second: every live member is always there with its value, and nothing raises."""
+    import threading
+    import time
+
+    from pyacl_moe._lifetime import WeakMap
+
+    class Member:
+        pass
+
+    m: WeakMap[Member, int] = WeakMap()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        mine = [Member() for _ in range(4)]
+        try:
+            for k in mine:
+                m.set(k, i)
+            while not stop.is_set():
+                m.add(Member())  # dies at once: the map prunes as it grows
+                live = m.keys()
+                assert all(k in live and m.get(k) == i for k in mine)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(1)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:3]
