@@ -79,14 +79,16 @@ def shape(name: str, value: Any) -> tuple[int, ...]:
     return tuple(integer(f"{name}[{i}]", n, 0, INT64[1]) for i, n in enumerate(items))
 
 
-def nbytes(name: str, dims: tuple[int, ...], itemsize: int) -> int:
+def nbytes(name: str, dims: tuple[int, ...], itemsize: int, makes: str = "") -> int:
     """The bytes a C-contiguous array of ``dims`` needs, refused when it cannot be addressed
-    (a product past int64 would otherwise wrap around to a tiny allocation)."""
+    (a product past int64 would otherwise wrap around to a tiny allocation). ``makes``: the
+    array's name when ``name`` is a parameter that sizes it."""
     total = itemsize
     for n in dims:
         total *= n
     if total > MAX_BYTES:
         raise InvalidArgument(
-            name, f"{dims} of {itemsize}-byte items is {total} bytes: more than {MAX_BYTES} cannot be addressed"
+            name, (f"makes {makes} " if makes else "")
+            + f"{dims} of {itemsize}-byte items, {total} bytes: more than {MAX_BYTES} cannot be addressed"
         )
     return total

@@ -122,7 +122,7 @@ def _check_outputs(outs: Mapping[str, DeviceArray | None], shapes: dict[str, tup
         if want is None:
             raise InvalidArgument(name, "is not written in this scenario (count: drop_pad_mode 0 with a count flag; "
                                         "before-capacity: drop_pad_mode 1 with its flag): pass None")
-        dtype = x_dtype if name == "expanded_x" else np.dtype(np.int32)
+        dtype = _dtype_of(name, x_dtype)
         if got.shape != want or got.dtype != dtype:
             raise InvalidArgument(name, f"must be {want} {dtype}, got {got.shape} {got.dtype}")
         if not got.is_contiguous:
@@ -222,19 +222,13 @@ def _check(x_shape: tuple[int, ...], x_dtype: np.dtype, idx_shape: tuple[int, ..
         # The vendor's tiling rule; the reference computes any capacity.
         raise InvalidArgument("expert_capacity", f"must be at most N = {x_shape[0]}, got {attrs['expert_capacity']}")
     # The vendor sets no bound on expert_num, but the outputs it sizes must be addressable.
-    sizes = (x_shape[0], idx_shape[1], x_shape[1])
-    for name, shape in _shapes(*sizes, attrs).items():
-        if shape is None:
-            continue
-        total = np.dtype(x_dtype if name == "expanded_x" else np.int32).itemsize
-        for d in shape:
-            total *= d
-        if total > _args.MAX_BYTES:
+    for name, shape in _shapes(x_shape[0], idx_shape[1], x_shape[1], attrs).items():
+        if shape is not None:
             # Only the expert count makes an output bigger than the inputs, bar mode 0's N*K rows.
-            too_big = f"{list(shape)}, {total} bytes: more than {_args.MAX_BYTES} cannot be addressed"
             if name == "expanded_x" and attrs["drop_pad_mode"] == 0:
-                raise InvalidArgument(name, f"would be {too_big}")
-            raise InvalidArgument("expert_num", f"makes {name} {too_big}")
+                _args.nbytes(name, shape, _dtype_of(name, x_dtype).itemsize)
+            else:
+                _args.nbytes("expert_num", shape, _dtype_of(name, x_dtype).itemsize, makes=name)
 
 
 def _sizes(x: DeviceArray, idx: DeviceArray) -> tuple[int, int, int]:
@@ -260,10 +254,15 @@ def _shapes(n: int, k: int, h: int, attrs: dict[str, Any]) -> dict[str, tuple[in
     }
 
 
+def _dtype_of(name: str, x_dtype: np.dtype) -> np.dtype:
+    """An output's dtype: x's for expanded_x, int32 for the indices and counts."""
+    return x_dtype if name == "expanded_x" else np.dtype(np.int32)
+
+
 def _new_output(name: str, shape: tuple[int, ...], x_dtype: np.dtype, device: Device) -> DeviceArray:
     """A new output ``name`` of ``shape`` (as the attributes size it), refused by name when it
     cannot be addressed (validate=False: the contract was not checked)."""
-    dtype = x_dtype if name == "expanded_x" else np.dtype(np.int32)
+    dtype = _dtype_of(name, x_dtype)
     _args.nbytes(name, shape, dtype.itemsize)
     return empty(shape, dtype, device)
 
