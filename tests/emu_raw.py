@@ -32,10 +32,11 @@ class Emu:
             self.ffi.cdef((ROOT / "headers" / name).read_text())
         self.ffi.cdef((ROOT / "pyacl_moe" / "emulator" / "src" / "aclemu.h").read_text())
         self.ffi.cdef("void free(void *);")
-        lib64 = Path(self.home) / "lib64"
-        self.acl = self.ffi.dlopen(str(lib64 / "libascendcl.so"))
-        self.nn = self.ffi.dlopen(str(lib64 / "libnnopbase.so"))
-        self.op = self.ffi.dlopen(str(lib64 / "libopapi.so"))
+        # In load order: a library finds its dependencies already loaded (they have no RUNPATH).
+        self.libraries = dict(emulator_mod.library_paths())
+        handles = {name: self.ffi.dlopen(path) for name, path in self.libraries.items()}
+        self.acl, self.nn, self.op = handles["ascendcl"], handles["nnopbase"], handles["op"]
+        self._keep = handles
         self.libc = self.ffi.dlopen(None)
         self.NULL = self.ffi.NULL
 

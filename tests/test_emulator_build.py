@@ -4,7 +4,6 @@ loading a build someone else could have written, and bounded in time."""
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import stat
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pyacl_moe.emulator import _build
+from pyacl_moe.emulator import _build, _releases
 
 
 def _build_in(cache: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
@@ -40,15 +39,22 @@ def fresh_build(tmp_path_factory):
     return cache, Path(out.strip()), elapsed
 
 
+def _tree_of(home: Path) -> Path:
+    """The build folder a profile's home is in (``<tree>/<release>/Ascend/...``)."""
+    return next(p for p in home.parents if p.name.startswith("emulator-") or p.name.startswith(".build-"))
+
+
 @pytest.mark.slow  # a compile from scratch (fresh_build)
 def test_fresh_build_is_laid_out_like_cann(fresh_build):
     cache, home, _ = fresh_build
-    assert home.parent == cache
-    for name in ("ascendcl", "nnopbase", "opapi"):
-        assert (home / "lib64" / f"lib{name}.so").is_file()
-    lib = str(home / "lib64" / "libopapi.so")
-    needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
-    assert "[libnnopbase.so]" in needed and "$ORIGIN" in needed
+    tree = _tree_of(home)
+    assert tree.parent == cache and home == tree / _releases.DEFAULT / _releases.home(_releases.selected())
+    for p in _releases.PROFILES.values():
+        for lib in _releases.libraries(p):
+            assert (tree / p.release / lib.path).is_file(), lib
+        dynamic = subprocess.run(["readelf", "-d", str(tree / p.release / _releases.libraries(p)[-1].path)],
+                                 capture_output=True, text=True).stdout
+        assert "[libnnopbase.so]" in dynamic and "RUNPATH" not in dynamic
 
 
 @pytest.mark.slow  # two compiles from scratch
@@ -65,9 +71,10 @@ def test_concurrent_builds_both_succeed(tmp_path):
 def test_cached_build_is_reused(fresh_build, monkeypatch):
     cache, home, _ = fresh_build
     monkeypatch.setenv("PYACL_MOE_CACHE", str(cache))
-    stamp = (home / "lib64" / "libopapi.so").stat().st_mtime_ns
+    op = home / "lib64" / "libopapi_transformer.so"
+    stamp = op.stat().st_mtime_ns
     assert _build.build() == str(home)
-    assert (home / "lib64" / "libopapi.so").stat().st_mtime_ns == stamp
+    assert op.stat().st_mtime_ns == stamp
 
 
 def test_hash_follows_flags(monkeypatch):
@@ -89,8 +96,9 @@ def test_no_compiler_says_what_to_install(tmp_path, monkeypatch):
 def test_cache_key_covers_every_source(monkeypatch):
     # Every C source any library is built from is hashed, and so is each internal header.
     names = {f.name for f in _build._inputs()}
-    for _, sources, _ in _build.LIBRARIES:
-        assert set(sources) <= names
+    for p in _releases.PROFILES.values():
+        for lib in _releases.libraries(p):
+            assert set(lib.sources) <= names
     assert {"emu.h", "emu_handles.h", "rt_internal.h", "aclemu.h"} <= names
 
 
@@ -108,30 +116,40 @@ def test_sanitizer_build_has_its_own_key_and_checks_its_names(monkeypatch):
 
 # ---------------------------------------------------------------------------- the cache's safety
 
-def _fake_compile(tmp, cc, timeout):
+def _lay_out_markers(tree: Path, final: Path, content: bytes) -> None:
+    """Every profile's tree with marker files for libraries."""
+    for p in _releases.PROFILES.values():
+        for lib in _releases.libraries(p):
+            path = tree / p.release / lib.path
+            _releases.make_folders(path.parent)
+            path.write_bytes(content)
+            for link in lib.links:
+                _releases.link(tree / p.release, link, lib.path)
+        _releases.lay_out(p, tree / p.release, final / p.release)
+
+
+def _fake_compile(tmp, final, cc, timeout):
     """Stands in for the compiler where only the choice of directory is under test."""
-    lib64 = tmp / "lib64"
-    lib64.mkdir(mode=0o700)
-    for name, _, _ in _build.LIBRARIES:
-        (lib64 / f"lib{name}.so").write_bytes(b"built by this process")
+    _lay_out_markers(tmp, final, b"built by this process")
 
 
-def _plant(home: Path, mode: int = 0o700, uid: int | None = None) -> None:
+def _plant(tree: Path, mode: int = 0o700, uid: int | None = None, content: bytes = b"planted") -> None:
     """A complete-looking build directory with libraries that must never be loaded."""
-    (home / "lib64").mkdir(parents=True)
-    for name, _, _ in _build.LIBRARIES:
-        (home / "lib64" / f"lib{name}.so").write_bytes(b"planted")
-    rel = _build._release_dir(home)
-    rel.mkdir()
-    (rel / _build.RELEASE_FILE).write_text("version=planted\n")
-    for p in (home, *home.rglob("*")):
+    tree.mkdir(parents=True)
+    _lay_out_markers(tree, tree, content)
+    (tree / _build.BUILD_FILE).write_text("version=planted\n")
+    for p in (tree, *tree.rglob("*")):
+        if p.is_symlink():
+            continue
         if uid is not None:
             os.chown(p, uid, uid)
         os.chmod(p, mode if p.is_dir() else 0o644)
 
 
 def _libs_of(home: str) -> set[bytes]:
-    return {(Path(home) / "lib64" / f"lib{n}.so").read_bytes() for n, _, _ in _build.LIBRARIES}
+    tree = _tree_of(Path(home))
+    return {(tree / p.release / lib.path).read_bytes() for p in _releases.PROFILES.values()
+            for lib in _releases.libraries(p)}
 
 
 @pytest.fixture
@@ -144,30 +162,45 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_new_cache_root_and_build_are_private(cache):
-    home = Path(_build.build())
-    assert home.parent == cache
-    for p in (cache, home, home / "lib64"):
+    tree = _tree_of(Path(_build.build()))
+    assert tree.parent == cache
+    for p in (cache, tree, tree / _releases.DEFAULT):
         st = p.stat()
         assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700, (p, oct(st.st_mode))
-    assert all(not (p.stat().st_mode & 0o022) for p in home.rglob("*"))
+    assert all(p.is_symlink() or not (p.stat().st_mode & 0o022) for p in tree.rglob("*"))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="planting a directory owned by another user needs root")
 def test_build_owned_by_another_user_is_not_loaded(cache):
     cache.mkdir(mode=0o700)
-    home = cache / f"emulator-{_build.build_hash()}"
-    _plant(home, uid=54321)
+    tree = cache / f"emulator-{_build.build_hash()}"
+    _plant(tree, uid=54321)
     with pytest.warns(UserWarning, match="owned by uid 54321"):
         got = _build.build()
     assert _libs_of(got) == {b"built by this process"}
     assert Path(got).stat().st_uid == os.geteuid()
 
 
+def test_build_whose_link_leads_out_is_not_loaded(cache, tmp_path):
+    # The release trees link their own folders; a link out of the build could swap in anyone's.
+    cache.mkdir(mode=0o700)
+    tree = cache / f"emulator-{_build.build_hash()}"
+    _plant(tree)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    lib64 = tree / _releases.DEFAULT / _releases.release_folder(_releases.selected()) / "lib64"
+    lib64.unlink()
+    lib64.symlink_to(elsewhere)
+    with pytest.warns(UserWarning, match="leads out of the build"):
+        got = _build.build()
+    assert _libs_of(got) == {b"built by this process"}
+
+
 @pytest.mark.parametrize("mode", [0o775, 0o777], ids=["0o775", "0o777"])
 def test_build_writable_by_others_is_not_loaded(cache, mode):
     cache.mkdir(mode=0o700)
-    home = cache / f"emulator-{_build.build_hash()}"
-    _plant(home, mode=mode)
+    tree = cache / f"emulator-{_build.build_hash()}"
+    _plant(tree, mode=mode)
     with pytest.warns(UserWarning, match="writable by group or others"):
         got = _build.build()
     assert _libs_of(got) == {b"built by this process"}
@@ -180,11 +213,11 @@ def test_shared_cache_root_needs_the_sticky_bit(cache):
     with pytest.warns(UserWarning, match="without the sticky bit"):
         got = Path(_build.build())
     assert cache not in got.parents and _libs_of(str(got)) == {b"built by this process"}
-    shutil.rmtree(got.parent)
+    shutil.rmtree(_tree_of(got).parent)
     os.chmod(cache, 0o1777)  # as /tmp: others cannot rename or remove what is ours
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert Path(_build.build()).parent == cache
+        assert _tree_of(Path(_build.build())).parent == cache
 
 
 def test_compiler_flags_in_cc_select_another_build(cache, monkeypatch):
@@ -214,13 +247,17 @@ def test_a_hanging_compile_times_out(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # a compile from scratch (fresh_build)
-def test_release_file_says_what_the_build_is(fresh_build):
+def test_build_file_says_what_the_build_is(fresh_build):
     _, home, _ = fresh_build
-    infos = list(home.glob("*-linux/ascend_toolkit_install.info"))
-    assert len(infos) == 1 and infos[0].parent.name == f"{platform.machine()}-linux"
-    fields = dict(line.split("=", 1) for line in infos[0].read_text().splitlines())
-    key = home.name.rsplit("-", 1)[1]
+    tree = _tree_of(home)
+    fields = dict(line.split("=", 1) for line in (tree / _build.BUILD_FILE).read_text().splitlines())
+    key = tree.name.rsplit("-", 1)[1]
     assert fields["package_name"] == "pyacl-moe-emulator"
     assert fields["version"].startswith("pyacl-moe-emulator-") and fields["version"].endswith("+" + key)
-    assert fields["arch"] == platform.machine() and fields["os"] == "linux"
-    assert fields["path"] == str(infos[0].parent)
+    assert fields["releases"].split(",") == list(_releases.PROFILES) and fields["default_release"] == "9.0.0"
+    # Each release's own toolkit release file, where that release keeps it.
+    for p in _releases.PROFILES.values():
+        info = tree / p.release / _releases.release_folder(p) / f"{_releases.arch()}-linux" / \
+            "ascend_toolkit_install.info"
+        lines = dict(line.split("=", 1) for line in info.read_text().splitlines())
+        assert lines["version"] == p.release and lines["package_name"] == "Ascend-cann-toolkit"

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from .. import _lifetime
 from .._cann import aclemu, loader
-from ._build import SRC_DIR, build, cache_root
+from . import _releases
+from ._build import SRC_DIR, build, build_tree, cache_root
 from ._env import EmulatorConfigError, check_environment
 from ._errors import EmulatorBuildError
 
 # Deliberately wrong kernels, for proving that a check catches a wrong op: the backward's,
 # and the forward's (which the backward kernel ignores).
 MUTATIONS: tuple[str, ...] = ("skip-last-k", "fp16-accumulate", "off-by-one-row")
+# The releases the emulator stands for (PYACL_MOE_EMU_RELEASE), and the one it is when unset.
+RELEASES: tuple[str, ...] = tuple(_releases.PROFILES)
+DEFAULT_RELEASE = _releases.DEFAULT
 FORWARD_MUTATIONS: tuple[str, ...] = ("fwd-unstable-sort", "fwd-wrong-row")
 STREAM_MODES: tuple[str, ...] = ("async", "lazy")
 FIRST_PHASE_API = "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
@@ -35,8 +39,13 @@ __all__ = [
     "STREAM_MODES",
     "EmulatorBuildError",
     "EmulatorConfigError",
+    "DEFAULT_RELEASE",
+    "RELEASES",
     "build",
+    "build_tree",
     "cache_root",
+    "library_paths",
+    "release",
     "check_environment",
     "check_guards",
     "clear_faults",
@@ -71,10 +80,36 @@ def use_emulator() -> None:
     loader.select_provider(loader.EMULATOR)
 
 
-def path() -> str:
-    """The emulator's home directory (``<home>/lib64`` holds the libraries), building it first
-    if needed."""
-    return build()
+def path(release: str | None = None) -> str:
+    """The home of a release's emulated install (``release``, default the selected one): what
+    its set_env.sh exports as ASCEND_HOME_PATH, ``<home>/lib64`` holding its libraries. Builds
+    first if needed."""
+    profile = _profile(release)
+    return f"{build_tree()}/{profile.release}/{_releases.home(profile)}"
+
+
+def _profile(name: str | None) -> _releases.Profile:
+    check_environment()
+    if name is not None and name not in _releases.PROFILES:
+        raise ValueError(f"release must be one of {RELEASES}, not {name!r}")
+    return _releases.PROFILES[name] if name else _releases.selected()
+
+
+def release() -> str:
+    """The release ``PYACL_MOE_EMU_RELEASE`` selects (``DEFAULT_RELEASE`` when unset)."""
+    check_environment()
+    return _releases.selected().release
+
+
+def library_paths(name: str | None = None) -> list[tuple[str, str]]:
+    """(library, path) of a release's emulated install (``name``, default the selected one), in
+    the order they load: libascendcl, libnnopbase, then the op library's dependency and the op
+    library, whose name is "op". Builds first if needed."""
+    profile = _profile(name)
+    tree = build_tree()
+    libs = _releases.libraries(profile)
+    return [(lib.name if i < len(libs) - 1 else "op", f"{tree}/{profile.release}/{lib.path}")
+            for i, lib in enumerate(libs)]
 
 
 def stats() -> dict[str, int]:

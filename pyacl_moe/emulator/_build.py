@@ -1,11 +1,14 @@
-"""Build the host emulator into a directory laid out like a CANN install.
+"""Build the host emulator into a directory laid out like a CANN install of each release.
 
 The C sources ship inside the package and are compiled on first use with the system C
-compiler into ``<cache>/emulator-<hash>/lib64/{libascendcl,libnnopbase,libopapi}.so``, with a
-toolkit release file beside them (``<arch>-linux/ascend_toolkit_install.info``). The hash
-covers the sources, the declarations in headers/, the compiler command as given (``$CC`` with
-its flags), the compiler's version and the flags, so an edit or another compiler gives a new
-directory and a stale build is never loaded.
+compiler, once, into objects that every release profile links (:mod:`._releases`): each
+profile's tree, ``<cache>/emulator-<hash>/<release>/Ascend/...``, is laid out as that
+release installs (libraries, their names and places, version and install-info files,
+set_env.sh), and its libascendcl.so links its own ``release.c``. ``build()`` returns the home
+of the profile ``PYACL_MOE_EMU_RELEASE`` selects. The hash covers the sources, the declarations
+in headers/, the profiles, the compiler command as given (``$CC`` with its flags), the
+compiler's version and the flags, so an edit or another compiler gives a new directory and a
+stale build is never loaded.
 
 ``PYACL_MOE_EMU_SANITIZE`` (e.g. ``address,undefined``) selects an instrumented build instead,
 with its own cache directory (``emulator-san-<hash>``); docs/emulator.md says how to run
@@ -14,10 +17,11 @@ so two processes building at once both succeed and neither sees a half-written l
 compile has a deadline (``PYACL_MOE_EMU_BUILD_TIMEOUT``, default 300 s).
 
 The cache is trusted only when nobody else can write to it: the root and every build directory
-are created private (0700); a build directory not owned by this user, or writable by group or
-others, is never loaded (a library planted there would run as the victim) but rebuilt
-privately, with a warning; so is the whole cache when its root is writable by others without
-the sticky bit. docs/emulator.md states the rules.
+are created private (0700); a build directory holding anything not owned by this user, or
+writable by group or others, or a symbolic link that leads out of the build, is never loaded
+(a library planted there would run as the victim) but rebuilt privately, with a warning; so is
+the whole cache when its root is writable by others without the sticky bit. docs/emulator.md
+states the rules.
 
 This module is plain Python: it neither imports cffi nor loads anything.
 """
@@ -39,17 +43,10 @@ import warnings
 from pathlib import Path
 
 from .. import _paths
+from . import _releases
 from ._errors import EmulatorBuildError
 
 SRC_DIR = Path(__file__).resolve().parent / "src"
-
-# Which sources make which library, in link order: each library links against the ones
-# before it, by soname, and finds them at run time through $ORIGIN, as CANN's libraries do.
-LIBRARIES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("ascendcl", ("rt_state.c", "rt_device.c", "rt_stream.c", "rt_memory.c"), ()),
-    ("nnopbase", ("nnopbase.c",), ("ascendcl",)),
-    ("opapi", ("opapi.c", "kernel.c", "opapi_fwd.c", "kernel_fwd.c"), ("nnopbase", "ascendcl")),
-)
 
 CFLAGS: tuple[str, ...] = (
     "-std=c11",
@@ -68,14 +65,15 @@ CFLAGS: tuple[str, ...] = (
 SANITIZE_ENV = "PYACL_MOE_EMU_SANITIZE"
 SANITIZERS = ("address", "undefined", "leak", "thread")
 
-# Bump when the layout of the build directory changes. 2: the toolkit release file.
-_LAYOUT_VERSION = "2"
+# Bump when the layout of the build directory changes. 2: the toolkit release file; 3: a tree
+# per release profile.
+_LAYOUT_VERSION = "3"
 
 BUILD_TIMEOUT_ENV = "PYACL_MOE_EMU_BUILD_TIMEOUT"
 DEFAULT_BUILD_TIMEOUT = 300.0
 
-# What a CANN toolkit keeps in <home>/<arch>-linux/ to say which release it is.
-RELEASE_FILE = "ascend_toolkit_install.info"
+# What a build says of itself, at its top (beside the release trees).
+BUILD_FILE = "pyacl_moe_emulator.info"
 PACKAGE_NAME = "pyacl-moe-emulator"
 
 
@@ -163,26 +161,25 @@ def _inputs() -> list[Path]:
 
 
 def build_hash(cc: list[str] | None = None) -> str:
-    """The cache key of a build: sources, headers, compiler command and version, and flags."""
+    """The cache key of a build: sources, headers, profiles, compiler command and version, and
+    flags."""
     cc = cc or find_compiler()
     h = hashlib.sha256()
     h.update(_LAYOUT_VERSION.encode())
     h.update(_compiler_identity(cc, min(30.0, build_timeout())).encode())
     h.update("\0".join(_cflags()).encode())
-    h.update(repr(LIBRARIES).encode())  # which sources make which library, and the link order
+    h.update(repr(sorted(_releases.PROFILES.items())).encode())
+    h.update(repr([_releases.libraries(p) for p in _releases.PROFILES.values()]).encode())
     for f in _inputs():
         h.update(f.name.encode())
         h.update(f.read_bytes())
+    h.update(Path(_releases.__file__).read_bytes())  # the layouts it writes
     return h.hexdigest()[:16]
 
 
-def _release_dir(home: Path) -> Path:
-    return home / f"{platform.machine() or 'unknown'}-{platform.system().lower() or 'unknown'}"
-
-
-def _complete(home: Path) -> bool:
-    return all((home / "lib64" / f"lib{name}.so").is_file() for name, _, _ in LIBRARIES) and (
-        _release_dir(home) / RELEASE_FILE).is_file()
+def _complete(tree: Path) -> bool:
+    return (tree / BUILD_FILE).is_file() and all(
+        (tree / p.release / lib.path).is_file() for p in _releases.PROFILES.values() for lib in _releases.libraries(p))
 
 
 def emulator_release() -> str:
@@ -191,22 +188,20 @@ def emulator_release() -> str:
     return f"{PACKAGE_NAME}-{m.group(1) if m else 'unknown'}"
 
 
-def _write_release_file(tmp: Path, home: Path, key: str) -> None:
-    """The toolkit-style release file a CANN install keeps, saying what this build is."""
-    rel = _release_dir(tmp)
-    rel.mkdir(mode=0o700)
+def _write_build_file(tmp: Path, key: str) -> None:
+    """What the build is: the emulator's release and hash, its sanitizers, its profiles."""
     sanitize = ",".join(f.split("=", 1)[1] for f in sanitize_flags()[:1]) or "none"
     lines = [
         f"package_name={PACKAGE_NAME}",
         f"version={emulator_release()}+{'san-' if sanitize != 'none' else ''}{key}",
         f"build_hash={key}",
-        "emulated_abi=CANN 8.x",
+        f"releases={','.join(_releases.PROFILES)}",
+        f"default_release={_releases.DEFAULT}",
         f"sanitizers={sanitize}",
         f"arch={platform.machine()}",
         f"os={platform.system().lower()}",
-        f"path={_release_dir(home)}",
     ]
-    (rel / RELEASE_FILE).write_text("\n".join(lines) + "\n")
+    (tmp / BUILD_FILE).write_text("\n".join(lines) + "\n")
 
 
 def _kill(procs: list[subprocess.Popen[str]]) -> None:
@@ -250,21 +245,30 @@ def _run(cmd: list[str], deadline: float, timeout: float) -> None:
         )
 
 
-def _compile_into(tmp: Path, cc: list[str], timeout: float) -> None:
+def _release_flags(p: _releases.Profile) -> list[str]:
+    major, minor, patch = p.acl_version
+    return [f"-DEMU_RELEASE_CODE={p.code}", f'-DEMU_RELEASE_NAME="{p.release}"', f"-DEMU_ACL_MAJOR={major}",
+            f"-DEMU_ACL_MINOR={minor}", f"-DEMU_ACL_PATCH={patch}"]
+
+
+def _compile_into(tmp: Path, final: Path, cc: list[str], timeout: float) -> None:
+    """Every profile's tree in ``tmp`` (to be renamed to ``final``): the shared sources
+    compiled once, release.c once per profile, then each profile's libraries linked in
+    dependency order and its files laid out."""
     deadline = time.monotonic() + timeout
-    lib64 = tmp / "lib64"
     obj = tmp / "obj"
-    lib64.mkdir(mode=0o700, parents=True)
-    obj.mkdir(mode=0o700)
+    obj.mkdir(mode=0o700, parents=True)
     includes = ["-I", str(_paths.headers_dir()), "-I", str(SRC_DIR)]
     cflags = _cflags()
+    shared = sorted({s for p in _releases.PROFILES.values() for lib in _releases.libraries(p) for s in lib.sources
+                     if s != _releases.RELEASE_SOURCE})
+    compiles = [[*cc, *cflags, *includes, "-c", str(SRC_DIR / src), "-o", str(obj / (src + ".o"))] for src in shared]
+    compiles += [[*cc, *cflags, *includes, *_release_flags(p), "-c", str(SRC_DIR / _releases.RELEASE_SOURCE),
+                  "-o", str(obj / f"release-{p.release}.o")] for p in _releases.PROFILES.values()]
     # Objects compile in parallel; links follow in dependency order.
     jobs: list[tuple[list[str], subprocess.Popen[str]]] = []
     try:
-        for _, sources, _ in LIBRARIES:
-            for src in sources:
-                cmd = [*cc, *cflags, *includes, "-c", str(SRC_DIR / src), "-o", str(obj / (src + ".o"))]
-                jobs.append((cmd, _start(cmd)))
+        jobs = [(cmd, _start(cmd)) for cmd in compiles]
         failures = []
         for cmd, proc in jobs:
             try:
@@ -277,12 +281,25 @@ def _compile_into(tmp: Path, cc: list[str], timeout: float) -> None:
         _kill([proc for _, proc in jobs])
     if failures:
         raise EmulatorBuildError("compiling the CANN emulator failed:\n" + "\n".join(failures))
-    for name, sources, deps in LIBRARIES:
-        cmd = [*cc, "-shared", "-pthread", *sanitize_flags()[:1], f"-Wl,-soname,lib{name}.so"]
-        cmd += [str(obj / (s + ".o")) for s in sources]
-        cmd += ["-L", str(lib64), *[f"-l{d}" for d in deps], "-Wl,-rpath,$ORIGIN"]
-        cmd += ["-o", str(lib64 / f"lib{name}.so")]
-        _run(cmd, deadline, timeout)
+    for p in _releases.PROFILES.values():
+        tree = tmp / p.release
+        made: dict[str, Path] = {}
+        for lib in _releases.libraries(p):
+            out_path = tree / lib.path
+            _releases.make_folders(out_path.parent)
+            objects = [str(obj / (f"release-{p.release}.o" if s == _releases.RELEASE_SOURCE else s + ".o"))
+                       for s in lib.sources]
+            # No RUNPATH, as CANN's release builds have none: whoever loads a library finds
+            # its dependencies (the binding loads them by path first).
+            dirs = sorted({str(made[n].parent) for n in lib.needs})
+            cmd = [*cc, "-shared", "-pthread", *sanitize_flags()[:1], f"-Wl,-soname,lib{lib.name}.so", *objects]
+            cmd += [f for d in dirs for f in ("-L", d, f"-Wl,-rpath-link,{d}")]
+            cmd += [f"-l{n}" for n in lib.needs] + ["-o", str(out_path)]
+            _run(cmd, deadline, timeout)
+            made[lib.name] = out_path
+            for link in lib.links:
+                _releases.link(tree, link, lib.path)
+        _releases.lay_out(p, tree, final / p.release)
     shutil.rmtree(obj)
 
 
@@ -302,22 +319,30 @@ def _untrusted_root(root: Path) -> str | None:
     return None
 
 
-def _untrusted_build(home: Path) -> str | None:
-    """Why an existing build directory must not be loaded, or None: it, and every directory
-    and library in it, must be this user's and writable by nobody else."""
-    paths = [home, home / "lib64", *(home / "lib64" / f"lib{n}.so" for n, _, _ in LIBRARIES),
-             _release_dir(home), _release_dir(home) / RELEASE_FILE]
-    for path in paths:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue  # incomplete: rebuilt anyway
-        if stat.S_ISLNK(st.st_mode):
-            return f"{path} is a symbolic link"
-        if st.st_uid != os.geteuid():
-            return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-        if st.st_mode & 0o022:
-            return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+def _untrusted_build(tree: Path) -> str | None:
+    """Why an existing build directory must not be loaded, or None: everything in it must be
+    this user's and writable by nobody else, and a symbolic link may only lead to a place
+    inside the build (the release trees link their own folders)."""
+    try:
+        st = os.lstat(tree)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{tree} is a symbolic link"
+    inside = os.path.realpath(tree) + os.sep
+    for dirpath, dirs, files in os.walk(tree):
+        for path in (dirpath, *(os.path.join(dirpath, n) for n in dirs + files)):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue  # removed meanwhile: the build is judged incomplete anyway
+            if st.st_uid != os.geteuid():
+                return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+            if stat.S_ISLNK(st.st_mode):
+                if not os.path.realpath(path).startswith(inside):
+                    return f"{path} is a symbolic link that leads out of the build"
+            elif st.st_mode & 0o022:
+                return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
 
 
@@ -356,19 +381,30 @@ def _set_aside(root: Path, home: Path) -> bool:
 def _seal(tmp: Path) -> None:
     """Nobody but this user may write anything in a build, whatever the umask let the linker
     create."""
-    for dirpath, _, files in os.walk(tmp):
-        for p in (dirpath, *(os.path.join(dirpath, f) for f in files)):
-            mode = stat.S_IMODE(os.lstat(p).st_mode)
-            if mode & 0o022:
-                os.chmod(p, mode & ~0o022)
+    for dirpath, dirs, files in os.walk(tmp):
+        for p in (dirpath, *(os.path.join(dirpath, f) for f in dirs + files)):
+            st = os.lstat(p)
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022:
+                os.chmod(p, stat.S_IMODE(st.st_mode) & ~0o022)
 
 
 def build(force: bool = False) -> str:
-    """Compile the emulator if needed and return its home (the directory holding lib64/).
+    """Compile the emulator if needed and return the home of the selected release profile
+    (``PYACL_MOE_EMU_RELEASE``, default ``_releases.DEFAULT``): the folder its set_env.sh exports
+    as ASCEND_HOME_PATH.
 
     Raises EmulatorConfigError when a PYACL_MOE_EMU_* variable is malformed, and
     EmulatorBuildError when no C compiler is available, compilation fails or times out.
     """
+    from ._env import check_environment
+
+    check_environment()
+    profile = _releases.selected()
+    return str(Path(build_tree(force)) / profile.release / _releases.home(profile))
+
+
+def build_tree(force: bool = False) -> str:
+    """Compile the emulator if needed and return the build's folder (one tree per release)."""
     from ._env import check_environment
 
     check_environment()
@@ -377,41 +413,41 @@ def build(force: bool = False) -> str:
     key = build_hash(cc)
     name = f"emulator-{'san-' if sanitize_flags() else ''}{key}"
     root = _prepare_root(cache_root())
-    home = root / name
-    if os.path.lexists(home):
-        why = _untrusted_build(home)
-        if why is None and _complete(home) and not force:
-            return str(home)
+    tree = root / name
+    if os.path.lexists(tree):
+        why = _untrusted_build(tree)
+        if why is None and _complete(tree) and not force:
+            return str(tree)
         if why is not None:
-            warnings.warn(f"emulator build {home} not loaded: {why}; building a private copy", stacklevel=2)
-            if not _set_aside(root, home):
+            warnings.warn(f"emulator build {tree} not loaded: {why}; building a private copy", stacklevel=3)
+            if not _set_aside(root, tree):
                 root = _private_dir()
-                home = root / name
+                tree = root / name
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     keep = False
     try:
-        _compile_into(tmp, cc, timeout)
-        _write_release_file(tmp, home, key)
+        _compile_into(tmp, tree, cc, timeout)
+        _write_build_file(tmp, key)
         _seal(tmp)
-        if force and home.exists():
+        if force and tree.exists():
             # Move the old build aside first: a process may still have it mapped.
             old = Path(tempfile.mkdtemp(prefix=".old-", dir=root))
-            os.replace(home, old / "home")
+            os.replace(tree, old / "tree")
             shutil.rmtree(old, ignore_errors=True)
         try:
-            os.rename(tmp, home)
+            os.rename(tmp, tree)
         except OSError:
             # Another process finished the same build first; theirs is identical, unless it
             # was planted meanwhile: then this private build is the one used.
-            if not _complete(home):
+            if not _complete(tree):
                 raise
-            why = _untrusted_build(home)
+            why = _untrusted_build(tree)
             if why is not None:
-                warnings.warn(f"emulator build {home} not loaded: {why}; using the private build {tmp}",
-                              stacklevel=2)
+                warnings.warn(f"emulator build {tree} not loaded: {why}; using the private build {tmp}",
+                              stacklevel=3)
                 keep = True
                 return str(tmp)
     finally:
         if not keep and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return str(home)
+    return str(tree)

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from ._errors import EmulatorBuildError
+from ._releases import DEFAULT, PROFILES
 
 PREFIX = "PYACL_MOE_EMU_"
 MAX_DEVICES = 64  # EMU_MAX_DEVICES in rt_internal.h
@@ -62,8 +63,8 @@ def _seconds(v: str) -> bool:
     return x > 0 and x < float("inf")
 
 
-# name -> (check, accepted forms). The C library reads all but the last two, which only the
-# build reads (_build.py).
+# name -> (check, accepted forms). The C library reads all but the last three, which only the
+# build reads (_build.py, _releases.py).
 VARIABLES: dict[str, tuple[Callable[[str], bool], str]] = {
     "PYACL_MOE_EMU_DEVICES": (_int(0, MAX_DEVICES), f"a whole number of devices from 0 to {MAX_DEVICES}"),
     "PYACL_MOE_EMU_MEMORY": (_size, "a positive number of bytes, optionally with a fraction and one of the "
@@ -78,6 +79,8 @@ VARIABLES: dict[str, tuple[Callable[[str], bool], str]] = {
                               "(at most 16 are used)"),
     "PYACL_MOE_EMU_SANITIZE": (_sanitizers, "a comma-separated list of " + ", ".join(SANITIZERS)),
     "PYACL_MOE_EMU_BUILD_TIMEOUT": (_seconds, "a positive number of seconds, e.g. 300 or 0.5"),
+    "PYACL_MOE_EMU_RELEASE": (lambda v: v in PROFILES, "one of the emulated releases " + ", ".join(PROFILES)
+                              + f" (default {DEFAULT})"),
 }
 
 

@@ -60,3 +60,8 @@ int64_t aclemuCheckGuards(void);
 int aclemuCorruptGuard(void *devPtr);
 
 const char *aclemuVersion(void);
+
+/* The CANN release this build stands for (PYACL_MOE_EMU_RELEASE when it was built): its code,
+ * major * 10000 + minor * 100 + patch (80100 for 8.1.RC1, 90100 for 9.1.0), and its name. */
+int aclemuRelease(void);
+const char *aclemuReleaseName(void);

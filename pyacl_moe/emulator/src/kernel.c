@@ -98,14 +98,6 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((rounded & ~is_nan) | (quiet & is_nan));
 }
 
-EMU_HIDDEN size_t moe_dtype_size(aclDataType dt) {
-    switch (dt) {
-    case ACL_FLOAT: case ACL_INT32: return 4;
-    case ACL_FLOAT16: case ACL_BF16: return 2;
-    default: return 0;
-    }
-}
-
 /* ------------------------------------------------------------------ row arithmetic */
 
 /* One term of a sum: a row of gradExpandedX, `h` elements `stride` apart. */
@@ -428,15 +420,18 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
     int status = ACL_ERROR_RT_AICORE_EXCEPTION;
     int32_t *ids_buf = NULL;
 
-    /* Pin the device memory of the three views and the workspace under one lock. */
+    /* Pin the device memory of the three views and the workspace under one lock: up to 9.0 the
+     * whole workspace, from 9.1 only the dense result of a strided out (in 9.1 nothing checks
+     * the workspace's size, so that is where a short one faults). */
     plan_view(&mx, &a->x);
     plan_view(&mi, &a->idx);
     plan_view(&mo, &a->out);
     mapped_view *views[3] = {&mx, &mi, &mo};
-    static const char *const names[4] = {"gradExpandedX", "expandedRowIdx", "out", "the workspace"};
-    uintptr_t starts[4];
-    size_t lens[4];
-    int which[4], n = 0;
+    static const char *const names[5] = {"gradExpandedX", "expandedRowIdx", "out", "the workspace",
+                                         "out's dense result in the workspace"};
+    uintptr_t starts[5];
+    size_t lens[5];
+    int which[5], n = 0;
     for (int v = 0; v < 3; v++) {
         if (!views[v]->bytes) continue;
         starts[n] = views[v]->start;
@@ -448,10 +443,18 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
         lens[n] = a->workspace_size;
         which[n++] = 3;
     }
-    emu_pin pins[4];
+    if (a->via_scratch) {
+        starts[n] = a->workspace + (uintptr_t)a->scratch;
+        lens[n] = (size_t)(a->n * a->h) * mo.esize;
+        which[n++] = 4;
+    }
+    emu_pin pins[5];
     if (moe_pin_ranges(starts, lens, which, names, n, pins, msg, len)) return status;
-    for (int i = 0; i < n; i++)
+    unsigned char *dense = NULL; /* the dense result of a strided out (9.1) */
+    for (int i = 0; i < n; i++) {
         if (which[i] < 3) views[which[i]]->host = pins[i].host;
+        else if (which[i] == 4) dense = pins[i].host;
+    }
 
     /* The first bsk indices in row-major order of the index view, copied once: they are checked
      * and used from this snapshot, never re-read from device memory, so a concurrent write (a
@@ -494,7 +497,7 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
 
     token_job job = {
         .a = a, .ids = ids, .x_host = mx.host, .x_lo = mx.lo, .es = mx.esize,
-        .out_base = mo.host + (a->out.offset - mo.lo) * (int64_t)mx.esize,
+        .out_base = dense ? dense : mo.host + (a->out.offset - mo.lo) * (int64_t)mx.esize,
         .exp = bin_exponent(k), .droppad = droppad, .active = active,
     };
     job.nb = (int64_t)1 << job.exp;
@@ -503,6 +506,8 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
         status = ACL_ERROR_RT_INTERNAL_ERROR;
         goto done;
     }
+    /* 9.1's l0op::ViewCopy, the next kernel on the stream: the dense result into out's view. */
+    if (dense) aclemuViewCopy(dense, &a->out, mo.host, mo.lo);
     status = 0;
 
 done:

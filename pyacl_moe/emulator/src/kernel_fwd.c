@@ -33,7 +33,10 @@ static int by_expert_then_reverse_position(const void *pa, const void *pb) {
     return (a->pos < b->pos) - (a->pos > b->pos);
 }
 
-enum { V_X, V_IDX, V_EX, V_RI, V_CNT, V_BC, V_WS, V_COUNT };
+/* The ranges a run pins: the inputs, the outputs, the whole workspace (up to 9.0), and the
+ * dense results in the workspace of the outputs that keep their views (9.1), in the order of
+ * the outputs. */
+enum { V_X, V_IDX, V_EX, V_RI, V_CNT, V_BC, V_WS, V_DENSE, V_COUNT = V_DENSE + 4 };
 
 /* Element i of an int32 output. Device pointers need not be aligned to 4 bytes (nnopbase
  * passes any address it is given), so the store goes through memcpy, never an int32_t *. */
@@ -42,12 +45,31 @@ static void store_i32(unsigned char *base, int64_t i, int64_t v) {
     memcpy(base + i * (int64_t)sizeof w, &w, sizeof w);
 }
 
+/* Output o keeps its view (9.1): its dense range (bytes[V_EX + o], figured as for an output
+ * written densely) moves to its dense result in the workspace, and the output's range becomes
+ * what its view spans from its address. The first phase guarded that extent and made sure the
+ * view has elements (a view of none is contiguous). */
+static void keep_view(const moe_fwd_args *a, int o, uintptr_t *start, size_t *bytes, int64_t *lo) {
+    const emu_tensor_desc *t = a->view[o];
+    const size_t es = moe_dtype_size(t->dtype);
+    int64_t hi = 0;
+    start[V_DENSE + o] = a->workspace + (uintptr_t)a->scratch[o];
+    bytes[V_DENSE + o] = bytes[V_EX + o];
+    view_extent(t, lo, &hi);
+    start[V_EX + o] += (uintptr_t)(*lo * (int64_t)es);
+    bytes[V_EX + o] = (size_t)(hi - *lo + 1) * es;
+}
+
 EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
     const moe_fwd_args *a = payload;
     aclemuCountAdd(EMU_C_KERNELS_RUN, 1);
     static const char *const names[V_COUNT] = {
         "x", "expertIdx", "expandedXOut", "expandedRowIdxOut", "expertTokensCountOrCumsumOut",
-        "expertTokensBeforeCapacityOut", "the workspace"};
+        "expertTokensBeforeCapacityOut", "the workspace",
+        "expandedXOut's dense result in the workspace",
+        "expandedRowIdxOut's dense result in the workspace",
+        "expertTokensCountOrCumsumOut's dense result in the workspace",
+        "expertTokensBeforeCapacityOut's dense result in the workspace"};
     const int64_t total = a->n * a->k, h = a->h;
     const size_t es = moe_dtype_size(a->x.dtype);
     const int droppad = a->drop_pad_mode == 1;
@@ -75,6 +97,10 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
     bytes[V_BC] = a->write_bc ? (size_t)a->expert_num * 4 : 0;
     start[V_WS] = a->workspace;
     bytes[V_WS] = a->workspace_size;
+    int64_t view_lo[4] = {0};
+    for (int o = 0; o < 4; o++) {
+        if (a->view[o]) keep_view(a, o, start, bytes, &view_lo[o]);
+    }
     uintptr_t starts[V_COUNT];
     size_t lens[V_COUNT];
     int which[V_COUNT], n = 0;
@@ -89,6 +115,13 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
     if (fault) return fault;
     unsigned char *host[V_COUNT] = {NULL};
     for (int i = 0; i < n; i++) host[which[i]] = pins[i].host;
+    /* The kernel writes an output that keeps its view into its dense result. */
+    unsigned char *view_host[4] = {NULL};
+    for (int o = 0; o < 4; o++) {
+        if (!a->view[o]) continue;
+        view_host[o] = host[V_EX + o];
+        host[V_EX + o] = host[V_DENSE + o];
+    }
 
     int status = ACL_ERROR_RT_AICORE_EXCEPTION;
     slot *s = malloc((size_t)(total ? total : 1) * sizeof *s);
@@ -191,6 +224,9 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
     }
     if (a->write_bc)
         for (int64_t e = 0; e < a->expert_num; e++) store_i32(host[V_BC], e, hist[e]);
+    /* 9.1's l0op::ViewCopy of each output that keeps its view, the next kernels on the stream. */
+    for (int o = 0; o < 4; o++)
+        if (a->view[o]) aclemuViewCopy(host[V_EX + o], a->view[o], view_host[o], view_lo[o]);
     status = 0;
 
 done:

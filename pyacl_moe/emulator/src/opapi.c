@@ -10,6 +10,15 @@
  * queues the kernel on the stream and returns at once; a one-shot executor is consumed by
  * every launch that passes the argument checks, as nnopbase recycles it. docs/emulator.md,
  * "The generic aclnn layer", says where each rule was read.
+ *
+ * From 9.1 (emu_l0op_entry: ops-transformer v9.1.0.pre op_api/aclnn_moe_init_routing_v2_grad.cpp)
+ * the entry is built from l0op calls instead, and answers differently: workspaceSize and
+ * executor first, then the tensors (161001); data types only of non-empty tensors, with out's
+ * equal to gradExpandedX's (161002); no format check at the entry, but an input format no
+ * kernel binary takes, and every tiling refusal, make the l0op fail (561103). The workspace is
+ * the composite executor's (each tensor aligned), a strided out is written through its strides
+ * (l0op::ViewCopy from a dense result in the workspace), and the second phase
+ * (CommonOpExecutorRun) does not compare the caller's workspace size with anything.
  */
 #define _GNU_SOURCE
 #include <limits.h>
@@ -23,6 +32,22 @@
 #define MOE_WORKSPACE_BYTES ((uint64_t)16 * 1024 * 1024)
 
 static const char *const API1 = "aclnnMoeInitRoutingV2GradGetWorkspaceSize";
+
+EMU_HIDDEN int emu_l0op_entry(void) { return aclemuRelease() >= 90100; }
+
+EMU_HIDDEN int emu_tiling_status(void) {
+    return emu_l0op_entry() ? ACLNN_ERR_INNER_NULLPTR : ACLNN_ERR_INNER_TILING_ERROR;
+}
+
+/* The tiling's reserve as the first phase reports it: nnopbase's plain sum up to 9.0; from 9.1
+ * a workspace tensor of the composite executor, Align(16 MiB) = 16,777,728 (inferred from
+ * opbase v9.1.0.pre's MaxAllocator, src/nnopbase/composite_op/mem_mgr/memory_allocator.cpp). */
+static uint64_t tiling_workspace(void) {
+    uint64_t ws = 0;
+    if (!emu_l0op_entry()) return MOE_WORKSPACE_BYTES;
+    emu_workspace_add(&ws, MOE_WORKSPACE_BYTES); /* cannot overflow */
+    return ws;
+}
 
 typedef struct moe_op {
     moe_kernel_args args; /* addresses are refreshed from the executor at each launch */
@@ -100,36 +125,6 @@ EMU_HIDDEN int format_is_nd_like(aclFormat f) {
     }
 }
 
-/* Elements of a view: 0 when a dimension is 0 (whatever the others), -1 when a dimension is
- * negative or the count does not fit in int64. */
-EMU_HIDDEN int64_t view_numel(const emu_tensor_desc *t) {
-    int64_t n = 1;
-    int overflow = 0;
-    for (int64_t d = 0; d < t->ndim; d++) {
-        if (t->shape[d] == 0) return 0;
-        if (t->shape[d] < 0) return -1;
-        overflow |= __builtin_mul_overflow(n, t->shape[d], &n);
-    }
-    return overflow ? -1 : n;
-}
-
-/* nnopbase's contiguity test (IsContiguousShape, individual_op/executor/indv_executor_utils.h):
- * a view of 0 or 1 element is contiguous; otherwise every dimension but those of size 1 must
- * have the row-major stride. The view offset plays no part. Only called on views without
- * negative dimensions whose element count fits in int64, so the running product cannot
- * overflow. */
-EMU_HIDDEN int is_contiguous(const emu_tensor_desc *t) {
-    int64_t n = view_numel(t);
-    if (n == 0 || n == 1) return 1;
-    int64_t expect = 1;
-    for (int64_t d = t->ndim - 1; d >= 0; d--) {
-        if (t->shape[d] == 1) continue;
-        if (t->strides[d] != expect) return 0;
-        expect *= t->shape[d];
-    }
-    return 1;
-}
-
 /* The emulator's own guard, not a CANN check: the kernel maps the byte range a view touches,
  * [offset + the negative spans, offset + the positive spans] elements scaled by the element
  * size, so every term must be computable in int64 or the mapped range would wrap and the host
@@ -159,30 +154,7 @@ EMU_HIDDEN int check_extent(const char *api, const emu_tensor_desc *t, const cha
     return ACLNN_ERR_PARAM_INVALID;
 }
 
-/* Workspace for the dense copy nnopbase makes of a non-contiguous input before the kernel
- * runs: the op's aclnn entry asks the contiguous-copy executor for its workspace and adds it
- * to the op's own. That executor places each copy as an intermediate tensor, sized like the
- * composite-op allocator does (composite_op/mem_mgr/memory_allocator.cpp): the bytes plus 32,
- * rounded up to 512. Both copies are alive when the kernel runs, so they do not share space.
- * Returns 0 and adds to *total, or 161002 when a size does not fit in 64 bits (an uncountable
- * view included). */
-EMU_HIDDEN int add_copy_scratch(const char *api, const emu_tensor_desc *t, const char *name,
-                                uint64_t *total) {
-    int64_t n = view_numel(t);
-    if (n >= 0 && is_contiguous(t)) return 0;
-    uint64_t bytes = 0;
-    int bad = n < 0 || __builtin_mul_overflow((uint64_t)n, (uint64_t)moe_dtype_size(t->dtype), &bytes) ||
-              __builtin_add_overflow(bytes, (uint64_t)(32 + 511), &bytes);
-    if (!bad) bad = __builtin_add_overflow(*total, bytes & ~(uint64_t)511, total);
-    if (!bad) return 0;
-    aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
-                    "%s: its element count or the workspace of its dense copy does not fit in 64 "
-                    "bits",
-                    name);
-    return ACLNN_ERR_PARAM_INVALID;
-}
-
-#define tiling_error(...) emu_fail(API1, ACLNN_ERR_INNER_TILING_ERROR, __VA_ARGS__)
+#define tiling_error(...) emu_fail(API1, emu_tiling_status(), __VA_ARGS__)
 
 EMU_HIDDEN int emu_fail(const char *api, int status, const char *fmt, ...) {
     char buf[EMU_MSG_LEN];
@@ -196,12 +168,9 @@ EMU_HIDDEN int emu_fail(const char *api, int status, const char *fmt, ...) {
 
 static int check_positive(const emu_tensor_desc *t, const char *name, int allow_zero) {
     for (int64_t d = 0; d < t->ndim; d++) {
-        if (t->shape[d] < 0 || (!allow_zero && t->shape[d] == 0)) {
-            aclemuSetErrMsg(API1, ACLNN_ERR_INNER_TILING_ERROR,
-                            "dimension %lld of %s is %lld: it must be %s", (long long)d, name,
-                            (long long)t->shape[d], allow_zero ? "non-negative" : "positive");
-            return ACLNN_ERR_INNER_TILING_ERROR;
-        }
+        if (t->shape[d] < 0 || (!allow_zero && t->shape[d] == 0))
+            return tiling_error("dimension %lld of %s is %lld: it must be %s", (long long)d, name,
+                                (long long)t->shape[d], allow_zero ? "non-negative" : "positive");
     }
     return 0;
 }
@@ -262,27 +231,60 @@ static int get_desc(const aclTensor *t, const char *name, emu_tensor_desc *d) {
     return 0;
 }
 
-/* The support-list match of nnopbase: data types and formats (161002). */
+EMU_HIDDEN int want_float(const char *api, const emu_tensor_desc *t, const char *name) {
+    if (emu_is_float(t->dtype)) return 0;
+    return emu_fail(api, ACLNN_ERR_PARAM_INVALID,
+                    "%s has data type %s (%d): it must be FLOAT16, BF16 or FLOAT", name,
+                    dtype_name(t->dtype), (int)t->dtype);
+}
+
+EMU_HIDDEN int want_int32(const char *api, const emu_tensor_desc *t, const char *name) {
+    if (t->dtype == ACL_INT32) return 0;
+    return emu_fail(api, ACLNN_ERR_PARAM_INVALID, "%s has data type %s (%d): it must be INT32",
+                    name, dtype_name(t->dtype), (int)t->dtype);
+}
+
+EMU_HIDDEN int want_same(const char *api, const emu_tensor_desc *t, const char *name,
+                         const emu_tensor_desc *ref, const char *ref_name) {
+    if (t->dtype == ref->dtype) return 0;
+    return emu_fail(api, ACLNN_ERR_PARAM_INVALID,
+                    "%s has data type %s (%d) but %s has %s (%d): they must match", name,
+                    dtype_name(t->dtype), (int)t->dtype, ref_name, dtype_name(ref->dtype),
+                    (int)ref->dtype);
+}
+
+EMU_HIDDEN int kernel_format(const char *api, const emu_tensor_desc *t, const char *name) {
+    if (format_is_nd_like(t->format)) return 0;
+    return emu_fail(api, ACLNN_ERR_INNER_NULLPTR,
+                    "%s has format %d: no kernel binary of the operator takes it (they take ND, "
+                    "and NCHW, NHWC, NCL, NCDHW and DHWCN as ND), so the l0op finds no kernel",
+                    name, (int)t->format);
+}
+
+EMU_HIDDEN int kernel_dtype(const char *api, const emu_tensor_desc *t, const char *name, int ok) {
+    if (ok) return 0;
+    return emu_fail(api, ACLNN_ERR_INNER_NULLPTR,
+                    "%s has data type %s (%d): no kernel binary of the operator takes it with the "
+                    "others' types, so the l0op finds no kernel",
+                    name, dtype_name(t->dtype), (int)t->dtype);
+}
+
+EMU_HIDDEN int view_copy_scratch(const char *api, const emu_tensor_desc *t, const char *name,
+                                 uint64_t *workspace, uint64_t *scratch, int *via) {
+    const int64_t n = aclemuViewNumel(t);
+    *via = !(n >= 0 && aclemuIsContiguous(t));
+    if (!*via) return 0;
+    *scratch = *workspace;
+    return aclemuContiguousWorkspace(api, t, name, workspace);
+}
+
+/* The support-list match of nnopbase, up to 9.0: data types and formats (161002). */
 static int check_dtypes_and_formats(const emu_tensor_desc *x, const emu_tensor_desc *idx,
                                     const emu_tensor_desc *o) {
-    if (x->dtype != ACL_FLOAT && x->dtype != ACL_FLOAT16 && x->dtype != ACL_BF16) {
-        aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
-                        "gradExpandedX has data type %s (%d): it must be FLOAT16, BF16 or FLOAT",
-                        dtype_name(x->dtype), (int)x->dtype);
-        return ACLNN_ERR_PARAM_INVALID;
-    }
-    if (idx->dtype != ACL_INT32) {
-        aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
-                        "expandedRowIdx has data type %s (%d): it must be INT32",
-                        dtype_name(idx->dtype), (int)idx->dtype);
-        return ACLNN_ERR_PARAM_INVALID;
-    }
-    if (o->dtype != x->dtype) {
-        aclemuSetErrMsg(API1, ACLNN_ERR_PARAM_INVALID,
-                        "out has data type %s (%d) but gradExpandedX has %s (%d): they must match",
-                        dtype_name(o->dtype), (int)o->dtype, dtype_name(x->dtype), (int)x->dtype);
-        return ACLNN_ERR_PARAM_INVALID;
-    }
+    int st = want_float(API1, x, "gradExpandedX");
+    if (!st) st = want_int32(API1, idx, "expandedRowIdx");
+    if (!st) st = want_same(API1, o, "out", x, "gradExpandedX");
+    if (st) return st;
     const emu_tensor_desc *all[3] = {x, idx, o};
     const char *names[3] = {"gradExpandedX", "expandedRowIdx", "out"};
     for (int i = 0; i < 3; i++) {
@@ -297,6 +299,19 @@ static int check_dtypes_and_formats(const emu_tensor_desc *x, const emu_tensor_d
     return 0;
 }
 
+/* 9.1's CheckDtypeValid (ops-transformer v9.1.0.pre op_api/aclnn_moe_init_routing_v2_grad.cpp):
+ * each support list is checked on a non-empty tensor only, and a non-empty out must have
+ * gradExpandedX's data type even when gradExpandedX is empty (161002). No format is checked
+ * here: see kernel_format. */
+static int check_dtypes_l0op(const emu_tensor_desc *x, const emu_tensor_desc *idx,
+                             const emu_tensor_desc *o) {
+    int st = is_empty(x) ? 0 : want_float(API1, x, "gradExpandedX");
+    if (!st && !is_empty(idx)) st = want_int32(API1, idx, "expandedRowIdx");
+    if (!st && !is_empty(o)) st = want_float(API1, o, "out");
+    if (!st && !is_empty(o)) st = want_same(API1, o, "out", x, "gradExpandedX");
+    return st;
+}
+
 /* nnopbase's test for "every output is empty" (aclTensor::IsEmpty): a dimension equal to 0. */
 EMU_HIDDEN int is_empty(const emu_tensor_desc *t) {
     for (int64_t d = 0; d < t->ndim; d++)
@@ -304,36 +319,58 @@ EMU_HIDDEN int is_empty(const emu_tensor_desc *t) {
     return 0;
 }
 
-/* What the first phase checks once the data types, formats and device are known. An empty
- * out skips the op's tiling, as nnopbase skips it when every output is empty: the executor
- * then launches nothing. Then the tiling conditions (561002) and the emulator's extent guard
- * (161002), and the workspace: the tiling's fixed 16 MiB plus the dense copies of
- * non-contiguous inputs. */
-static int check_shapes(moe_op *op, int64_t top_k, int64_t mode, int64_t active,
+/* What a non-empty out needs before the kernel can run: from 9.1 the kernel binary, then the
+ * tiling conditions (561002, from 9.1 561103), the emulator's extent guards (161002) and, from
+ * 9.1, the place of a strided out's dense result in the workspace (after the tiling's). */
+static int check_kernel(moe_op *op, int64_t top_k, int64_t mode, int64_t active,
                         uint64_t *workspace) {
     const emu_tensor_desc *x = &op->args.x, *idx = &op->args.idx, *o = &op->args.out;
+    const int l0op = emu_l0op_entry();
+    /* 9.1: the l0op picks the kernel binary before it tiles. The inputs' formats count, out's
+     * does not: the l0op's result is a tensor of its own in ND (op_api/moe_init_routing_v2_grad.cpp
+     * allocates it with out's shape and type and FORMAT_ND), and ViewCopy takes an ND source
+     * into an output of any format. Of the types only an empty expandedRowIdx's can still be
+     * wrong here (out, non-empty, has gradExpandedX's type, checked). */
+    int st = l0op ? kernel_format(API1, x, "gradExpandedX") : 0;
+    if (!st && l0op) st = kernel_format(API1, idx, "expandedRowIdx");
+    if (!st && l0op) st = kernel_dtype(API1, idx, "expandedRowIdx", idx->dtype == ACL_INT32);
+    if (!st) st = check_tiling(x, idx, o, top_k, mode, active);
+    /* Up to 9.0 nnopbase accepts a strided out, and the kernel writes [N, H] densely from the
+     * view's address (data + offset) whatever its strides: the kernel is handed that dense
+     * view, so it maps (and a launch faults on) the memory it really writes. The tiling made
+     * out 2-D with positive dimensions. From 9.1 ViewCopy writes out through its own strides,
+     * so out keeps its view. */
+    if (!st && !l0op) {
+        op->args.out.strides[0] = o->shape[1];
+        op->args.out.strides[1] = 1;
+    }
+    if (!st) st = check_extent(API1, x, "gradExpandedX");
+    if (!st) st = check_extent(API1, idx, "expandedRowIdx");
+    if (!st) st = check_extent(API1, o, "out");
+    /* The tiling bounds no element count: a broadcast (stride 0) view may count more
+     * elements than int64 holds while spanning little memory. */
+    if (!st && aclemuViewNumel(x) < 0) {
+        st = ACLNN_ERR_PARAM_INVALID;
+        aclemuSetErrMsg(API1, st, "gradExpandedX has more elements than int64 can count");
+    }
+    if (!st && l0op)
+        st = view_copy_scratch(API1, o, "out", workspace, &op->args.scratch, &op->args.via_scratch);
+    return st;
+}
+
+/* What the first phase checks once the data types, formats and device are known. An empty
+ * out skips the op's tiling, as nnopbase skips it when every output is empty (from 9.1: the
+ * l0op adds no kernel), and the executor then launches nothing. Otherwise check_kernel. The
+ * workspace: the tiling's fixed 16 MiB (aligned from 9.1), a strided out's dense result (9.1),
+ * and the dense copies of non-contiguous inputs. */
+static int check_shapes(moe_op *op, int64_t top_k, int64_t mode, int64_t active,
+                        uint64_t *workspace) {
+    const emu_tensor_desc *x = &op->args.x, *idx = &op->args.idx;
     int st = 0;
-    op->empty = is_empty(o);
-    *workspace = op->empty ? 0 : MOE_WORKSPACE_BYTES;
+    op->empty = is_empty(&op->args.out);
+    *workspace = op->empty ? 0 : tiling_workspace();
     if (!op->empty) {
-        st = check_tiling(x, idx, o, top_k, mode, active);
-        /* nnopbase accepts a strided out, and the kernel writes [N, H] densely from the view's
-         * address (data + offset) whatever its strides: the kernel is handed that dense view,
-         * so it maps (and a launch faults on) the memory it really writes. The tiling made out
-         * 2-D with positive dimensions. */
-        if (!st) {
-            op->args.out.strides[0] = o->shape[1];
-            op->args.out.strides[1] = 1;
-        }
-        if (!st) st = check_extent(API1, x, "gradExpandedX");
-        if (!st) st = check_extent(API1, idx, "expandedRowIdx");
-        if (!st) st = check_extent(API1, o, "out");
-        /* The tiling bounds no element count: a broadcast (stride 0) view may count more
-         * elements than int64 holds while spanning little memory. */
-        if (!st && view_numel(x) < 0) {
-            st = ACLNN_ERR_PARAM_INVALID;
-            aclemuSetErrMsg(API1, st, "gradExpandedX has more elements than int64 can count");
-        }
+        st = check_kernel(op, top_k, mode, active, workspace);
     } else {
         /* Nothing is tiled, but the dense copies of the inputs are still sized; a view with
          * a negative dimension or an uncountable one has no size (the copy's own first phase
@@ -341,7 +378,7 @@ static int check_shapes(moe_op *op, int64_t top_k, int64_t mode, int64_t active,
         const emu_tensor_desc *in[2] = {x, idx};
         const char *names[2] = {"gradExpandedX", "expandedRowIdx"};
         for (int i = 0; i < 2 && !st; i++) {
-            if (view_numel(in[i]) < 0) {
+            if (aclemuViewNumel(in[i]) < 0) {
                 st = ACLNN_ERR_PARAM_INVALID;
                 aclemuSetErrMsg(API1, st,
                                 "%s has a negative dimension or more elements than int64 can "
@@ -350,8 +387,8 @@ static int check_shapes(moe_op *op, int64_t top_k, int64_t mode, int64_t active,
             }
         }
     }
-    if (!st) st = add_copy_scratch(API1, x, "gradExpandedX", workspace);
-    if (!st) st = add_copy_scratch(API1, idx, "expandedRowIdx", workspace);
+    if (!st) st = aclemuContiguousWorkspace(API1, x, "gradExpandedX", workspace);
+    if (!st) st = aclemuContiguousWorkspace(API1, idx, "expandedRowIdx", workspace);
     return st;
 }
 
@@ -377,11 +414,14 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     if (!st) st = get_desc(expandedRowIdx, "expandedRowIdx", idx);
     if (!st) st = get_desc(out, "out", o);
     /* nnopbase matches data types and formats against the op's support list before it
-     * registers the kernel on the current device. */
-    if (!st && !unchecked) st = check_dtypes_and_formats(x, idx, o);
+     * registers the kernel on the current device; 9.1's entry checks data types only. The
+     * device is then the emulator's place for 9.1 too (its entry asks for none: the platform
+     * calls inside the l0op would fail without one; which code they give was not read). */
+    if (!st && !unchecked)
+        st = emu_l0op_entry() ? check_dtypes_l0op(x, idx, o) : check_dtypes_and_formats(x, idx, o);
     int32_t device = 0;
     if (!st) st = emu_first_phase_device(API1, &device);
-    uint64_t workspace = MOE_WORKSPACE_BYTES;
+    uint64_t workspace = tiling_workspace();
     if (!st && !unchecked) st = check_shapes(op, topK, dropPadMode, activeNum, &workspace);
     if (st) {
         free(op);
@@ -399,7 +439,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
      * 1 in dropless/active mode and dim 2 in drop/pad mode. For a 2-D input and for drop/pad
      * that is the view's last dimension; a 3-D input in dropless/active mode passes the tiling
      * too, and is then read as flat runs of H. Rows that exist: numel / H. */
-    int64_t numel = view_numel(x);
+    int64_t numel = aclemuViewNumel(x);
     a->rows = a->h > 0 && numel > 0 ? numel / a->h : 0;
     a->flat = x->ndim == 3 && dropPadMode != 1;
     a->c = x->ndim == 3 && !a->flat ? x->shape[1] : 0;
@@ -426,7 +466,12 @@ EMU_HIDDEN int emu_first_phase_open(const char *api, int n, const void *const *r
     int f = aclemuFaultPoint(api, ACLNN_ERR_INNER);
     *unchecked = f == ACLEMU_SKIP_CHECKS;
     if (f && !*unchecked) return f;
-    for (int i = 0; i < n; i++) {
+    /* The last two are workspaceSize and executor. 9.1's entries test them before anything
+     * else (OP_CHECK_COMM_INPUT, ops-transformer v9.1.0.pre op_api/aclnn_moe_init_routing_v2_grad.cpp
+     * and aclnn_moe_init_routing_v2.cpp); the generated ones of 8.5/9.0, after the tensors. */
+    const int first = emu_l0op_entry() ? n - 2 : 0;
+    for (int k = 0; k < n; k++) {
+        const int i = (first + k) % n;
         if (!required[i]) {
             aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "%s is a null pointer", names[i]);
             return ACLNN_ERR_PARAM_NULLPTR;
@@ -462,7 +507,11 @@ EMU_HIDDEN int emu_second_phase_take(const char *api, const emu_op_kind *kind, v
      * executor: a null executor, then a null workspace for a non-zero workspaceSize (both
      * 161001), then a workspaceSize below what the first phase asked for (161002). Past them
      * a guard recycles a one-shot executor whatever happens next, so every later failure
-     * (device, stream, workspace block) consumes it too. */
+     * (device, stream, workspace block) consumes it too. 9.1's CommonOpExecutorRun (opbase
+     * v9.1.0.pre src/nnopbase/composite_op/aclnn_engine/op_executor.cpp) makes the first two
+     * checks and compares the size with nothing: it records the workspace it is given, and
+     * from then on that is the workspace (the launch checks it lies in a live block; a kernel
+     * that reaches past it faults on the device). */
     *nothing = 0;
     if (!executor) {
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_NULLPTR, "executor is a null pointer");
@@ -490,7 +539,7 @@ EMU_HIDDEN int emu_second_phase_take(const char *api, const emu_op_kind *kind, v
                         "injection; it is not launched, since its shapes were never validated");
         return ACLNN_ERR_PARAM_INVALID;
     }
-    if (workspaceSize < info->workspace_size) {
+    if (!emu_l0op_entry() && workspaceSize < info->workspace_size) {
         aclemuSetErrMsg(api, ACLNN_ERR_PARAM_INVALID,
                         "workspaceSize is %llu but the first phase asked for %llu bytes",
                         (unsigned long long)workspaceSize,
@@ -502,6 +551,7 @@ EMU_HIDDEN int emu_second_phase_take(const char *api, const emu_op_kind *kind, v
         st = aclemuExecutorAcquire(api, executor, info, 1);
         if (st) return st;
     }
+    if (emu_l0op_entry()) info->workspace_size = workspaceSize;
     if (kind->empty(info->op_data)) {
         /* Every output is empty: nnopbase launches no kernel, so neither the device nor the
          * stream is looked at. */
@@ -509,6 +559,10 @@ EMU_HIDDEN int emu_second_phase_take(const char *api, const emu_op_kind *kind, v
         *nothing = 1;
     }
     return ACLNN_SUCCESS;
+}
+
+EMU_HIDDEN uint64_t emu_kernel_workspace(const emu_executor_info *info) {
+    return emu_l0op_entry() ? 0 : info->workspace_size;
 }
 
 EMU_HIDDEN int emu_second_phase_launch(const char *api, emu_executor_info *info, aclrtStream stream,
@@ -547,7 +601,7 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspac
         l->idx = info.input_addr[1];
         l->out = info.output_addr[0];
         l->workspace = (uintptr_t)workspace;
-        l->workspace_size = info.workspace_size;
+        l->workspace_size = emu_kernel_workspace(&info);
     }
     return emu_second_phase_launch(api, &info, stream, workspace, l ? &l->mutation : NULL,
                                    moe_launch_run, moe_launch_release, l);

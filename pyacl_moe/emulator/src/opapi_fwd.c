@@ -9,6 +9,11 @@
  * extent guards (161002) and the workspace. It reads no tensor memory: expert ids out of the
  * documented range are a device fault of the kernel (kernel_fwd.c). docs/emulator.md, "The
  * forward op", says where each rule was read.
+ *
+ * From 9.1 (ops-transformer v9.1.0.pre op_api/aclnn_moe_init_routing_v2.cpp) the entry is built
+ * from l0op calls, with the backward's differences (opapi.c): workspaceSize and executor
+ * first, data types of non-empty tensors only, input formats and tiling refusals 561103, the
+ * composite executor's workspace, strided outputs written through their strides.
  */
 #define _GNU_SOURCE
 #include <limits.h>
@@ -47,29 +52,28 @@ static void fwd_op_free(void *p) {
     if (emu_plan_drop(&op->refs)) free(op);
 }
 
-#define tiling_error(...) emu_fail(API, ACLNN_ERR_INNER_TILING_ERROR, __VA_ARGS__)
+#define tiling_error(...) emu_fail(API, emu_tiling_status(), __VA_ARGS__)
 #define invalid(...) emu_fail(API, ACLNN_ERR_PARAM_INVALID, __VA_ARGS__)
 
-/* The support list (moe_init_routing_v2_def.cpp, ascend910b): x and expandedXOut FLOAT16,
- * BF16 or FLOAT and the same; expertIdx and every index or count output INT32; ND formats. */
+/* expertIdx must be INT32 (161002): the list of the SoCs the emulator models. */
+static int want_expert_idx(const emu_tensor_desc *t) {
+    if (t->dtype == ACL_INT32) return 0;
+    return invalid("expertIdx has data type %s (%d): it must be INT32 (INT64 is accepted only on "
+                   "Ascend 950-class SoCs, which the emulator does not model)",
+                   dtype_name(t->dtype), (int)t->dtype);
+}
+
+/* The support list (moe_init_routing_v2_def.cpp, ascend910b), as nnopbase matches it up to 9.0:
+ * x and expandedXOut FLOAT16, BF16 or FLOAT and the same; expertIdx and every index or count
+ * output INT32; ND formats. */
 static int check_support_list(const fwd_op *op) {
     const emu_tensor_desc *x = &op->d[T_X];
-    if (x->dtype != ACL_FLOAT && x->dtype != ACL_FLOAT16 && x->dtype != ACL_BF16)
-        return invalid("x has data type %s (%d): it must be FLOAT16, BF16 or FLOAT",
-                       dtype_name(x->dtype), (int)x->dtype);
-    if (op->d[T_IDX].dtype != ACL_INT32)
-        return invalid("expertIdx has data type %s (%d): it must be INT32 (INT64 is accepted "
-                       "only on Ascend 950-class SoCs, which the emulator does not model)",
-                       dtype_name(op->d[T_IDX].dtype), (int)op->d[T_IDX].dtype);
-    if (op->d[T_EX].dtype != x->dtype)
-        return invalid("expandedXOut has data type %s (%d) but x has %s (%d): they must match",
-                       dtype_name(op->d[T_EX].dtype), (int)op->d[T_EX].dtype,
-                       dtype_name(x->dtype), (int)x->dtype);
-    for (int i = T_RI; i < T_COUNT; i++) {
-        if (op->present[i] && op->d[i].dtype != ACL_INT32)
-            return invalid("%s has data type %s (%d): it must be INT32", NAMES[i],
-                           dtype_name(op->d[i].dtype), (int)op->d[i].dtype);
-    }
+    int st = want_float(API, x, "x");
+    if (!st) st = want_expert_idx(&op->d[T_IDX]);
+    if (!st) st = want_same(API, &op->d[T_EX], "expandedXOut", x, "x");
+    for (int i = T_RI; i < T_COUNT && !st; i++)
+        if (op->present[i]) st = want_int32(API, &op->d[i], NAMES[i]);
+    if (st) return st;
     for (int i = 0; i < T_COUNT; i++) {
         if (op->present[i] && !format_is_nd_like(op->d[i].format))
             return invalid("%s has format %d: the operator supports ND, and NCHW, NHWC, NCL, "
@@ -77,6 +81,21 @@ static int check_support_list(const fwd_op *op) {
                            NAMES[i], (int)op->d[i].format);
     }
     return 0;
+}
+
+/* 9.1's CheckDtypeValid, the variant for SoCs other than 310P and the regbase ones
+ * (ops-transformer v9.1.0.pre op_api/aclnn_moe_init_routing_v2.cpp): each tensor's list only
+ * when it is non-empty, and a non-empty expandedXOut with x's data type even if x is empty
+ * (161002). No format is checked here (kernel_format). */
+static int check_dtypes_l0op(const fwd_op *op) {
+    const emu_tensor_desc *x = &op->d[T_X], *ex = &op->d[T_EX];
+    int st = is_empty(x) ? 0 : want_float(API, x, "x");
+    if (!st && !is_empty(&op->d[T_IDX])) st = want_expert_idx(&op->d[T_IDX]);
+    if (!st && !is_empty(ex)) st = want_float(API, ex, "expandedXOut");
+    if (!st && !is_empty(ex)) st = want_same(API, ex, "expandedXOut", x, "x");
+    for (int i = T_RI; i < T_COUNT && !st; i++)
+        if (op->present[i] && !is_empty(&op->d[i])) st = want_int32(API, &op->d[i], NAMES[i]);
+    return st;
 }
 
 /* A token-count output the tiling checks (its CheckTokenCount): present, 1-D, [expertNum]. */
@@ -238,16 +257,67 @@ static int writes(const fwd_op *op, int i) {
            (i == T_BC && op->args.write_bc);
 }
 
+/* 9.1: the l0op picks the kernel binary before it tiles: by the inputs' formats (its outputs
+ * are tensors of its own in ND, which ViewCopy takes into any format) and by every tensor's
+ * data type, which the entry checked only where the tensor is not empty; a NULL optional
+ * output is an INT32 placeholder (op_api/moe_init_routing_v2.cpp). */
+static int check_kernel_binary(const fwd_op *op) {
+    const emu_tensor_desc *x = &op->d[T_X];
+    int st = kernel_format(API, x, "x");
+    if (!st) st = kernel_format(API, &op->d[T_IDX], "expertIdx");
+    if (!st) st = kernel_dtype(API, x, "x", emu_is_float(x->dtype));
+    if (!st) st = kernel_dtype(API, &op->d[T_IDX], "expertIdx", op->d[T_IDX].dtype == ACL_INT32);
+    if (!st) st = kernel_dtype(API, &op->d[T_EX], "expandedXOut", op->d[T_EX].dtype == x->dtype);
+    for (int i = T_RI; i < T_COUNT && !st; i++)
+        if (op->present[i]) st = kernel_dtype(API, &op->d[i], NAMES[i], op->d[i].dtype == ACL_INT32);
+    return st;
+}
+
+/* Whether output i keeps its view: from 9.1 a non-contiguous one, which the kernel writes
+ * densely into the workspace and l0op::ViewCopy then copies through its strides. A view whose
+ * elements cannot be counted is not contiguous (its dense result then has no size: 161002). */
+static int keeps_view(const fwd_op *op, int i) {
+    const emu_tensor_desc *t = &op->d[i];
+    return emu_l0op_entry() && !(aclemuViewNumel(t) >= 0 && aclemuIsContiguous(t));
+}
+
+/* 9.1's workspace, the composite executor's (inferred from opbase v9.1.0.pre's MaxAllocator,
+ * src/nnopbase/composite_op/mem_mgr/memory_allocator.cpp: each tensor of one kernel node in a
+ * bucket of its own, aligned): the tiling's figure; the zero-size placeholder the l0op
+ * allocates for each NULL optional output (op_api/moe_init_routing_v2.cpp), Align(0) = 512
+ * each; then the dense result of each strided output the kernel writes. An output the caller
+ * gave but the scenario leaves unwritten (an optional one whose flag is off) is not modelled:
+ * the l0op would give a strided one a dense result too, which ViewCopy would copy, never
+ * written, into it; the emulator reserves nothing for it and leaves it alone. */
+static int l0op_workspace(fwd_op *op, uint64_t *workspace) {
+    uint64_t ws = 0;
+    int bad = emu_workspace_add(&ws, *workspace);
+    for (int i = T_CNT; i < T_COUNT && !bad; i++)
+        if (!op->present[i]) bad = emu_workspace_add(&ws, 0);
+    if (bad) return invalid("the workspace does not fit in 64 bits");
+    int st = 0;
+    for (int i = T_EX; i < T_COUNT && !st; i++) {
+        int via = 0;
+        if (writes(op, i) && keeps_view(op, i))
+            st = view_copy_scratch(API, &op->d[i], NAMES[i], &ws, &op->args.scratch[i - T_EX], &via);
+        op->args.view[i - T_EX] = via ? &op->d[i] : NULL;
+    }
+    *workspace = ws;
+    return st;
+}
+
 static int check_shapes(fwd_op *op, int64_t active, int64_t cap, int64_t num, int64_t mode,
                         int64_t flag, int before, uint64_t *workspace) {
-    /* nnopbase's "every output is empty": each present output has a dimension equal to 0. */
+    /* nnopbase's "every output is empty": each present output has a dimension equal to 0 (from
+     * 9.1 the l0op's test, with an empty placeholder for a NULL optional output). */
     op->empty = 1;
     for (int i = T_EX; i < T_COUNT; i++)
         if (op->present[i] && !is_empty(&op->d[i])) op->empty = 0;
     *workspace = 0;
     int st = 0;
     if (!op->empty) {
-        st = check_tiling(op, active, cap, num, mode, flag, before);
+        if (emu_l0op_entry()) st = check_kernel_binary(op);
+        if (!st) st = check_tiling(op, active, cap, num, mode, flag, before);
         /* The emulator's guard: the kernel numbers expandedXOut's rows in int64 (expert *
          * expertCapacity + rank), also when h is 0 and the view spans nothing. The tiling
          * leaves expertNum unbounded. */
@@ -257,20 +327,21 @@ static int check_shapes(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
                          (long long)num, (long long)cap);
         for (int i = T_EX; i < T_COUNT && !st; i++) {
             if (!writes(op, i)) continue;
-            densify(&op->d[i]);
+            if (!keeps_view(op, i)) densify(&op->d[i]);
             st = check_extent(API, &op->d[i], NAMES[i]);
         }
         if (!st) st = check_extent(API, &op->d[T_X], "x");
         if (!st) st = check_extent(API, &op->d[T_IDX], "expertIdx");
         if (!st) st = tiling_workspace(op->args.n * op->args.k, workspace);
+        if (!st && emu_l0op_entry()) st = l0op_workspace(op, workspace);
     } else {
         for (int i = T_X; i <= T_IDX && !st; i++)
-            if (view_numel(&op->d[i]) < 0)
+            if (aclemuViewNumel(&op->d[i]) < 0)
                 st = invalid("%s has a negative dimension or more elements than int64 can count",
                              NAMES[i]);
     }
-    if (!st) st = add_copy_scratch(API, &op->d[T_X], "x", workspace);
-    if (!st) st = add_copy_scratch(API, &op->d[T_IDX], "expertIdx", workspace);
+    if (!st) st = aclemuContiguousWorkspace(API, &op->d[T_X], "x", workspace);
+    if (!st) st = aclemuContiguousWorkspace(API, &op->d[T_IDX], "expertIdx", workspace);
     return st;
 }
 
@@ -306,7 +377,9 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
         if (t[i] && aclemuTensorDesc(t[i], &op->d[i]))
             st = invalid("%s (%p) is not a live aclTensor", NAMES[i], (const void *)t[i]);
     }
-    if (!st && !unchecked) st = check_support_list(op);
+    /* Up to 9.0 nnopbase's support list, from 9.1 the entry's data type checks; then the
+     * device, as in the backward (opapi.c says why). */
+    if (!st && !unchecked) st = emu_l0op_entry() ? check_dtypes_l0op(op) : check_support_list(op);
     int32_t device = 0;
     if (!st) st = emu_first_phase_device(API, &device);
     uint64_t workspace = FWD_FIXED_WORKSPACE;
@@ -399,10 +472,14 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSiz
         l->x = info.input_addr[0];
         l->idx = info.input_addr[1];
         uintptr_t *slots[T_COUNT] = {NULL, NULL, &l->ex, &l->ri, &l->cnt, &l->bc};
-        for (int i = T_EX; i < T_COUNT; i++)
-            *slots[i] = writes(op, i) ? out_addr(&op->d[i], info.output_addr[i - T_EX]) : 0;
+        /* An output that keeps its view (9.1) gets its bound address: the copy through the
+         * view adds the view's offset. */
+        for (int i = T_EX; i < T_COUNT; i++) {
+            const uintptr_t base = info.output_addr[i - T_EX];
+            *slots[i] = !writes(op, i) ? 0 : op->args.view[i - T_EX] ? base : out_addr(&op->d[i], base);
+        }
         l->workspace = (uintptr_t)workspace;
-        l->workspace_size = info.workspace_size;
+        l->workspace_size = emu_kernel_workspace(&info);
     }
     return emu_second_phase_launch(api, &info, stream, workspace, l ? &l->mutation : NULL,
                                    fwd_launch_run, fwd_launch_release, l);

@@ -399,19 +399,7 @@ EMU_API aclError aclFinalize(void) {
     return st;
 }
 
-EMU_API aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion,
-                                 int32_t *patchVersion) {
-    EMU_ENTRY(ACL_ERROR_INTERNAL_ERROR);
-    if (!majorVersion || !minorVersion || !patchVersion) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "an output pointer is NULL");
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    /* The interface version the CANN 8.1.RC1 headers declare. */
-    *majorVersion = 1;
-    *minorVersion = 13;
-    *patchVersion = 0;
-    return ACL_SUCCESS;
-}
+/* aclrtGetVersion is in release.c: each release declares its own interface version. */
 
 EMU_API const char *aclGetRecentErrMsg(void) {
     if (aclemuFaultPoint(__func__, 1)) {
