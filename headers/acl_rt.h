@@ -88,3 +88,9 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);
 aclError aclrtSynchronizeEvent(aclrtEvent event);
 aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
 aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);
+
+/* From 8.5 (absent from 8.1.RC1): the version of an installed package, the value of the
+ * Version= line of $ASCEND_HOME_PATH/share/info/<pkgName>/version.info, written into
+ * versionStr, which holds ACL_PKG_VERSION_MAX_SIZE bytes. */
+#define ACL_PKG_VERSION_MAX_SIZE 128
+aclError aclsysGetVersionStr(char *pkgName, char *versionStr);

@@ -2,15 +2,16 @@
 routing), through the real C ABI, with NumPy in and out.
 
 Importing the package loads nothing. The first call that needs CANN loads libascendcl.so,
-libnnopbase.so and libopapi.so from the installed toolkit (see :func:`load`), or the bundled
-emulator after :func:`use_emulator` / ``PYACL_MOE_EMULATOR=1``.
+libnnopbase.so and the op's library (libopapi_transformer.so from 8.5, libopapi.so before) from
+the installed CANN (see :func:`load`), or the bundled emulator after :func:`use_emulator` /
+``PYACL_MOE_EMULATOR=1``; :func:`cann_version` says which release it is.
 
 The public API, re-exported here; see docs/ARCHITECTURE.md for the layers behind it.
 """
 
 from __future__ import annotations
 
-from . import emulator, reference, routing
+from . import emulator, reference, release, routing
 from ._cann.loader import LibraryInfo, library_info, load, loaded_info
 from .allocator import pinned_empty, set_caching
 from .array import DeviceArray, bfloat16, empty, from_pointer, from_torch, to_device, zeros
@@ -30,6 +31,7 @@ from .op.executor import Executor, execute
 from .op.moe_init_routing_v2 import MoeInitRoutingV2, RoutingResult, moe_init_routing_v2
 from .op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, get_workspace_size, moe_init_routing_v2_grad
 from .pool import empty_cache, memory_stats
+from .release import CannVersion, cann_version
 from .stream import Event, Stream, current_stream
 from .tensor import AclTensor
 
@@ -41,6 +43,7 @@ __all__ = [
     "AclTensor",
     "AclnnError",
     "CannNotFoundError",
+    "CannVersion",
     "ClosedError",
     "Device",
     "DeviceArray",
@@ -55,6 +58,7 @@ __all__ = [
     "__version__",
     "acl_version",
     "bfloat16",
+    "cann_version",
     "current_device",
     "current_stream",
     "device_count",
@@ -74,6 +78,7 @@ __all__ = [
     "RoutingResult",
     "moe_init_routing_v2",
     "reference",
+    "release",
     "routing",
     "set_caching",
     "soc_name",

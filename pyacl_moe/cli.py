@@ -17,14 +17,23 @@ def _info(args: argparse.Namespace) -> int:
     import pyacl_moe as pm
 
     lib = pm.library_info()
-    major, minor, patch = pm.acl_version()
+    version = pm.cann_version()
     count = pm.device_count()
+    applies = version.behaviour
     report: dict[str, Any] = {
         "pyacl_moe": __version__,
         "backend": lib.backend,
         "home": lib.home,
+        "toolkit_version": version.toolkit_version,
+        "ops_version": version.ops_version,
+        "runtime_version": version.runtime_version,
+        "acl_version": version.acl_version,
+        "op_library": version.op_library,
         "libraries": lib.paths,
-        "acl_version": f"{major}.{minor}.{patch}",
+        "dependencies": list(lib.dependencies),
+        "version_sources": version.sources,
+        "expectations": {"since": applies.behaviour.since, "source": applies.behaviour.source,
+                         "note": applies.note},
         "device_count": count,
         "devices": [],
     }
@@ -41,9 +50,17 @@ def _info(args: argparse.Namespace) -> int:
     print(f"pyacl-moe {__version__}")
     print(f"backend      {lib.backend}" + (f" ({report['emulator']})" if "emulator" in report else ""))
     print(f"home         {lib.home or '(dynamic loader path)'}")
+    print(f"toolkit      {version.toolkit_version or '(not recorded)'}")
+    print(f"ops          {version.ops_version or '(part of the toolkit)'}")
+    print(f"runtime      {version.runtime_version or '(not recorded)'}")
+    print(f"op library   {version.op_library}")
     for name, path in lib.paths.items():
-        print(f"lib{name + '.so':<13}{path}")
+        print(f"{'lib' + name + '.so':<13}{path}")
+    for path in lib.dependencies:
+        print(f"{'  needs':<13}{path}")
     print(f"ACL version  {report['acl_version']}")
+    note = f" ({applies.note})" if applies.note else ""
+    print(f"expects      the op of {applies.behaviour.since} and later{note}")
     print(f"SoC          {report['soc']}")
     print(f"devices      {count}")
     for d in report["devices"]:

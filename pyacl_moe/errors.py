@@ -127,12 +127,13 @@ class CannNotFoundError(PyaclMoeError, OSError):
         self.tried = list(tried)
         lines = "\n".join(f"  - {t}" for t in self.tried)
         super().__init__(
-            "could not load CANN (libascendcl.so, libnnopbase.so, libopapi.so). Tried:\n"
+            "could not load CANN (libascendcl.so, libnnopbase.so and the op's library). Tried:\n"
             f"{lines}\n"
             "Fix it either way:\n"
-            "  1. on an Ascend machine, load the toolkit environment first:\n"
-            "       source /usr/local/Ascend/ascend-toolkit/set_env.sh\n"
-            "     (or pass pyacl_moe.load(ascend_home='/path/to/ascend-toolkit/latest'));\n"
+            "  1. on an Ascend machine, load CANN's environment first:\n"
+            "       source /usr/local/Ascend/cann/set_env.sh                (8.5 and later)\n"
+            "       source /usr/local/Ascend/ascend-toolkit/set_env.sh      (up to 8.3)\n"
+            "     (or pass pyacl_moe.load(ascend_home='/path/to/the/cann/home'));\n"
             "  2. anywhere else, use the bundled emulator: PYACL_MOE_EMULATOR=1, "
             "pyacl_moe.use_emulator(), or 'pyacl-moe --emulator ...'."
         )

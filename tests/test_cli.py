@@ -42,15 +42,20 @@ def test_info_json(main):
     assert code == 0, err
     info = json.loads(out)
     assert info["backend"] == "emulator"
-    assert set(info["libraries"]) == {"ascendcl", "nnopbase", "opapi"}
-    assert info["acl_version"] == "1.13.0" and info["soc"] == "Ascend910B3"
+    # The default profile is 9.0.0: the op in ops-transformer's library, which needs ops-math's.
+    assert set(info["libraries"]) == {"ascendcl", "nnopbase", "opapi_transformer"}
+    assert info["toolkit_version"] == info["ops_version"] == info["runtime_version"] == "9.0.0"
+    assert info["op_library"].endswith("/cann-9.0.0/x86_64-linux/lib64/libopapi_transformer.so".replace(
+        "x86_64", os.uname().machine))
+    assert [os.path.basename(d) for d in info["dependencies"]] == ["libopapi_math.so"]
+    assert info["acl_version"] == "1.17.0" and info["soc"] == "Ascend910B3"
     assert info["device_count"] == 1 and info["devices"][0]["memory_total"] == 32 << 30
 
 
 def test_info_text(main):
     code, out, err = main("--emulator", "info")
     assert code == 0, err
-    assert "backend      emulator" in out and "libopapi.so" in out
+    assert "backend      emulator" in out and "libopapi_transformer.so" in out and "toolkit      9.0.0" in out
 
 
 @pytest.mark.parametrize("mode", ["dropless", "active", "drop-pad"])
@@ -78,7 +83,8 @@ def test_emulator_path_and_build(main):
     code, out, err = main("emulator", "path")
     assert code == 0, err
     home = out.strip()
-    assert os.path.isfile(os.path.join(home, "lib64", "libopapi.so"))
+    assert os.path.isfile(os.path.join(home, "lib64", "libopapi_transformer.so"))
+    assert os.path.isfile(os.path.join(home, "set_env.sh"))
     assert main("emulator", "build")[1].strip() == home
 
 
@@ -219,7 +225,9 @@ def test_ascend_home_loads_cann_from_there(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["backend"] == "cann" and data["ascend_home"] == home
-    assert data["libraries"]["opapi"] == os.path.join(home, "lib64", "libopapi.so")
+    assert data["libraries"]["opapi_transformer"] == os.path.join(home, "lib64", "libopapi_transformer.so")
+    assert data["op_library"] == os.path.realpath(data["libraries"]["opapi_transformer"])
+    assert data["toolkit_version"] == data["ops_version"] == "9.0.0"
 
 
 def test_baseline_names_what_changed_under_another_kernel(main, tmp_path):
@@ -233,7 +241,7 @@ def test_baseline_names_what_changed_under_another_kernel(main, tmp_path):
     assert "CHANGED dropless-float32-medium" in out and "CHANGED dropless-float32-overflow" not in out
     assert json.loads(open(same).read())["baseline"]["changed"]
     code, out, err = main("--emulator", "conformance", "--filter", "dropless-float32", "--baseline", same)
-    assert code == 0 and "0 of 13 outputs changed bits, 0 went from pass to fail" in out
+    assert code == 0 and "0 of 14 outputs changed bits, 0 went from pass to fail" in out
 
 
 def test_strict_and_exact_pass_on_the_emulator(main):

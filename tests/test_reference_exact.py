@@ -182,7 +182,9 @@ def catalogue_mismatches(profile: str, monkeypatch) -> list[str]:
     """Run the profile's positive and determinism cases, recording every launch a case makes
     (inputs copied back to the host, views included), and compare each result with the model
     as soon as the case is done (the full profile's inputs reach 512 MiB)."""
-    cases = [c for c in conformance.catalogue(profile) if c.op == "backward" and c.kind in ("positive", "determinism")]
+    # (A strided out's case judges where the release puts its values, bit for bit itself.)
+    cases = [c for c in conformance.catalogue(profile) if c.op == "backward" and c.kind in ("positive", "determinism")
+             and "strided-out" not in c.name]
     launches: list[tuple] = []
     failing: list[str] = []
     real = conformance.moe_init_routing_v2_grad

@@ -20,9 +20,11 @@ from .errcheck import check, recent_message
 __all__ = [
     "Context", "DeviceMemory", "EventHandle", "StreamHandle", "call_probe", "create_event", "create_stream",
     "device_count", "event_elapsed_ms", "finalize",
-    "get_mem_info", "get_version", "init", "malloc", "memcpy", "memcpy_async", "memset", "memset_async",
+    "get_mem_info", "get_version", "has_version_str", "init", "malloc", "memcpy", "memcpy_async", "memset",
+    "memset_async",
     "open_device", "query_event", "query_stream", "record_event", "reset_device", "soc_name", "synchronize_device",
     "synchronize_event", "synchronize_stream", "stream_wait_event", "thread_state", "use_context",
+    "version_str",
 ]
 
 _ffi = declare.ffi
@@ -88,6 +90,26 @@ def get_version() -> tuple[int, int, int]:
     v = _ffi.new(declare.ctype("int32_t[]"), 3)
     check(loader.libs().acl.aclrtGetVersion(v, v + 1, v + 2), "aclrtGetVersion")
     return (int(v[0]), int(v[1]), int(v[2]))
+
+
+def has_version_str() -> bool:
+    """Whether the runtime exports aclsysGetVersionStr (8.5 and later)."""
+    return hasattr(loader.libs().acl, "aclsysGetVersionStr")
+
+
+def version_str(package: str) -> str | None:
+    """aclsysGetVersionStr(package): the package's Version= from the share/info of the home
+    ``$ASCEND_HOME_PATH`` names, or None when the runtime has no such package (100003) or no
+    such function."""
+    if not has_version_str():
+        return None
+    buf = _ffi.new(declare.ctype("char[]"), declare.const("ACL_PKG_VERSION_MAX_SIZE"))
+    name = _ffi.new(declare.ctype("char[]"), package.encode())
+    st = loader.libs().acl.aclsysGetVersionStr(name, buf)
+    if st:
+        recent_message()  # consume it: a package the install lacks is an answer, not an error
+        return None
+    return declare.text(buf) or None
 
 
 def soc_name() -> str | None:

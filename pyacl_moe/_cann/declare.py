@@ -21,8 +21,8 @@ import cffi
 
 from .._paths import HEADER_FILES, headers_dir
 
-__all__ = ["HEADER_FILES", "NULL", "add_declarations", "const", "ctype", "declare", "declared_functions", "ffi",
-           "headers_dir"]
+__all__ = ["HEADER_FILES", "NULL", "add_declarations", "const", "ctype", "declare", "extra_functions", "ffi",
+           "functions_in", "headers_dir"]
 
 ffi = cffi.FFI()
 NULL = ffi.NULL
@@ -32,7 +32,7 @@ _TYPE_NAMES = (
     "void *", "void **", "uintptr_t", "int32_t *", "int32_t[]", "uint32_t *", "size_t *", "float *",
     "int64_t *", "int64_t[]", "int64_t **", "uint64_t *", "aclrtStream *", "aclrtEvent *", "aclrtContext *",
     "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclTensor **", "aclrtEventRecordedStatus *",
-    "aclrtStreamStatus *",
+    "aclrtStreamStatus *", "char[]",
 )
 
 _lock = threading.Lock()  # guards _texts and _types; cdef itself is not thread-safe
@@ -100,9 +100,22 @@ def const(name: str) -> int:
     return value
 
 
-def declared_functions() -> list[str]:
-    """The names of every function declared so far (for resolving them all at load)."""
+_FUNCTION = re.compile(r"\b(acl\w+)\s*\(")
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+
+
+def _functions(text: str) -> list[str]:
+    return list(dict.fromkeys(_FUNCTION.findall(_COMMENT.sub(" ", text))))
+
+
+def functions_in(header: str) -> list[str]:
+    """The functions one file of headers/ declares, in order."""
+    return _functions((headers_dir() / header).read_text())
+
+
+def extra_functions() -> list[str]:
+    """The functions providers added (the emulator's aclemu* extras)."""
     declare()
     with _lock:
-        text = "".join(_texts)
-    return sorted(set(re.findall(r"\b(acl\w+)\s*\(", text)))
+        text = "".join(_texts[len(HEADER_FILES) + 1:])
+    return _functions(text)

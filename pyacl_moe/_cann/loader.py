@@ -1,13 +1,23 @@
-"""Finding and loading CANN: the library search, dlopen, and providers.
+"""Finding and loading CANN: the search over homes, dlopen, the symbol check, providers.
 
-Nothing is loaded at import. The first call that needs CANN loads it once, thread-safely, from
-the first of: ``load(ascend_home=...)``; ``$ASCEND_HOME_PATH``; ``$ASCEND_TOOLKIT_HOME``;
-``/usr/local/Ascend/ascend-toolkit/latest``; the dynamic loader's own search path.
+Nothing is loaded at import. The first call that needs CANN loads it once, thread-safely. The
+homes are searched in the order :func:`pyacl_moe._cann.layout.candidate_homes` documents
+(``load(ascend_home=...)``, ``$ASCEND_HOME_PATH``, ``$ASCEND_TOOLKIT_HOME``,
+``/usr/local/Ascend/cann``, ``/usr/local/Ascend/ascend-toolkit/latest``, the same two under
+``$HOME/Ascend``), then the dynamic loader's own path. A home is judged before anything of it
+is loaded, from its files alone: ``lib64/libascendcl.so`` and ``lib64/libnnopbase.so`` must
+define every function headers/ declares for them, and one op library (the first of
+``layout.OP_LIBRARIES``) must export the two phases of both ops, with its dependencies found.
+The first home that passes is loaded, dependencies first and each by path, so no
+``LD_LIBRARY_PATH`` is needed; every declared function is then resolved. When no home passes,
+:class:`~pyacl_moe.errors.CannNotFoundError` names every home and library tried and what each
+lacked.
 
-A *provider* is another home of the same three libraries, registered by name. The bundled
-emulator registers itself as the provider "emulator" when its package is imported (this layer
-never imports it); ``PYACL_MOE_EMULATOR=1``, ``select_provider("emulator")`` or
-``load(emulator=True)`` pick it. A provider may add declarations of its own extras.
+A *provider* is another home, registered by name. The bundled emulator registers itself as
+the provider "emulator" when its package is imported (this layer never imports it);
+``PYACL_MOE_EMULATOR=1``, ``select_provider("emulator")`` or ``load(emulator=True)`` pick it.
+Its home is judged and loaded exactly as a CANN's; a provider may add declarations of its own
+extras.
 """
 
 from __future__ import annotations
@@ -20,14 +30,23 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
-from . import declare
+from . import declare, layout
 
-__all__ = ["LIBRARY_NAMES", "Libraries", "LibraryInfo", "Provider", "libs", "library_info", "load", "loaded_info",
+__all__ = ["ENTRY_POINTS", "Libraries", "LibraryInfo", "Provider", "libs", "library_info", "load", "loaded_info",
            "loaded_libraries", "register_provider", "select_provider"]
 
-LIBRARY_NAMES: tuple[str, ...] = ("ascendcl", "nnopbase", "opapi")
-DEFAULT_TOOLKIT_HOME = "/usr/local/Ascend/ascend-toolkit/latest"
 EMULATOR = "emulator"
+
+# Which declarations each library must define (headers/ file names).
+_HEADERS = {
+    "acl": ("acl_base.h", "acl_rt.h", "acl.h"),
+    "nn": ("acl_meta.h",),
+    "op": ("aclnn_moe_init_routing_v2_grad.h", "aclnn_moe_init_routing_v2.h"),
+}
+# Declared, used when present, absent from some releases: aclsysGetVersionStr came with 8.5.
+OPTIONAL = frozenset({"aclsysGetVersionStr"})
+ENTRY_POINTS = ("aclnnMoeInitRoutingV2GradGetWorkspaceSize", "aclnnMoeInitRoutingV2Grad",
+                "aclnnMoeInitRoutingV2GetWorkspaceSize", "aclnnMoeInitRoutingV2")
 
 
 @dataclass(frozen=True)
@@ -35,15 +54,17 @@ class LibraryInfo:
     """Which CANN the process is bound to."""
 
     backend: str  # "cann" or a provider's name ("emulator")
-    home: str | None  # the toolkit (or provider) home, None when found by the loader's path
-    paths: dict[str, str] = field(default_factory=dict)  # library name -> path given to dlopen
+    home: str | None  # the home searched (as given), None when found by the loader's path
+    paths: dict[str, str] = field(default_factory=dict)  # library ("ascendcl", "opapi_transformer") -> path
+    op_library: str = ""  # the real path of the library the op was taken from
+    dependencies: tuple[str, ...] = ()  # what was loaded by path first, in order
 
 
 @dataclass(frozen=True)
 class Provider:
-    """Another home of CANN's three libraries. ``home()`` returns a directory holding lib64/
-    (building it first if it must); ``declarations`` are extra C declarations (with the types
-    the bindings build values of) given to cdef before loading."""
+    """Another home of CANN's libraries. ``home()`` returns it (building it first if it must);
+    ``declarations`` are extra C declarations (with the types the bindings build values of)
+    given to cdef before loading."""
 
     name: str
     home: Callable[[], str]
@@ -52,12 +73,13 @@ class Provider:
 
 
 class Libraries:
-    """The three loaded libraries (cffi library objects) and where they came from."""
+    """The loaded libraries (cffi library objects) and where they came from; ``keep`` holds
+    the dependencies loaded by path, so they stay."""
 
-    __slots__ = ("acl", "nn", "op", "info")
+    __slots__ = ("acl", "nn", "op", "info", "keep")
 
-    def __init__(self, acl: Any, nn: Any, op: Any, info: LibraryInfo) -> None:
-        self.acl, self.nn, self.op, self.info = acl, nn, op, info
+    def __init__(self, acl: Any, nn: Any, op: Any, info: LibraryInfo, keep: tuple[Any, ...] = ()) -> None:
+        self.acl, self.nn, self.op, self.info, self.keep = acl, nn, op, info, keep
 
 
 _lock = threading.Lock()  # guards every name below
@@ -103,62 +125,195 @@ def select_provider(name: str) -> None:
         _selected = name
 
 
-def _dlopen_home(home: str, backend: str) -> Libraries:
-    lib64 = Path(home) / "lib64"
-    paths = {n: str(lib64 / f"lib{n}.so") for n in LIBRARY_NAMES}
-    missing = [p for p in paths.values() if not os.path.isfile(p)]
-    if missing:
-        raise FileNotFoundError(", ".join(missing) + " not found")
-    # In dependency order, so each library finds the ones it needs already loaded.
-    acl, nn, op = (declare.ffi.dlopen(paths[n]) for n in LIBRARY_NAMES)
-    return Libraries(acl, nn, op, LibraryInfo(backend, str(Path(home)), paths))
+# ---------------------------------------------------------------------------- judging a home
+
+def _required(part: str) -> list[str]:
+    return [f for h in _HEADERS[part] for f in declare.functions_in(h) if f not in OPTIONAL]
+
+
+@dataclass
+class _Plan:
+    """What to load from a home: each library's dependencies, then the library."""
+
+    acl: str
+    nn: str
+    op: str
+    order: list[str]  # every path to dlopen, in order (dependencies first, the three included)
+
+
+def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> tuple[list[str], str | None]:
+    """(load order for the library at ``rel``, None) when it is there, its dependencies are
+    found and it (with them) defines ``wanted``; else ([], what is wrong)."""
+    path = os.path.join(home, rel)
+    if not os.path.isfile(path):
+        return [], f"{rel}: not found"
+    deps = layout.dependency_order(path, layout.library_folders(home, path), lambda n: n in loaded)
+    if deps.missing:
+        names = ", ".join(sorted({f"{name} (needed by {by})" for name, by in deps.missing}))
+        folders = ", ".join(layout.library_folders(home, path)[:3])
+        return [], f"{rel}: a dependency is missing: {names}, in none of {folders} (nor the driver's folders or "\
+                   "LD_LIBRARY_PATH)"
+    found: set[str] = set()
+    unreadable = False
+    for lib in [path, *deps.order]:
+        got = layout.defined_symbols(lib, wanted)
+        if got is None:
+            unreadable = True
+            continue
+        found |= got
+    lacking = [w for w in wanted if w not in found]
+    if lacking and not unreadable:
+        if wanted == list(ENTRY_POINTS) and len(lacking) == len(wanted):
+            what = "exports none of the op's entry points"
+        else:
+            shown = ", ".join(lacking[:6]) + (f" and {len(lacking) - 6} more" if len(lacking) > 6 else "")
+            what = f"lacks {shown}"
+        return [], f"{rel}: {what}"
+    # An ELF that cannot be read is tried anyway: dlopen and the resolution after it judge it.
+    return [*deps.order, path], None
+
+
+def _plan(home: str) -> tuple[_Plan | None, list[str]]:
+    """The libraries to load from ``home``, or None and what each library lacked."""
+    problems: list[str] = []
+    order: list[str] = []
+    loaded: set[str] = set()
+    picked: dict[str, str] = {}
+    for part, rel in (("acl", layout.RUNTIME_LIBRARIES[0]), ("nn", layout.RUNTIME_LIBRARIES[1])):
+        got, why = _fits(home, rel, _required(part), loaded)
+        if why:
+            problems.append(why)
+            continue
+        picked[part] = os.path.join(home, rel)
+        order += [p for p in got if p not in order]
+        loaded |= {os.path.basename(p) for p in got}
+    arch = layout.arch()
+    passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
+    for rel, _what in layout.OP_LIBRARIES:
+        rel = rel.format(arch=arch)
+        got, why = _fits(home, rel, list(ENTRY_POINTS), loaded)
+        if why:
+            if not why.endswith(": not found"):
+                passed_over.append(why)
+            continue
+        picked["op"] = os.path.join(home, rel)
+        order += [p for p in got if p not in order]
+        break
+    else:
+        names = ", ".join(r.format(arch=arch) for r, _ in layout.OP_LIBRARIES)
+        problems += passed_over or [f"no op library with the op's four entry points (looked for {names})"]
+    if problems:
+        return None, problems
+    return _Plan(picked["acl"], picked["nn"], picked["op"], order), []
+
+
+def _open(path: str) -> Any:
+    try:
+        return declare.ffi.dlopen(path)
+    except OSError as exc:
+        raise errors.CannNotFoundError([f"{path}: cannot be loaded: {exc}"]) from None
+
+
+def _load_plan(home: str, plan: _Plan, backend: str) -> Libraries:
+    handles = {p: _open(p) for p in plan.order}  # in order: each finds what it needs already loaded
+    info = LibraryInfo(
+        backend, str(Path(home)),
+        {os.path.basename(p)[3:-3]: p for p in (plan.acl, plan.nn, plan.op)},
+        os.path.realpath(plan.op),
+        tuple(p for p in plan.order if p not in (plan.acl, plan.nn, plan.op)),
+    )
+    libs = Libraries(handles[plan.acl], handles[plan.nn], handles[plan.op], info,
+                     tuple(h for p, h in handles.items() if p not in (plan.acl, plan.nn, plan.op)))
+    _resolve_all(libs, strict_extras=backend != "cann")
+    return libs
+
+
+def _load_home(label: str, home: str, backend: str) -> Libraries:
+    plan, problems = _plan(home)
+    if plan is None:
+        raise errors.CannNotFoundError([f"{label} = {home}: {'; '.join(problems)}"])
+    return _load_plan(home, plan, backend)
+
+
+def _from_loader_path() -> Libraries:
+    """The last resort: the dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache), by
+    name, the op library being the first that exports the entry points."""
+    acl, nn = (declare.ffi.dlopen(f"lib{n}.so") for n in ("ascendcl", "nnopbase"))
+    lacking = []
+    for rel, _ in layout.OP_LIBRARIES:
+        name = os.path.basename(rel)
+        try:
+            op = declare.ffi.dlopen(name)
+        except OSError:
+            continue
+        missing = [e for e in ENTRY_POINTS if not _has(op, e)]
+        if not missing:
+            info = LibraryInfo("cann", None, {"ascendcl": "libascendcl.so", "nnopbase": "libnnopbase.so",
+                                              name[3:-3]: name}, name)
+            libs = Libraries(acl, nn, op, info)
+            _resolve_all(libs, strict_extras=False)
+            return libs
+        lacking.append(f"{name} lacks {', '.join(missing)}")
+        declare.ffi.dlclose(op)
+    raise OSError("no op library with the op's entry points" + (f" ({'; '.join(lacking)})" if lacking else ""))
+
+
+def _has(lib: Any, name: str) -> bool:
+    try:
+        getattr(lib, name)
+        return True
+    except AttributeError:
+        return False
 
 
 def _search(ascend_home: str | None) -> Libraries:
-    if ascend_home is not None:
-        try:
-            return _dlopen_home(ascend_home, "cann")
-        except (OSError, FileNotFoundError) as exc:
-            raise errors.CannNotFoundError([f"ascend_home={ascend_home!r}: {exc}"]) from None
     tried = []
-    candidates = [
-        ("$ASCEND_HOME_PATH", os.environ.get("ASCEND_HOME_PATH")),
-        ("$ASCEND_TOOLKIT_HOME", os.environ.get("ASCEND_TOOLKIT_HOME")),
-        ("default install", DEFAULT_TOOLKIT_HOME),
-    ]
-    for label, home in candidates:
+    for label, home in layout.candidate_homes(ascend_home):
         if not home:
             tried.append(f"{label}: not set")
             continue
-        try:
-            return _dlopen_home(home, "cann")
-        except (OSError, FileNotFoundError) as exc:
-            tried.append(f"{label} = {home}: {exc}")
+        if not os.path.isdir(home):
+            tried.append(f"{label} = {home}: no such folder")
+            continue
+        plan, problems = _plan(home)
+        if plan is None:
+            tried.append(f"{label} = {home}: {'; '.join(problems)}")
+            continue
+        return _load_plan(home, plan, "cann")
+    if ascend_home is not None:
+        raise errors.CannNotFoundError(tried)
     try:
-        acl, nn, op = (declare.ffi.dlopen(f"lib{n}.so") for n in LIBRARY_NAMES)
-        return Libraries(acl, nn, op, LibraryInfo("cann", None, {n: f"lib{n}.so" for n in LIBRARY_NAMES}))
+        return _from_loader_path()
     except OSError as exc:
         tried.append(f"dynamic loader path (LD_LIBRARY_PATH, ld.so.cache): {exc}")
     raise errors.CannNotFoundError(tried)
 
 
-def _resolve_all(libs: Libraries) -> None:
-    """Resolve every declared function now: cffi resolves a function on first use under its
-    internal lock (see declare's docstring for why that must not happen in a finalizer)."""
-    for name in declare.declared_functions():
-        for lib in (libs.acl, libs.nn, libs.op):
-            try:
-                getattr(lib, name)
-            except AttributeError:  # not in this library (or a provider's extra on a real CANN)
-                continue
+def _resolve_all(libs: Libraries, strict_extras: bool) -> None:
+    """Resolve every declared function now, each in its own library: cffi resolves a function
+    on first use under its internal lock (see declare's docstring for why that must not happen
+    in a finalizer), and a function the library lacks is an install that cannot work."""
+    missing = []
+    where = {"acl": libs.info.paths.get("ascendcl"), "nn": libs.info.paths.get("nnopbase"),
+             "op": libs.info.op_library}
+    for part, lib in (("acl", libs.acl), ("nn", libs.nn), ("op", libs.op)):
+        for name in (f for h in _HEADERS[part] for f in declare.functions_in(h)):
+            if not _has(lib, name) and name not in OPTIONAL:
+                missing.append(f"{where[part]} lacks {name}")
+    for name in declare.extra_functions():
+        if not _has(libs.acl, name) and strict_extras:
+            missing.append(f"{where['acl']} lacks {name}")
+    if missing:
+        raise errors.CannNotFoundError(missing)
 
 
-def load(ascend_home: str | None = None, *, emulator: bool | None = None) -> LibraryInfo:
+def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | None = None) -> LibraryInfo:
     """Load the CANN libraries now (otherwise the first call that needs them does).
 
-    ``ascend_home``: a toolkit home holding lib64/ (what set_env.sh exports as
-    ASCEND_HOME_PATH). ``emulator=True`` binds to the bundled emulator. Loading twice is a
-    no-op if the choice is the same and an error otherwise.
+    ``ascend_home``: a CANN home (what set_env.sh exports as ASCEND_HOME_PATH: a toolkit's
+    ``ascend-toolkit/latest`` up to 8.3, ``cann`` or ``cann-<release>`` from 8.5); only it is
+    searched. ``emulator=True`` binds to the bundled emulator. Loading twice is a no-op if the
+    choice is the same and an error otherwise.
     """
     global _libs, _selected
     if ascend_home is not None and not isinstance(ascend_home, (str, os.PathLike)):
@@ -166,6 +321,7 @@ def load(ascend_home: str | None = None, *, emulator: bool | None = None) -> Lib
                                                     f"{type(ascend_home).__name__}")
     if emulator is not None and not isinstance(emulator, bool):
         raise errors.InvalidArgument("emulator", f"must be a bool or None, got {type(emulator).__name__}")
+    home_arg = os.fspath(ascend_home) if ascend_home is not None else None
     with _lock:
         provider = _selected
         if emulator or (emulator is None and provider is None and _env_wants_emulator()):
@@ -174,22 +330,20 @@ def load(ascend_home: str | None = None, *, emulator: bool | None = None) -> Lib
             provider = None
         if _libs is not None:
             same = _libs.info.backend == (provider or "cann") and (
-                ascend_home is None or _libs.info.home == str(Path(ascend_home))
+                home_arg is None or _libs.info.home == str(Path(home_arg))
             )
-            if not same and (emulator is not None or ascend_home is not None):
+            if not same and (emulator is not None or home_arg is not None):
                 raise RuntimeError(f"CANN is already loaded ({_libs.info}); it cannot be switched")
             return _libs.info
+        declare.declare()
         if provider is not None:
             p = _providers.get(provider)
             if p is None:
                 raise RuntimeError(f"no provider named {provider!r} is registered; import pyacl_moe first")
-            declare.declare()
-            libs = _dlopen_home(p.home(), provider)
+            libs = _load_home(f"provider {provider!r}", p.home(), provider)
             _selected = provider
         else:
-            declare.declare()
-            libs = _search(ascend_home)
-        _resolve_all(libs)
+            libs = _search(home_arg)
         _libs = libs
         return libs.info
 

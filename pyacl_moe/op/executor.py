@@ -20,12 +20,13 @@ from .._cann import aclnn
 from ..array import Allocation, DeviceArray
 from ..device import Device, current_device
 from ..errors import ClosedError, InvalidArgument
+from ..release import cann_version
 from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
-__all__ = ["Executor", "ExecutorCore", "build", "checked_workspace", "device_of", "execute", "launch", "mark_uses",
-           "register_uses"]
+__all__ = ["Executor", "ExecutorCore", "build", "check_output_layout", "checked_workspace", "device_of", "execute",
+           "launch", "mark_uses", "register_uses"]
 
 
 class ExecutorCore:
@@ -119,6 +120,20 @@ def device_of(arrays: Mapping[str, DeviceArray], device: Device | None = None) -
             where = f"{first} is on device {dev.device_id}" if first else f"device={dev.device_id} was asked for"
             raise InvalidArgument(name, f"is on device {d.device_id} but {where}: a launch's arrays share one device")
     return dev if dev is not None else current_device()
+
+
+def check_output_layout(name: str, out: DeviceArray) -> None:
+    """A strided output is refused where the loaded release's op writes its outputs densely
+    from the view's address (up to 9.0: nnopbase checks the contiguity of inputs only, so the
+    values would land in the wrong elements, silently), and accepted where it writes through
+    the strides (9.1's l0op::ViewCopy)."""
+    if out.is_contiguous:
+        return
+    applies = cann_version().behaviour
+    if applies.behaviour.strided_out != "strides":
+        raise InvalidArgument(name, f"must be contiguous: the op of CANN {applies.release or 'this release'} writes "
+                                    "its outputs densely from the view's address (from 9.1 it writes through the "
+                                    "strides)")
 
 
 def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> Allocation:

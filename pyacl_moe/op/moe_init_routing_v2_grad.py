@@ -24,7 +24,7 @@ from ..host import TORCH, host_view, in_family
 from ..pool import workspace_for
 from ..stream import Stream, current_stream, resolve_stream, thread_current
 from ..tensor import AclTensor
-from .executor import Executor, device_of, first_phase, launch, mark_uses
+from .executor import Executor, check_output_layout, device_of, first_phase, launch, mark_uses
 from .executor import execute as execute
 from .plan import Plan, check_no_overlap, check_workspace_apart, launch_cached, relaunch
 from .spec import OpSpec, Param
@@ -88,8 +88,8 @@ def _check_layout(key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k:
             x.shape, x.dtype, idx.shape, idx.dtype, top_k, mode, active,
             None if out is None else out.shape, None if out is None else out.dtype,
         )
-        if out is not None and not out.is_contiguous:
-            raise InvalidArgument("out", "must be contiguous (the op writes its output densely)")
+        if out is not None:
+            check_output_layout("out", out)
         if len(_validated) >= _VALIDATED_MAX:
             _validated.clear()
         _validated[key] = geo
@@ -138,8 +138,7 @@ class MoeInitRoutingV2Grad(Plan):
             geo = _contract.check_shapes(x.shape, x.dtype, idx.shape, idx.dtype, top_k, drop_pad_mode, active_num,
                                          None if out is None else out.shape, None if out is None else out.dtype)
             if out is not None:
-                if not out.is_contiguous:
-                    raise InvalidArgument("out", "must be contiguous (the op writes its output densely)")
+                check_output_layout("out", out)
                 check_no_overlap(SPEC, arrays)
             n, h = geo.tokens, geo.hidden
         else:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..release import BEHAVIOURS, OpBehaviour
 from ..stream import Stream
 from . import cases as _cases
 
@@ -86,6 +87,13 @@ class Context:
     exact: bool = False
     # Per dtype, the standard a result is judged by (the documented one unless overridden).
     standards: dict[str, _cases.Standard] = field(default_factory=lambda: dict(_cases.STANDARDS))
+    # What the release under test does where releases differ (pyacl_moe.release).
+    behaviour: OpBehaviour = BEHAVIOURS[-1]
+
+    def expected(self, status: int | str) -> int:
+        """The status the release under test must give: ``status`` itself (every release gives
+        it), or the value of the behaviour field it names ("tiling_status", ...)."""
+        return status if isinstance(status, int) else int(getattr(self.behaviour, status))
 
     # Each case derives its own generator from the seed and its name, so a case gives the
     # same inputs whatever else runs, and --filter reproduces a failure exactly.

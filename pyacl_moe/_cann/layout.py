@@ -1,0 +1,389 @@
+"""Where a CANN install keeps what this binding needs, release by release.
+
+Plain Python: it reads directories and files (the ELF headers of shared libraries included)
+and loads nothing, so a home can be judged before any of its libraries enters the process.
+
+**Homes** are searched in this order (:func:`candidate_homes`): ``load(ascend_home=...)``
+alone when given; else ``$ASCEND_HOME_PATH``, ``$ASCEND_TOOLKIT_HOME`` (what each release's
+set_env.sh exports), ``/usr/local/Ascend/cann`` (the default root from 8.5),
+``/usr/local/Ascend/ascend-toolkit/latest`` (up to 8.3), the same two under ``$HOME/Ascend``
+(a non-root install); the loader then tries the dynamic loader's own path.
+
+**The op library** in a home is the first of :data:`OP_LIBRARIES` that exports the four
+entry points of both ops (the two phases of each), in the order the releases use them: the
+per-repository ``libopapi_transformer.so`` of 8.5 and later (in ``lib64``, or in the op_api
+folder its package stages it in), the all-in-one ``libopapi.so`` (up to 8.3; deprecated in
+9.1 and not to be mixed with the per-repository libraries), then the 8.2/8.3 split libraries.
+All four come from that one library.
+
+**Dependencies** are a library's DT_NEEDED entries, read from its dynamic section. CANN's
+release builds carry no RUNPATH (ops-transformer ``cmake/config.cmake`` sets
+``CMAKE_SKIP_RPATH``), so ``libopapi_transformer.so`` finds ``libopapi_math.so`` only where the
+dynamic loader looks; :func:`dependency_order` finds each one in the home's library folders
+(``lib64``, the library's own folder), the driver's (what set_env.sh adds) and
+``$LD_LIBRARY_PATH``, so the loader can load them by path first and no environment is needed.
+A dependency with an unversioned name (``libX.so``, the form every CANN library has) found in
+none of those folders makes the library unfit; versioned names (``libc.so.6``) are the
+system's, left to the dynamic loader.
+
+**Versions** (:func:`read_versions`): the toolkit's release from
+``<arch>-linux/ascend_toolkit_install.info`` (``version=``) or the legacy ``version.cfg``
+(``runtime_running_version=[<build>:<release>]``); from 8.5 the ops-transformer and runtime
+packages' from ``share/info/<package>/version.info`` (``Version=``), through the runtime's
+aclsysGetVersionStr when the caller provides it, or the ops package's
+``<arch>-linux/ascend_ops_install.info``; up to 8.3 the runtime's inner build number from
+``runtime/version.info``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["DRIVER_FOLDERS", "OP_LIBRARIES", "RUNTIME_LIBRARIES", "Versions", "arch", "candidate_homes",
+           "defined_symbols", "dependency_order", "library_folders", "needed", "read_versions"]
+
+RUNTIME_LIBRARIES = ("lib64/libascendcl.so", "lib64/libnnopbase.so")
+
+OP_API_FOLDER = "opp/built-in/op_impl/ai_core/tbe/op_api/lib/linux/{arch}"
+
+# (path in a home, what it is), in the order they are tried.
+OP_LIBRARIES: tuple[tuple[str, str], ...] = (
+    ("lib64/libopapi_transformer.so", "ops-transformer's library (8.5 and later)"),
+    (f"{OP_API_FOLDER}/libopapi_transformer.so", "ops-transformer's library, in its package's op_api folder"),
+    ("lib64/libopapi.so", "the all-in-one op library (up to 8.3; deprecated in 9.1)"),
+    ("lib64/libaclnn_ops_train.so", "the split op library of 8.2 and 8.3 (training ops)"),
+    ("lib64/libaclnn_ops_infer.so", "the split op library of 8.2 and 8.3 (inference ops: 8.1.RC1's umbrella "
+                                    "header aclnn_ops_infer.h holds the MoE ops)"),
+)
+
+# What set_env.sh (8.5) adds to LD_LIBRARY_PATH for the driver.
+DRIVER_FOLDERS = ("/usr/local/Ascend/driver/lib64", "/usr/local/Ascend/driver/lib64/common",
+                  "/usr/local/Ascend/driver/lib64/driver")
+
+
+def arch() -> str:
+    """The machine as CANN names its folders: ``aarch64`` or ``x86_64``."""
+    m = platform.machine()
+    return {"arm64": "aarch64", "amd64": "x86_64", "AMD64": "x86_64"}.get(m, m) or "unknown"
+
+
+def candidate_homes(ascend_home: str | os.PathLike[str] | None = None) -> list[tuple[str, str | None]]:
+    """(label, directory or None when unset) in search order; a directory already listed is
+    not listed again."""
+    if ascend_home is not None:
+        return [(f"ascend_home={os.fspath(ascend_home)!r}", os.fspath(ascend_home))]
+    user = Path.home() / "Ascend"
+    listed = [
+        ("$ASCEND_HOME_PATH", os.environ.get("ASCEND_HOME_PATH") or None),
+        ("$ASCEND_TOOLKIT_HOME", os.environ.get("ASCEND_TOOLKIT_HOME") or None),
+        ("default root (8.5 and later)", "/usr/local/Ascend/cann"),
+        ("default root (up to 8.3)", "/usr/local/Ascend/ascend-toolkit/latest"),
+        ("non-root default (8.5 and later)", str(user / "cann")),
+        ("non-root default (up to 8.3)", str(user / "ascend-toolkit" / "latest")),
+    ]
+    seen: set[str] = set()
+    out: list[tuple[str, str | None]] = []
+    for label, home in listed:
+        real = os.path.realpath(home) if home else None
+        if real is not None and real in seen:
+            continue
+        if real is not None:
+            seen.add(real)
+        out.append((label, home))
+    return out
+
+
+def library_folders(home: str | None, library: str | None = None) -> list[str]:
+    """Where a library's dependencies are looked for: its own folder, the home's lib64 and
+    op_api folder, the driver's, then ``$LD_LIBRARY_PATH``'s."""
+    folders: list[str] = []
+    if library:
+        folders.append(os.path.dirname(os.path.realpath(library)))
+        folders.append(os.path.dirname(library))
+    if home:
+        folders += [os.path.join(home, "lib64"), os.path.join(home, OP_API_FOLDER.format(arch=arch()))]
+    folders += list(DRIVER_FOLDERS)
+    folders += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+    unique: list[str] = []
+    for f in folders:
+        if f not in unique:
+            unique.append(f)
+    return unique
+
+
+# ---------------------------------------------------------------------------- ELF
+
+_SHT_DYNSYM, _SHT_DYNAMIC = 11, 6
+_DT_NEEDED = 1
+_MAX_TABLE = 64 << 20  # a symbol or string table larger than this is not read (not a sane library)
+
+
+@dataclass
+class _Elf:
+    sections: list[tuple[int, int, int, int]]  # (type, offset, size, link)
+    little: bool
+    wide: bool
+
+
+def _elf(f: object) -> _Elf | None:
+    """The section table of an ELF file, or None when it is not one (or is damaged)."""
+    read, seek = f.read, f.seek  # type: ignore[attr-defined]
+    ident = read(16)
+    if len(ident) < 16 or ident[:4] != b"\x7fELF" or ident[4] not in (1, 2) or ident[5] not in (1, 2):
+        return None
+    wide, end = ident[4] == 2, "<" if ident[5] == 1 else ">"
+    header = read(48 if wide else 36)
+    try:
+        fields = struct.unpack(end + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH"), header)
+    except struct.error:
+        return None
+    shoff, shentsize, shnum = fields[5], fields[10], fields[11]
+    fmt = end + ("IIQQQQIIQQ" if wide else "IIIIIIIIII")
+    need = struct.calcsize(fmt)
+    if not shoff or shentsize < need:
+        return None
+    seek(shoff)
+    first = read(shentsize)
+    if len(first) < need:
+        return None
+    if shnum == 0:  # more sections than the header can count: section 0 holds the number
+        shnum = struct.unpack(fmt, first[:need])[5]
+    if shnum > 65536 * 16:
+        return None
+    seek(shoff)
+    raw = read(shentsize * shnum)
+    if len(raw) < shentsize * shnum:
+        return None
+    sections = []
+    for i in range(shnum):
+        s = struct.unpack(fmt, raw[i * shentsize:i * shentsize + need])
+        sections.append((s[1], s[4], s[5], s[6]))
+    return _Elf(sections, end == "<", wide)
+
+
+def _table(f: object, offset: int, size: int) -> bytes | None:
+    if size > _MAX_TABLE:
+        return None
+    f.seek(offset)  # type: ignore[attr-defined]
+    data = f.read(size)  # type: ignore[attr-defined]
+    return data if len(data) == size else None
+
+
+def _string(strtab: bytes, at: int) -> str:
+    end = strtab.find(b"\0", at)
+    return strtab[at:end if end >= 0 else len(strtab)].decode("utf-8", "replace")
+
+
+def needed(path: str) -> tuple[str, ...] | None:
+    """The DT_NEEDED entries of a shared library, in order; None when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            elf = _elf(f)
+            if elf is None:
+                return None
+            end = "<" if elf.little else ">"
+            fmt = end + ("qQ" if elf.wide else "iI")
+            step = struct.calcsize(fmt)
+            for kind, offset, size, link in elf.sections:
+                if kind != _SHT_DYNAMIC or link >= len(elf.sections):
+                    continue
+                dyn, strtab = _table(f, offset, size), _table(f, elf.sections[link][1], elf.sections[link][2])
+                if dyn is None or strtab is None:
+                    return None
+                names = []
+                for tag, value in struct.iter_unpack(fmt, dyn[:len(dyn) // step * step]):
+                    if tag == 0:
+                        break
+                    if tag == _DT_NEEDED and value < len(strtab):
+                        names.append(_string(strtab, value))
+                return tuple(names)
+            return ()
+    except OSError:
+        return None
+
+
+def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
+    """Which of ``wanted`` the library's dynamic symbol table defines (global or weak, not
+    undefined); None when it cannot be read."""
+    targets = {w.encode() for w in wanted}
+    try:
+        with open(path, "rb") as f:
+            elf = _elf(f)
+            if elf is None:
+                return None
+            end = "<" if elf.little else ">"
+            fmt = end + ("IBBHQQ" if elf.wide else "IIIBBH")
+            step = struct.calcsize(fmt)
+            found: set[str] = set()
+            for kind, offset, size, link in elf.sections:
+                if kind != _SHT_DYNSYM or link >= len(elf.sections):
+                    continue
+                syms, strtab = _table(f, offset, size), _table(f, elf.sections[link][1], elf.sections[link][2])
+                if syms is None or strtab is None:
+                    return None
+                for entry in struct.iter_unpack(fmt, syms[:len(syms) // step * step]):
+                    if elf.wide:
+                        name, info, _, shndx = entry[0], entry[1], entry[2], entry[3]
+                    else:
+                        name, info, shndx = entry[0], entry[3], entry[5]
+                    if shndx == 0 or (info >> 4) not in (1, 2) or name >= len(strtab):
+                        continue
+                    end_at = strtab.find(b"\0", name)
+                    symbol = strtab[name:end_at if end_at >= 0 else len(strtab)]
+                    if symbol in targets:
+                        found.add(symbol.decode())
+            return found
+    except OSError:
+        return None
+
+
+_UNVERSIONED = re.compile(r"lib[^/]*\.so")
+
+
+@dataclass
+class Dependencies:
+    """A library's dependency closure: ``order`` the paths to load first (dependencies before
+    what needs them), ``missing`` (name, needed by) for CANN-style names found nowhere,
+    ``unreadable`` the files whose ELF could not be read."""
+
+    order: list[str] = field(default_factory=list)
+    missing: list[tuple[str, str]] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+
+
+def dependency_order(path: str, folders: list[str], present: Callable[[str], bool] = lambda name: False
+                     ) -> Dependencies:
+    """Every dependency of ``path`` found in ``folders``, transitively, in load order.
+    ``present(name)`` says whether a library of that name is already loaded by us (then it is
+    not looked for again)."""
+    deps = Dependencies()
+    seen: set[str] = set()
+
+    def visit(lib: str) -> None:
+        names = needed(lib)
+        if names is None:
+            deps.unreadable.append(lib)
+            return
+        for name in names:
+            if name in seen or present(name):
+                continue
+            seen.add(name)
+            where = next((os.path.join(d, name) for d in folders if os.path.isfile(os.path.join(d, name))), None)
+            if where is None:
+                if _UNVERSIONED.fullmatch(name):
+                    deps.missing.append((name, os.path.basename(lib)))
+                continue
+            visit(where)
+            deps.order.append(where)
+
+    visit(path)
+    return deps
+
+
+# ---------------------------------------------------------------------------- versions
+
+TOOLKIT_INFO = "ascend_toolkit_install.info"
+OPS_INFO = "ascend_ops_install.info"
+
+
+@dataclass
+class Versions:
+    """What an install says of its releases; ``sources`` names the file (or call) behind each."""
+
+    toolkit: str | None = None
+    ops: str | None = None
+    runtime: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def _key(path: Path, key: str) -> str | None:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        k, sep, value = line.partition("=")
+        if sep and k.strip() == key and value.strip():
+            return value.strip().strip('"')
+    return None
+
+
+def _arch_dirs(home: Path) -> list[Path]:
+    first = home / f"{arch()}-linux"
+    return [first, *sorted(d for d in home.glob("*-linux") if d != first)]
+
+
+def _version_cfg(home: Path) -> str | None:
+    # "runtime_running_version=[7.7.0.1.238:8.1.RC1]": the build number, then the release.
+    value = _key(home / "version.cfg", "runtime_running_version")
+    m = re.fullmatch(r"\[[^:\]]*:([^\]]+)\]", value or "")
+    return m.group(1) if m else None
+
+
+def install_root(library_paths: Iterable[str]) -> str | None:
+    """The home a library found through the dynamic loader's path belongs to: the nearest
+    folder above its real path that holds a toolkit release file or ``share/info``."""
+    for lib in library_paths:
+        if not os.path.isabs(lib):
+            continue
+        p = Path(lib).resolve().parent
+        for _ in range(8):
+            if (p / "share" / "info").is_dir() or any((d / TOOLKIT_INFO).is_file() for d in _arch_dirs(p)):
+                return str(p)
+            if p.parent == p:
+                break
+            p = p.parent
+    return None
+
+
+def read_versions(home: str | None, version_str: Callable[[str], str | None] | None = None,
+                  library_paths: Iterable[str] = ()) -> Versions:
+    """The releases an install records. ``version_str(package)`` is the runtime's
+    aclsysGetVersionStr, used only when ``$ASCEND_HOME_PATH`` is this home (it reads the
+    files of that variable's home, whatever was loaded)."""
+    v = Versions()
+    root = home or install_root(library_paths)
+    if root is None:
+        return v
+    h = Path(root)
+    env = os.environ.get("ASCEND_HOME_PATH")
+    ask = version_str if version_str and env and os.path.realpath(env) == os.path.realpath(root) else None
+
+    def package(name: str) -> tuple[str | None, str]:
+        if ask is not None:
+            got = ask(name)
+            if got:
+                return got, f"aclsysGetVersionStr({name!r})"
+        path = h / "share" / "info" / name / "version.info"
+        return _key(path, "Version"), str(path)
+
+    for d in _arch_dirs(h):
+        got = _key(d / TOOLKIT_INFO, "version")
+        if got:
+            v.toolkit, v.sources["toolkit_version"] = got, str(d / TOOLKIT_INFO)
+            break
+    if v.toolkit is None:
+        got = _version_cfg(h)
+        if got:
+            v.toolkit, v.sources["toolkit_version"] = got, str(h / "version.cfg")
+    ops, where = package("ops_transformer")
+    if ops is None:
+        for d in _arch_dirs(h):
+            ops = _key(d / OPS_INFO, "version")
+            if ops:
+                where = str(d / OPS_INFO)
+                break
+    if ops:
+        v.ops, v.sources["ops_version"] = ops, where
+    runtime, where = package("runtime")
+    if runtime is None:
+        runtime, where = _key(h / "runtime" / "version.info", "Version"), str(h / "runtime" / "version.info")
+    if runtime:
+        v.runtime, v.sources["runtime_version"] = runtime, where
+    return v
