@@ -265,3 +265,19 @@ def test_a_runtime_library_lacking_a_function_is_refused_by_name(homes, tmp_path
     shutil.copy(os.path.realpath(lib64 / "libascendcl.so"), real)
     r = _info(home)
     assert r.returncode == 2 and "lib64/libnnopbase.so: lacks aclCreateTensor" in r.stderr
+
+
+@pytest.mark.parametrize("name", [n if n in ("8.1.RC1", "9.1.0") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in emulator.RELEASES])  # the two op entries by default, all in the slow step
+def test_conformance_passes_on_each_emulated_release_and_names_it(homes, name, tmp_path):
+    report = tmp_path / "r.json"
+    r = _python(["-m", "pyacl_moe.cli", "conformance", "--quick", "--report", str(report)],
+                ASCEND_HOME_PATH=homes[name])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    data = json.loads(report.read_text())
+    assert data["backend"] == "cann" and data["toolkit_version"] == data["cann_version"] == name
+    assert data["ops_version"] == (None if name.startswith("8.0") or name.startswith("8.1") else name)
+    assert data["op_library"] == os.path.realpath(dict(emulator.library_paths(name))["op"])
+    assert data["expectations"]["since"] == ("9.1.0.pre" if name == "9.1.0" else "8.0.0")
+    statuses = {c["name"]: c["status"] for c in data["cases"]}
+    assert statuses["neg-not-divisible"] == (561103 if name == "9.1.0" else 561002)

@@ -310,6 +310,10 @@ def _negative(name: str, status: int | str, spec: Neg, why: str, source: str = "
             # expected status is 0 when the binding must accept the call, else any refusal.
             if x is None or idx is None:
                 raise ValueError(f"{name}: a binding case needs gradExpandedX and expandedRowIdx")
+            # Inputs the contract accepts (zeros, the identity routing): a call the binding
+            # accepts runs.
+            x.fill(0)
+            idx.copy_from_host(np.arange(idx.size, dtype=np.int32).reshape(idx.shape), ctx.stream)
             accept = ctx.expected(status) == 0
             try:
                 moe_init_routing_v2_grad(x, idx, spec.top_k, spec.mode, spec.active, out=out, stream=ctx.stream)
