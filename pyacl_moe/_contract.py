@@ -47,7 +47,8 @@ class Geometry:
     scenario: str
 
 
-def _dtype_name(dt: np.dtype) -> str:
+def dtype_name(dt: np.dtype) -> str:
+    """A dtype as the messages name it (ml_dtypes' bfloat16 as 'bfloat16')."""
     return "bfloat16" if dt == DATA_DTYPES[1] else str(dt)
 
 
@@ -80,10 +81,10 @@ def check_shapes(
     k, mode, active = check_attributes(top_k, drop_pad_mode, active_num)
     if x_dtype not in DATA_DTYPES:
         raise InvalidArgument(
-            "grad_expanded_x", f"dtype must be float16, bfloat16 or float32, got {_dtype_name(x_dtype)}"
+            "grad_expanded_x", f"dtype must be float16, bfloat16 or float32, got {dtype_name(x_dtype)}"
         )
     if idx_dtype != INDEX_DTYPE:
-        raise InvalidArgument("expanded_row_idx", f"dtype must be int32, got {_dtype_name(idx_dtype)}")
+        raise InvalidArgument("expanded_row_idx", f"dtype must be int32, got {dtype_name(idx_dtype)}")
     if len(idx_shape) != 1:
         raise InvalidArgument("expanded_row_idx", f"must be 1-D [N*top_k], got shape {idx_shape}")
     bsk = idx_shape[0]
@@ -116,7 +117,7 @@ def check_shapes(
     if out_shape is not None:
         if out_dtype is not None and out_dtype != x_dtype:
             raise InvalidArgument(
-                "out", f"dtype must match grad_expanded_x ({_dtype_name(x_dtype)}), got {_dtype_name(out_dtype)}"
+                "out", f"dtype must match grad_expanded_x ({dtype_name(x_dtype)}), got {dtype_name(out_dtype)}"
             )
         if tuple(out_shape) != (n, h):
             raise InvalidArgument("out", f"must have shape (N, H) = ({n}, {h}), got {tuple(out_shape)}")

@@ -1,29 +1,25 @@
-"""The one lifetime mechanism: resources released exactly once, never while queued work needs
-them, never from inside a finalizer, and safe under KeyboardInterrupt.
+"""The one lifetime model: who owns a CANN handle, how queued work keeps what it uses, and
+where releases happen.
 
-**Owners and holders.** An object that owns a CANN resource (a stream, an event, an allocation,
-an aclTensor, an executor) keeps a small *holder* with exactly what the release needs (a handle
-of the bindings layer). :func:`track` ties the holder to its owner with a weak reference whose
-callback is ``deque.append`` itself: when the owner dies, the garbage collector queues the
-reference from C, running no Python code, so nothing can interrupt it or take a lock there.
-:func:`collect`, the *safe point*, called on the calling thread by every entry of the binding
-that allocates, synchronizes or closes, releases what is queued (as CuPy and numba defer their
-frees). ``close()`` releases at once through :func:`release`.
+**Owners.** Every CANN object the binding makes has one owner with ``close()``, and a small
+*holder* with what its release needs (a handle of the bindings layer). :func:`track` ties the
+two with a weak reference whose callback is ``deque.append``: when an owner dies without
+``close()``, its token is queued (no Python code runs in the collector), and :func:`collect`,
+the *safe point* every entry of the binding that allocates, synchronizes or closes calls,
+releases it on the caller's thread, never inside a finalizer.
 
-**Stream order.** What queued work reads or writes is *held* on the stream's :class:`Ledger`
-until that work is known complete: by a synchronize that began after it was queued, or by a
-*fence*, an event recorded behind it and polled with aclrtQueryEventStatus, never waited for. No
-asynchronous call ever blocks to free memory.
+**Queued work** keeps what it reads or writes on its stream's :class:`Ledger` until that work is
+known complete: by a synchronize that began after it was queued, or by a *fence*, an event
+recorded behind it and polled (aclrtQueryEventStatus), never waited for.
 
-**Rules that make it safe under asynchronous exceptions** (CPython raises them only at calls,
-backward jumps and function entry): a resource's handle is stored by the C call that creates it
-(see :mod:`._cann.handles`); an object moves between containers by reading it, deleting it, then
-appending it (the append's effect is done before its call can be interrupted), never by pop();
-and a holder's release is idempotent, so repeating an interrupted step is always safe.
+**Interrupts.** A KeyboardInterrupt never frees what queued work uses (a hold is taken before
+its work is queued) and never loses memory for good: a release it cuts short stays registered,
+so the next safe point, ``empty_cache()`` or ``close()`` releases it. A handle is released once
+(its lock: :mod:`._cann.handles`).
 
 **fork().** In a child of a process that initialized CANN, everything inherited is dead: the
-handles refuse to release (:func:`pyacl_moe._cann.handles.process_forked`) and the locks here
-are replaced, since a parent thread may have held them at fork.
+handles refuse to release and the locks here are new ones (a parent thread may have held the
+old ones at fork).
 """
 
 from __future__ import annotations
@@ -32,33 +28,28 @@ import collections
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from ._cann import acl
 from ._cann.errcheck import check
 from ._cann.handles import process_forked
 
-__all__ = ["Holder", "Ledger", "Owner", "WeakMap", "close_core", "collect", "forked", "quiesce", "release",
-           "release_where", "retiring", "track", "while_releases_wait"]
+__all__ = ["Holder", "Ledger", "Owner", "WeakMap", "close_core", "collect", "forked", "release", "release_where",
+           "retiring", "track", "unreleased_while"]
 
 
 class Holder(Protocol):
     def release(self) -> int: ...
 
 
-# Tokens (weak references) of owners that died, appended from C by the garbage collector:
-# deque.append runs no Python code and allocates no Python object, so it is safe in a weakref
-# callback, and a collection can never fall inside another deque operation.
+# Tokens of owners that died, appended by the garbage collector (the callback is the deque's
+# own append: documented thread-safe, it runs no Python code).
 _dead: collections.deque[weakref.ref[Any]] = collections.deque()
-# token -> holder, for every owner not yet released: the source of truth.
-_registry: dict[weakref.ref[Any], Holder] = {}
-# holders whose release failed for a reason that may pass (a context switch): tried again
-_retry: list[Holder] = []
-# things that finish releasing later without blocking (streams dropped with queued work):
-# poll() returns True once done
-_pollers: list[Any] = []
-_collect_lock = threading.Lock()  # one collector at a time; guards _retry and _pollers
+_lock = threading.Lock()  # guards _registry and _later (held briefly, never across a CANN call)
+_registry: dict[weakref.ref[Any], Holder] = {}  # token -> holder, for every owner not yet released
+_later: list[Any] = []  # what finishes releasing later without blocking: poll() -> True once done
+_collecting = threading.Lock()  # one collector (or device close) releasing at a time
 
 
 def forked() -> bool:
@@ -70,19 +61,21 @@ def track(owner: Any, holder: Holder) -> weakref.ref[Any]:
     """Release ``holder`` when ``owner`` dies (at the next safe point). Returns the token for
     :func:`release`. Call it before the C call that fills the holder."""
     token = weakref.ref(owner, _dead.append)
-    _registry[token] = holder
+    with _lock:
+        _registry[token] = holder
     return token
 
 
 def release(token: weakref.ref[Any]) -> int:
     """Release the holder of ``token`` now (an explicit close); returns CANN's status. Safe
-    twice and from several threads: the holder's release is exactly-once."""
-    holder = _registry.get(token)
+    twice and from several threads."""
+    with _lock:
+        holder = _registry.get(token)
     if holder is None:
         return 0
     status = holder.release()
-    if token in _registry:
-        del _registry[token]
+    with _lock:
+        _registry.pop(token, None)
     return status
 
 
@@ -129,86 +122,63 @@ class Owner:
 def retiring(poller: Any) -> None:
     """Register something that finishes releasing later, without blocking anyone: its poll()
     is called at safe points until it returns True."""
-    _pollers.append(poller)
+    with _lock:
+        _later.append(poller)
 
 
 def collect() -> None:
-    """The safe point: release what died, on the calling thread; poll what is retiring. Called
-    by every entry of the binding that allocates, synchronizes or closes (never with a stream's
-    lock held); never waits for queued work.
-
-    Each dead token is read, released, then removed, so an interrupt at any point leaves it
-    queued and the next call finishes the job (a holder's release is exactly-once)."""
-    if not (_dead or _retry or _pollers):
+    """The safe point: release what died, on the calling thread; poll what is retiring. Never
+    waits for queued work; never called with a stream's lock held. A token leaves the queue
+    only after its release returned, so a release an interrupt cut short is made again."""
+    if not (_dead or _later) or forked():
         return
-    with _collect_lock:
-        _drain_locked()
-        for _ in range(len(_retry)):
-            holder = _retry[0]
-            del _retry[0]
+    with _collecting:
+        while _dead:
+            token = _dead[0]
+            with _lock:
+                holder = _registry.get(token)
+            if holder is not None:
+                try:
+                    holder.release()
+                except Exception:
+                    pass  # it stays registered: the device's close releases it (release_where)
+                else:
+                    with _lock:
+                        _registry.pop(token, None)
+            _dead.popleft()
+        with _lock:
+            later = list(_later)
+        for poller in later:
             try:
-                holder.release()
-            except Exception:
-                _retry.append(holder)
-        i = 0
-        while i < len(_pollers):
-            try:
-                done = _pollers[i].poll()
+                done = poller.poll()
             except Exception:
                 done = False
             if done:
-                del _pollers[i]
-            else:
-                i += 1
-        _drain_locked()  # what the pollers and the releases above let go
+                with _lock:
+                    _later.remove(poller)
 
 
-def _drain_locked() -> None:
-    while _dead:
-        token = _dead[0]
-        holder = _registry.get(token)
-        if holder is not None:
-            try:
-                holder.release()
-            except Exception:  # e.g. the device context could not be made current: later
-                _retry.append(holder)
-            if token in _registry:
-                del _registry[token]
-        del _dead[0]
-
-
-def quiesce() -> None:
-    """Release everything dropped so far, here and now (for exact accounting: counters, memory
-    figures, empty_cache)."""
-    collect()
-
-
-def while_releases_wait(fn: Callable[[], Any]) -> Any:
+def unreleased_while(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` with no release running meanwhile (a device reset frees what a release
     would free)."""
-    with _collect_lock:
+    with _collecting:
         return fn()
 
 
 def release_where(predicate: Callable[[Holder], bool]) -> list[BaseException]:
     """Release now every tracked holder for which ``predicate`` is true (a device closing
-    releases what it owns). Returns the errors, the caller decides what to raise."""
+    releases what it owns). Returns the errors; the caller decides what to raise."""
     errors: list[BaseException] = []
-    with _collect_lock:
-        for token, holder in list(_registry.items()):
-            if predicate(holder):
-                try:
-                    holder.release()
-                except Exception as exc:
-                    errors.append(exc)
-                if token in _registry:
-                    del _registry[token]
-        for holder in [h for h in _retry if predicate(h)]:
-            _retry.remove(holder)
+    with _collecting:
+        with _lock:
+            chosen = [(t, h) for t, h in _registry.items() if predicate(h)]
+        for token, holder in chosen:
             try:
                 holder.release()
             except Exception as exc:
                 errors.append(exc)
+            with _lock:
+                _registry.pop(token, None)
     return errors
 
 
@@ -219,43 +189,49 @@ _V = TypeVar("_V")
 
 
 class WeakMap(Generic[_K, _V]):
-    """A map from objects, held weakly, to values: a registry the binding walks (a stream's
-    launchers, every plan, a pool's blocks) that must not keep its members alive.
+    """A map from objects, held weakly, to values: a registry the binding walks (every plan, a
+    device's borrowed memory) that must not keep its members alive. Its references have no
+    callback, so nothing runs when a member dies: dead entries are skipped when read and
+    dropped as the map grows. ``_lock`` guards ``_refs``."""
 
-    Unlike weakref's WeakSet and WeakKeyDictionary it runs no Python code when a member dies:
-    its references have no callback (CPython swallows an exception raised in one, so a
-    KeyboardInterrupt landing there was lost, and the entry left half removed). Dead entries are
-    dropped as the map grows and skipped when it is read. Each method is one dict operation
-    under the GIL, or works on a copy."""
-
-    __slots__ = ("_refs", "_limit")
+    __slots__ = ("_refs", "_limit", "_lock")
 
     def __init__(self) -> None:
         self._refs: dict[weakref.ref[Any], _V] = {}
         self._limit = 16
+        self._lock = threading.Lock()
 
     def set(self, key: _K, value: _V) -> None:
-        # A reference without a callback is shared by every caller, and hashes as its object
-        # (computed now, while it lives, and kept once it is dead).
-        self._refs[weakref.ref(key)] = value
-        if len(self._refs) > self._limit:
-            dead = [r for r in list(self._refs) if r() is None]
-            for r in dead:
-                self._refs.pop(r, None)
-            self._limit = max(16, 2 * len(self._refs))
+        with self._lock:
+            self._refs[weakref.ref(key)] = value
+            if len(self._refs) > self._limit:
+                for r in [r for r in self._refs if r() is None]:
+                    del self._refs[r]
+                self._limit = max(16, 2 * len(self._refs))
 
     def add(self, key: _K) -> None:
         self.set(key, None)  # type: ignore[arg-type]
 
+    def discard(self, key: _K) -> None:
+        with self._lock:
+            self._refs.pop(weakref.ref(key), None)
+
     def get(self, key: _K) -> _V | None:
-        return self._refs.get(weakref.ref(key))
+        with self._lock:
+            return self._refs.get(weakref.ref(key))
+
+    def items(self) -> list[tuple[_K, _V]]:
+        """The live members and their values, a copy."""
+        with self._lock:
+            refs = list(self._refs.items())
+        return [(k, v) for r, v in refs if (k := r()) is not None]
 
     def keys(self) -> list[_K]:
         """The live members, a copy."""
-        return [k for r in list(self._refs) if (k := r()) is not None]
+        return [k for k, _ in self.items()]
 
-    def __iter__(self) -> Iterator[_K]:
-        return iter(self.keys())
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
 
 
 # ---------------------------------------------------------------------------- stream order
@@ -270,8 +246,7 @@ class Ledger:
     something) and *retire points* (objects handed over to be released once everything queued
     before is done). A hold taken for point p is dropped once point p is known complete: when a
     synchronize that read the count at or after p returns, or when a fence recorded at or after
-    p has run. Launches that hold nothing here (a plan's steady state keeps its own arrays) need
-    no point: whatever they use is retired with a point taken after them.
+    p has run.
 
     Every method is called with the stream's lock held; the lists they return (what became
     free) must be dropped after the lock is released, since dropping the last reference to an
@@ -291,8 +266,7 @@ class Ledger:
         self.stream = stream
         self.count = 0  # points given out
         self.completed = 0  # every point <= completed is known complete
-        # (point, what...) in point order: what a hold keeps is everything after the point
-        self.holds: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.holds: collections.deque[tuple[Any, ...]] = collections.deque()  # (point, what...) in order
         self.fences: collections.deque[tuple[int, acl.EventHandle]] = collections.deque()
         self.spare: list[acl.EventHandle] = []  # completed fence events, for reuse
         self.next_fence = self.FENCE_EVERY  # the count at which after_enqueue fences next
@@ -328,95 +302,72 @@ class Ledger:
         if not self.holds or len(self.fences) >= self.MAX_FENCES or (self.fences and self.fences[-1][0] == self.count):
             return
         try:
-            spare = self.spare
-            if not spare:
+            if not self.spare:
                 h = acl.EventHandle(self.context)
-                spare.append(h)  # owned before it is created
+                self.spare.append(h)  # owned before it is created
                 acl.create_event(h)
-            h = spare[-1]
+            h = self.spare[-1]
             if not h:  # a creation that failed earlier
-                del spare[-1]
+                self.spare.pop()
                 return
             acl.record_event(h, self.stream)
-            entry = (self.count, h)
-            del spare[-1]
-            self.fences.append(entry)
+            self.spare.pop()
+            self.fences.append((self.count, h))
         except Exception:
             return
 
     def poll(self) -> list[Any]:
         """Drop what the completed fences release (never waits)."""
-        fences = self.fences
         try:
-            while fences:
-                point, h = fences[0]
+            while self.fences:
+                point, h = self.fences[0]
                 if not acl.query_event(h):
                     break
-                del fences[0]
-                self.spare.append(h)
-                if point > self.completed:
-                    self.completed = point
+                self.spare.append(self.fences.popleft()[1])
+                self.completed = max(self.completed, point)
         except Exception:
             pass
         return self._advance()
 
     def synchronized(self, mark: int) -> list[Any]:
         """A synchronize that read ``mark`` (the count) before waiting has returned: every
-        point up to it is complete. The fence events stay spare for the next fences (a loop
-        that synchronizes every step would otherwise create and destroy them every step);
-        empty_cache() and closing the stream destroy them."""
-        if mark > self.completed:
-            self.completed = mark
-        fences = self.fences
-        while fences and fences[0][0] <= mark:
-            h = fences[0][1]
-            del fences[0]
-            self.spare.append(h)
+        point up to it is complete. The fence events stay spare for the next fences."""
+        self.completed = max(self.completed, mark)
+        while self.fences and self.fences[0][0] <= mark:
+            self.spare.append(self.fences.popleft()[1])
         return self._advance()
 
     def _advance(self) -> list[Any]:
         done: list[Any] = []
-        holds = self.holds
-        c = self.completed
-        while holds and holds[0][0] <= c:
-            done.append(holds[0])
-            del holds[0]
+        while self.holds and self.holds[0][0] <= self.completed:
+            done.append(self.holds.popleft())
         return done
-
-    def pending(self) -> bool:
-        return bool(self.holds)
 
     def release_all(self) -> list[Any]:
         """The stream has run everything (it was synchronized, or its device): drop it all."""
         self.completed = self.count
         while self.fences:
-            h = self.fences[0][1]
-            del self.fences[0]
-            self.spare.append(h)
+            self.spare.append(self.fences.popleft()[1])
         done = self._advance()
         self.drop_events()
         return done
 
     def drop_events(self) -> None:
         """Destroy the spare fence events (they are only a cache)."""
-        spare = self.spare
-        while spare:
-            h = spare[-1]
+        while self.spare:
+            h = self.spare.pop()
             try:
                 h.release()
             except Exception:
                 pass
-            del spare[-1]
 
 
 # ---------------------------------------------------------------------------- fork
 
 def _after_fork_in_child() -> None:
-    # Parent threads do not exist here and may have held the lock.
-    global _collect_lock
-    _collect_lock = threading.Lock()
-    _pollers.clear()
-    _retry.clear()
+    global _lock, _collecting
+    _lock, _collecting = threading.Lock(), threading.Lock()
+    _later.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,15 +1,17 @@
-"""Device and pinned host memory: allocations, and the caches that make steady state free of
-aclrtMalloc and aclrtFree.
+"""Device and pinned host memory: allocations, what the binding knows of the work queued on
+them, and the one block cache per device (and one for pinned memory).
 
 An :class:`Allocation` is one block shared by the DeviceArrays that view it and by the queued
-work that uses it. When the last of them is gone (see :mod:`._lifetime`: queued work holds it
-until it is known complete), its block does not go back to CANN: it goes to the device's
-:class:`BlockCache`, idle, and the next allocation of the same rounded size takes it, on any
-stream, with no event (the same stream-ordered rule as the workspace pool). On real CANN this
-matters more than the call itself: aclrtFree may synchronize the device.
+work that uses it. When the last of them is gone (queued work holds it on its stream's ledger
+until it is known complete), its block goes to the device's :class:`BlockCache`, idle, and the
+next allocation of the same rounded size takes it, on any stream, with no event. A stream's
+workspace is one such block the stream holds (:mod:`.pool`). On real CANN this matters more
+than the call itself: aclrtFree may synchronize the device.
 
-Pinned host memory (aclrtMallocHost) is cached the same way, per device: the binding stages
-asynchronous copies from the host through it, and :func:`pinned_empty` hands it to users.
+A :class:`Track` is what the binding knows of work on a piece of memory: the streams that
+queued work using it (a host write waits for them), those that wrote it (a read back waits for
+them), and its latest write (the fault rule: :mod:`.stream`). Every Allocation has one; two
+wrappers of the same foreign memory (``from_pointer``, ``from_torch``) share one.
 
 The caches give their idle blocks back on ``empty_cache()``, when an allocation fails for lack
 of memory (then it retries once), and when the device closes; ``set_caching(False)`` (or
@@ -30,11 +32,9 @@ from ._cann import acl
 from ._cann.errcheck import check
 from .device import Device, open_devices, resolve_device
 from .errors import AclRuntimeError, InvalidArgument
-from .stream import StreamState
 
-__all__ = ["Allocation", "BlockCache", "allocate", "cache_stats", "caching", "is_pinned", "on_memory_pressure",
-           "pinned_block",
-           "pinned_empty", "set_caching", "trim_caches"]
+__all__ = ["Allocation", "BlockCache", "Track", "allocate", "borrowed", "cache_stats", "caching", "is_pinned",
+           "on_memory_pressure", "pinned_block", "pinned_empty", "set_caching", "trim_caches"]
 
 _ROUND = 512  # CANN aligns device blocks to at least this; rounding makes sizes meet in bins
 _OOM = (207001, 207018)  # ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_DEVICE_OOM
@@ -51,13 +51,12 @@ def _env_caching() -> bool:
     return value == "1"
 
 
-class _Settings:
-    caching = _env_caching()
+_caching = [_env_caching()]  # read without a lock: a stale answer only keeps or frees one block
 
 
 def caching() -> bool:
     """Whether idle blocks are kept for reuse (the default)."""
-    return _Settings.caching
+    return _caching[0]
 
 
 def set_caching(enabled: bool) -> None:
@@ -65,7 +64,7 @@ def set_caching(enabled: bool) -> None:
     soon as it is idle (False; what is cached now is freed)."""
     if not isinstance(enabled, bool):
         raise InvalidArgument("enabled", f"must be a bool, got {type(enabled).__name__}")
-    _Settings.caching = enabled
+    _caching[0] = enabled
     if not enabled:
         for dev in open_devices():
             trim_caches(dev)
@@ -74,25 +73,21 @@ def set_caching(enabled: bool) -> None:
 # ---------------------------------------------------------------------------- block caches
 
 class BlockCache:
-    """A device's idle blocks of one kind, by rounded size. ``lock`` guards every field."""
+    """A device's idle blocks of one kind ("device" or "pinned"), by rounded size. ``lock``
+    guards every field. A block being freed stays in ``freeing`` until its free returned, so an
+    interrupt never loses one: the next trim frees it (a free is once per handle)."""
 
     def __init__(self, device: Device, kind: str) -> None:
         self.device = device
-        self.kind = kind  # "device" or "pinned"
+        self.kind = kind
         self.lock = threading.Lock()
-        # Rounded size -> idle memory handles, as the keys of an insertion-ordered dict: the
-        # newest is taken first, and keeping one already kept (an interrupted keep, retried) is
-        # one atomic, idempotent store, with no scan of the bucket.
-        self.idle: dict[int, dict[Any, None]] = {}
+        self.idle: dict[int, list[Any]] = {}  # rounded size -> idle memory handles, newest last
+        self.freeing: dict[Any, None] = {}
         self.closed = False
         self.hits = 0
         self.misses = 0
         self.bytes_idle = 0
         self.bytes_in_use = 0
-
-    # Moves between the cache and a block's holder follow the rule of _lifetime: the new place
-    # gets the handle before the old one lets go, with no call in between that an interrupt
-    # could fall on, and every step may be repeated (an interrupted release is retried).
 
     def take_into(self, block: _Block) -> bool:
         """Give ``block`` an idle handle of its size; False when none is idle."""
@@ -101,9 +96,7 @@ class BlockCache:
             if not blocks:
                 self.misses += 1
                 return False
-            mem = next(reversed(blocks))
-            block.mem = mem
-            del blocks[mem]
+            block.mem = blocks.pop()
             self.bytes_idle -= block.size
             self.bytes_in_use += block.size
             self.hits += 1
@@ -121,16 +114,12 @@ class BlockCache:
         with self.lock:
             mem = block.mem
             if mem is None:
-                return True  # kept by an earlier, interrupted call
-            if self.closed or not _Settings.caching or self.device.closed or not mem:
+                return True  # kept by an earlier call that an interrupt cut short
+            if self.closed or not _caching[0] or self.device.closed or not mem:
                 return False
-            bucket = self.idle.get(block.size)
-            if bucket is None:
-                bucket = self.idle[block.size] = {}
-            if mem not in bucket:
-                bucket[mem] = None
-                self.bytes_idle += block.size
-                self.bytes_in_use -= block.size
+            self.idle.setdefault(block.size, []).append(mem)
+            self.bytes_idle += block.size
+            self.bytes_in_use -= block.size
             block.mem = None
             return True
 
@@ -144,20 +133,26 @@ class BlockCache:
     def trim(self, close: bool = False) -> list[BaseException]:
         """Free the idle blocks (and with ``close``, keep nothing from now on)."""
         with self.lock:
-            idle, self.idle = self.idle, {}
+            for blocks in self.idle.values():
+                self.freeing.update(dict.fromkeys(blocks))
+            self.idle = {}
             self.bytes_idle = 0
             if close:
                 self.closed = True
         errors: list[BaseException] = []
-        for blocks in idle.values():
-            for mem in blocks:
-                status = mem.release()
-                if status:
-                    try:
-                        check(status, mem.API)
-                    except Exception as exc:
-                        errors.append(exc)
-        return errors
+        while True:
+            with self.lock:
+                if not self.freeing:
+                    return errors
+                mem = next(iter(self.freeing))
+            status = mem.release()
+            with self.lock:
+                self.freeing.pop(mem, None)
+            if status:
+                try:
+                    check(status, mem.API)
+                except Exception as exc:
+                    errors.append(exc)
 
     def stats(self) -> dict[str, int]:
         with self.lock:
@@ -165,16 +160,8 @@ class BlockCache:
                     "bytes_in_use": self.bytes_in_use, "blocks_idle": sum(len(b) for b in self.idle.values())}
 
 
-def _device_cache(device: Device) -> BlockCache:
-    return BlockCache(device, "device")
-
-
-def _pinned_cache(device: Device) -> BlockCache:
-    return BlockCache(device, "pinned")
-
-
-Device.attachments["block_cache"] = _device_cache
-Device.attachments["pinned_cache"] = _pinned_cache
+Device.attachments["block_cache"] = lambda device: BlockCache(device, "device")
+Device.attachments["pinned_cache"] = lambda device: BlockCache(device, "pinned")
 
 
 def _close_caches(device: Device) -> None:
@@ -193,7 +180,7 @@ Device.close_hooks.append(_close_caches)
 
 class _Block:
     """The holder of a cached block: its release gives the block to the cache (or frees it
-    when the cache keeps nothing). Exactly once, and safe to repeat, like every holder."""
+    when the cache keeps nothing)."""
 
     __slots__ = ("mem", "cache", "size", "context")
 
@@ -207,7 +194,7 @@ class _Block:
         mem = self.mem
         if mem is None or self.cache.keep(self):
             return 0
-        status = int(mem.release())  # exactly once: a repeat finds the handle empty
+        status = int(mem.release())  # once: a repeat finds the handle empty
         self.cache.drop(self)
         return status
 
@@ -245,40 +232,68 @@ def _fresh(device: Device, make: Callable[[Any, int], None], mem: Any, size: int
         device.reclaim()  # what completed work held
         for hook in _pressure_hooks:
             hook(device)
-        _lifetime.quiesce()
+        _lifetime.collect()
         device.activate()
         make(mem, size)
 
 
 # ---------------------------------------------------------------------------- device memory
 
+class Track:
+    """What the binding knows of queued work on one piece of memory (see the module docstring).
+
+    ``lock`` guards ``users`` and ``writers`` (streams, as ordered sets), which only grow
+    (reads need no lock: a stream missed is registered again under it). ``written`` is the
+    latest write, ``((stream state, epoch), ...)``, replaced whole (one reference stored) by the
+    stream that queues a write, under that stream's lock (:meth:`.StreamState.stamp`)."""
+
+    __slots__ = ("lock", "users", "writers", "written", "__weakref__")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users: dict[Any, None] = {}
+        self.writers: dict[Any, None] = {}
+        self.written: tuple[tuple[Any, int], ...] = ()
+
+    def merge(self, other: Track) -> None:
+        """Take in what ``other`` knows (its memory overlaps ours)."""
+        with self.lock:
+            self.users.update(other.users)
+            self.writers.update(other.writers)
+            self.written = self.written + other.written
+
+    def forget(self, state: Any) -> None:
+        """A closed stream: nothing of it is pending."""
+        with self.lock:
+            self.users.pop(state, None)
+            self.writers.pop(state, None)
+
+
 class Allocation:
     """One device allocation, shared by every DeviceArray that views it and by queued work
     that uses it. Owned memory goes to the device's block cache (or back to CANN) once this
-    object is gone.
+    object is gone; borrowed memory (``owned`` False) stays its owner's, kept alive here."""
 
-    ``users`` are the streams that queued work on it through pyacl_moe (a host write waits for
-    them), ``writers`` those that queued work writing it (a read back waits for them); dicts
-    used as ordered sets, changed by single dict operations under the GIL.
-    """
+    __slots__ = ("device", "ptr", "nbytes", "owned", "owner", "track", "__weakref__")
 
-    __slots__ = ("device", "ptr", "nbytes", "owned", "owner", "users", "writers", "__weakref__")
-
-    def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None) -> None:
+    def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None, track: Track | None = None
+                 ) -> None:
         self.device = device
         self.nbytes = nbytes
         self.ptr = ptr
         self.owner = owner  # what keeps borrowed memory alive
-        self.owned = False  # False for memory borrowed through from_pointer
-        self.users: dict[StreamState, None] = {}
-        self.writers: dict[StreamState, None] = {}
+        self.owned = False
+        self.track = track if track is not None else Track()
 
-    def used_on(self, state: StreamState, write: bool) -> None:
+    def used_on(self, state: Any, write: bool) -> None:
         """Queued work on ``state`` reads (or writes) this memory."""
-        if state not in self.users:
-            self.users[state] = None
-        if write and state not in self.writers:
-            self.writers[state] = None
+        t = self.track
+        if state in t.users and (not write or state in t.writers):
+            return
+        with t.lock:
+            t.users[state] = None
+            if write:
+                t.writers[state] = None
 
 
 def allocate(device: Device, nbytes: int) -> Allocation:
@@ -297,6 +312,27 @@ def allocate(device: Device, nbytes: int) -> Allocation:
         cache.made(block, mem)
         _fresh(device, acl.malloc, mem, size)
     alloc.ptr = block.mem.address  # from the handle: an interrupted malloc may not have set .ptr
+    return alloc
+
+
+Device.attachments["borrowed"] = lambda device: _lifetime.WeakMap()
+
+
+def borrowed(device: Device, ptr: int, nbytes: int, owner: Any) -> Allocation:
+    """An Allocation of foreign memory: its Track is shared with every live Allocation that
+    overlaps it, borrowed (another wrapper of the same memory) or, through ``owner``, owned."""
+    registry: _lifetime.WeakMap[Allocation, None] = device.attached("borrowed")
+    overlapping = [a for a in registry.keys() if a.ptr < ptr + nbytes and ptr < a.ptr + a.nbytes]
+    owner_alloc = getattr(owner, "alloc", None)
+    if isinstance(owner_alloc, Allocation) and owner_alloc.device is device:
+        overlapping.insert(0, owner_alloc)
+    track = overlapping[0].track if overlapping else Track()
+    for a in overlapping[1:]:
+        if a.track is not track:
+            track.merge(a.track)
+            a.track = track
+    alloc = Allocation(device, nbytes, ptr=ptr, owner=owner, track=track)
+    registry.add(alloc)
     return alloc
 
 

@@ -13,6 +13,7 @@ host waits for (or, on a stream, is ordered after) queued work that uses the mem
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,14 +22,14 @@ import numpy as np
 
 from . import _args, _lifetime
 from ._cann import acl, aclnn, declare
-from .allocator import Allocation, allocate, is_pinned, on_memory_pressure, pinned_block
+from .allocator import Allocation, allocate, borrowed, is_pinned, on_memory_pressure, pinned_block
 from .device import Device, resolve_device
 from .errors import ClosedError, InvalidArgument
 from .host import host_view
-from .stream import Event, Stream, StreamState, active_stream, resolve_stream
+from .stream import Event, Stream, StreamState, active_stream, check_written, resolve_stream
 
-__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "empty", "from_pointer", "from_torch",
-           "may_overlap",
+__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "copy_in_native", "empty",
+           "from_pointer", "from_torch", "may_overlap",
            "host_array",
            "on_memory_pressure", "to_device", "zeros"]
 
@@ -74,9 +75,22 @@ def _span(base: int, shape: tuple[int, ...], strides: tuple[int, ...], offset: i
     return (lo, lo + sum((n - 1) * s for n, s in zip(shape, strides)) * item + item - 1)
 
 
-# layout -> its id. Ids are never reused (next() is atomic; a lost race wastes a number).
+# layout -> its id, a cheap key for the caches of executors and checks. Bounded: when full it
+# starts over (ids are never reused, so a layout seen again gets a new id, and its caches a miss).
+_layout_lock = threading.Lock()  # guards _layout_ids and _layout_counter
 _layout_ids: dict[tuple[Any, ...], int] = {}
 _layout_counter = itertools.count()
+_LAYOUTS_MAX = 4096
+
+
+def _layout_id(layout: tuple[Any, ...]) -> int:
+    with _layout_lock:
+        got = _layout_ids.get(layout)
+        if got is None:
+            if len(_layout_ids) >= _LAYOUTS_MAX:
+                _layout_ids.clear()
+            got = _layout_ids[layout] = next(_layout_counter)
+        return got
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -115,7 +129,7 @@ class DeviceArray:
         self.span = _span(alloc.ptr, shape, strides, offset, dtype.itemsize)
         #: a small int naming :attr:`layout` in this process (equal ids, equal layouts): a cheap
         #: key for caches of executors and checks.
-        self.layout_id = _layout_ids.setdefault(self._layout, next(_layout_counter))
+        self.layout_id = _layout_id(self._layout)
 
     # -- for pyacl_moe's own layers
 
@@ -334,14 +348,16 @@ class DeviceArray:
         host = out if self.is_contiguous else np.empty(nbytes, dtype=np.uint8)
         if stream is not None:
             state = resolve_stream(stream, alloc.device)
+            _order_after(alloc, state, writers_only=True)
             alloc.used_on(state, write=False)
             state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
                           "ACL_MEMCPY_DEVICE_TO_HOST")
-            state.synchronize(None)
+            state.wait(report=False)
         else:
-            _order_after(alloc.writers, alloc, None)
+            _order_after(alloc, None, writers_only=True)
             alloc.device.activate()
             acl.memcpy(host.ctypes.data, nbytes, lo, nbytes, "ACL_MEMCPY_DEVICE_TO_HOST")
+        check_written(alloc.track)
         if host is not out:
             view = np.lib.stride_tricks.as_strided(
                 host.view(self._dtype), shape=self._shape, strides=tuple(s * self.itemsize for s in self._strides)
@@ -363,12 +379,16 @@ class DeviceArray:
         if not n:
             return out
         if stream is None:
-            _order_after(alloc.writers, alloc, None)
+            _order_after(alloc, None, writers_only=True)
             alloc.device.activate()
             acl.memcpy(out.ctypes.data, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_HOST")
+            check_written(alloc.track)
             return out
         state = resolve_stream(stream, alloc.device)
-        _order_after(alloc.writers, alloc, state)
+        # Queued, not waited for: a write not known clean yet is waited for now on its own
+        # stream when it is another's (its fault would otherwise reach nobody).
+        check_written(alloc.track, waiting=any(s is not state for s, _ in alloc.track.written))
+        _order_after(alloc, state, writers_only=True)
         alloc.used_on(state, write=False)
         state.enqueue((out, alloc), acl.memcpy_async, out.ctypes.data, n, self.address, n,
                       "ACL_MEMCPY_DEVICE_TO_HOST")
@@ -433,14 +453,20 @@ class DeviceArray:
             dst = out.allocation()
             if stream is None:
                 stream = active_stream(alloc.device)
+            # A copy of faulted memory would hand the fault's garbage on: refused.
+            check_written(alloc.track, waiting=False)
             if stream is not None:
                 state = resolve_stream(stream, alloc.device)
+                _order_after(alloc, state, writers_only=True)
                 alloc.used_on(state, write=False)
                 dst.used_on(state, write=True)
+                # The copy's memory is as good as its source's latest write: its mark goes on.
                 state.enqueue((alloc, dst), acl.memcpy_async, dst.ptr, n, self.address, n,
-                              "ACL_MEMCPY_DEVICE_TO_DEVICE")
+                              "ACL_MEMCPY_DEVICE_TO_DEVICE", writes=(dst.track,))
+                dst.track.written = dst.track.written + alloc.track.written
             else:
-                _order_after(alloc.writers, alloc, None)
+                _order_after(alloc, None, writers_only=True)
+                check_written(alloc.track)
                 alloc.device.activate()
                 acl.memcpy(dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE")
         return out
@@ -466,12 +492,14 @@ class DeviceArray:
         if not v.tobytes().strip(b"\0"):  # all-zero bits (not -0.0): a memset
             if stream is not None:
                 state = resolve_stream(stream, alloc.device)
+                _order_after(alloc, state)
                 alloc.used_on(state, write=True)
-                state.enqueue(alloc, acl.memset_async, self.address, n, 0, n)
+                state.enqueue(alloc, acl.memset_async, self.address, n, 0, n, writes=(alloc.track,))
             else:
-                _order_after(alloc.users, alloc, None)
+                _order_after(alloc, None)
                 alloc.device.activate()
                 acl.memset(self.address, n, 0, n)
+                alloc.track.written = ()
             return
         self.copy_from_host(np.full(self._shape, v, self._dtype), stream)
 
@@ -552,35 +580,42 @@ def host_array(array: np.ndarray, name: str) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def _order_after(streams: dict[StreamState, None], alloc: Allocation, state: StreamState | None) -> None:
-    """Order host access to ``alloc`` after work queued on ``streams`` (its users or writers):
-    on ``state`` through events; without a stream, by waiting. A stream that closes meanwhile has
-    run everything (closing waits for it) and needs nothing."""
-    for other in list(streams):
+def _order_after(alloc: Allocation, state: StreamState | None, writers_only: bool = False) -> None:
+    """Order host access to ``alloc`` after work queued on other streams that uses it (that
+    writes it, for a read): on ``state`` through events; without a stream, by waiting. A
+    stream-less write's wait is a synchronize of those streams (it raises a fault no
+    synchronize raised yet); a read's wait only records one (the read raises the fault of its
+    memory's latest write, if any: check_written). A stream closed meanwhile has run
+    everything and needs nothing."""
+    track = alloc.track
+    for other in list(track.writers if writers_only else track.users):
         if other is state:
             continue  # stream order
+        if other.closing or other.device.closed:
+            track.forget(other)
+            continue
         try:
             if state is None:
                 # A synchronize even when the stream looks idle: it is what reports a device
                 # fault of the work that used the memory (a query does not).
-                other.synchronize(None)
+                other.wait(report=not writers_only)
             else:
                 ev = Event(other.device)
                 core = ev.core()
                 other.enqueue(core, acl.record_event, core.handle)
+                core.recorded = True
                 state.enqueue(core, acl.stream_wait_event, core.handle)
         except ClosedError:
             if state is not None and (state.closing or state.device.closed):
                 raise  # the caller's own stream
-            alloc.users.pop(other, None)
-            alloc.writers.pop(other, None)
+            track.forget(other)
 
 
 def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None) -> None:
     n = host.nbytes
     if n == 0:
         return
-    _order_after(alloc.users, alloc, state)
+    _order_after(alloc, state)
     if state is not None:
         if not is_pinned(host):
             # A snapshot now, in pinned memory: later writes to the caller's array cannot
@@ -590,10 +625,12 @@ def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState |
             np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
             host = stage
         alloc.used_on(state, write=True)
-        state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
+        state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE",
+                      writes=(alloc.track,))
     else:
         alloc.device.activate()
         acl.memcpy(dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
+        alloc.track.written = ()  # written now, by the host: whatever faulted before is gone
 
 
 def empty(shape: Any, dtype: Any, device: Device | int | None = None) -> DeviceArray:
@@ -628,7 +665,7 @@ def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: St
         if stream is not None:
             state = resolve_stream(stream, alloc.device)
             alloc.used_on(state, write=True)
-            state.enqueue(alloc, acl.memset_async, alloc.ptr, n, 0, n)
+            state.enqueue(alloc, acl.memset_async, alloc.ptr, n, 0, n, writes=(alloc.track,))
         else:
             acl.memset(alloc.ptr, n, 0, n)
     return arr
@@ -650,7 +687,13 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
         dev = resolve_device(device)
         cur = active_stream(dev)
         state = resolve_stream(cur, dev) if cur is not None else None
-    alloc = allocate(dev, host.nbytes)
+    return copy_in_native(host, dev, state)
+
+
+def copy_in_native(host: np.ndarray, device: Device, state: StreamState | None) -> DeviceArray:
+    """:func:`to_device` of an array already native and C-contiguous (:func:`host_array`'s),
+    on the stream ``state`` (None: now)."""
+    alloc = allocate(device, host.nbytes)
     arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
     _copy_in(alloc, alloc.ptr, host, state)
     return arr
@@ -679,8 +722,7 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
     nbytes = extent * dt.itemsize
     if p + nbytes > 2**64:
         raise InvalidArgument("ptr", f"{p:#x} + {nbytes} bytes runs past the end of the address space")
-    alloc = Allocation(dev, nbytes, ptr=p, owner=owner)
-    return DeviceArray(alloc, shp, dt, st, off)
+    return DeviceArray(borrowed(dev, p, nbytes, owner), shp, dt, st, off)
 
 
 

@@ -30,17 +30,15 @@ __all__ = ["Device", "acl_version", "current_device", "device_count", "open_devi
 class Queue(Protocol):
     """What a device asks of each of its streams (the stream module provides them)."""
 
-    def sync_mark(self) -> int: ...
-
-    def sync_done(self, mark: int) -> None: ...
-
-    def shut(self) -> None: ...
+    def shut(self) -> Any: ...
 
     def close_for_device(self) -> list[BaseException]: ...
 
     def poll(self) -> None: ...
 
     def drop_caches(self) -> None: ...
+
+    def after_fork(self) -> None: ...
 
 
 class _Process:
@@ -83,6 +81,9 @@ class Device:
     # Kinds of holders (with a ``context``) that close() releases before the reset, after the
     # streams: events, memory; the allocator adds its cached-block holder.
     memory_kinds: list[type] = [acl.EventHandle, acl.DeviceMemory, acl.HostMemory]
+    # The wait of every stream of a device, with the fault rule (the stream module's):
+    # synchronize_hook(device, closing).
+    synchronize_hook: Callable[..., None]
 
     def __new__(cls, device_id: int = 0) -> Device:
         did = _args.int32("device_id", device_id, lo=0)
@@ -195,15 +196,10 @@ class Device:
 
     def synchronize(self) -> None:
         """Wait for every stream of the device (aclrtSynchronizeDevice). Raises
-        AclRuntimeError for a device-side failure (e.g. 507015 for a kernel fault)."""
+        AclRuntimeError for a device fault (e.g. 507015) of its streams' work, once, whichever
+        thread's wait CANN reported it to."""
         self.activate()
-        with self._lock:
-            queues = list(self._queues)
-        marks = [(q, q.sync_mark()) for q in queues]
-        acl.synchronize_device()
-        for q, mark in marks:
-            q.sync_done(mark)
-        _lifetime.collect()
+        Device.synchronize_hook(self)
 
     def reclaim(self) -> None:
         """Drop what completed work held on every stream of the device (never waits)."""
@@ -216,7 +212,7 @@ class Device:
     def mem_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device's memory (what the process dropped is freed
         first)."""
-        _lifetime.quiesce()
+        _lifetime.collect()
         self.activate()
         return acl.get_mem_info()
 
@@ -245,15 +241,16 @@ class Device:
                     errors.append(exc)
             with self._lock:
                 queues = list(self._queues)
-                self._queues.clear()
             for q in queues:
-                q.shut()  # waits for launches in flight; no new ones start
+                q.shut()  # no new work starts
             ctx = self._ctx
             try:
                 acl.use_context(ctx)
-                acl.synchronize_device()  # queued work still reads what is about to go
+                Device.synchronize_hook(self, True)  # queued work still reads what is about to go
             except Exception as exc:
                 errors.append(exc)
+            with self._lock:
+                self._queues.clear()
             for q in queues:
                 errors += q.close_for_device()
             for kind in Device.memory_kinds:
@@ -268,7 +265,7 @@ class Device:
                 _tls.device = None
             if ctx.alive:
                 try:
-                    _lifetime.while_releases_wait(lambda: acl.reset_device(ctx))
+                    _lifetime.unreleased_while(lambda: acl.reset_device(ctx))
                 except Exception as exc:
                     errors.append(exc)
             self._torn_down = True
@@ -391,6 +388,8 @@ def _after_fork_in_child() -> None:
         dev._lock = threading.RLock()
         if dead:
             dev._closed = True
+            for q in dev._queues:
+                q.after_fork()  # a parent thread may have held its lock: the child never waits on it
     if dead:
         _Process.open_devices.clear()
 

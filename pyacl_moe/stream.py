@@ -1,36 +1,45 @@
-"""Streams and events.
+"""Streams and events, and the fault rule.
 
 A :class:`Stream` runs its tasks in order, asynchronously to the host. Everything the binding
-queues on a stream goes through :meth:`StreamState.enqueue`: under the stream's lock, what the
-task reads or writes is held on the stream's :class:`~pyacl_moe._lifetime.Ledger`, then the
-task is queued. What is held is dropped once the task is known complete (a synchronize that
-began after it, or a fence), whichever thread synchronizes and whenever.
+queues on a stream goes through :class:`StreamState` under the stream's lock: what the task
+reads or writes is held on the stream's :class:`~pyacl_moe._lifetime.Ledger` until the task is
+known complete, and the memory it writes is stamped with the stream's *epoch* (see below).
+
+**The fault rule.** CANN reports a device fault (a kernel reading outside its memory, say) once,
+to the first synchronize of its stream or device, then forgets it; events and queries never
+report it. The binding keeps what a wait of its own learns: every wait (:meth:`StreamState.wait`,
+whichever call makes it) that CANN tells of a fault records it on the stream with the window of
+work it covers, from the last clean wait to now, in epochs (an epoch ends when a wait begins).
+Then:
+
+- memory whose latest write lies in a recorded window is faulted: reading it (to_host on any
+  stream or none, a copy of it, a launch that reads it) raises the fault, until it is written
+  again;
+- each fault is raised by exactly one synchronize of its stream or device (``synchronize()``,
+  ``close()``, a stream-less ``copy_from_host``'s wait), whichever thread's wait CANN told.
 
 Ordering between two different streams is the caller's job, through events, as in CUDA:
-``consumer.wait_event(producer.record())``.
-
-``with stream:`` makes the stream the calling thread's current stream on its device (and the
-device current), as CuPy's and torch's stream contexts do: calls without ``stream=`` on that
-device use it. It closes nothing.
-
-Closing a stream waits for it. A stream dropped without ``close()`` is released without
-blocking anyone: once the device reports it idle (aclrtStreamQuery), at a later safe point.
+``consumer.wait_event(producer.record())``. ``with stream:`` makes the stream the calling
+thread's current stream on its device (and the device current); it closes nothing. Closing a
+stream waits for it; a stream dropped without ``close()`` is destroyed once the device reports
+it idle (aclrtStreamQuery), at a later safe point.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
-import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from . import _args, _lifetime
 from ._cann import acl
 from ._cann.errcheck import check
 from .device import Device, resolve_device
-from .errors import ClosedError, InvalidArgument
+from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument
 
-__all__ = ["Event", "Stream", "StreamState", "active_stream", "current_stream"]
+__all__ = ["Event", "Fault", "Stream", "StreamState", "active_stream", "check_written", "current_stream",
+           "faults_recorded", "is_fault"]
 
 
 class _Current(threading.local):
@@ -42,42 +51,87 @@ class _Current(threading.local):
         self.saved: list[Stream | None] = []
 
 
-thread_current = _Current()  # read on every launch of a plan (see op.plan)
+thread_current = _Current()
+
+# What a synchronize returns about its own call rather than about the work it waited for.
+_NOT_FAULTS = frozenset({507046, 507047})  # the wait timed out
 
 
-class Launcher(Protocol):
-    """Something that launches on a stream without taking its lock (a plan's steady state).
-    ``detach()`` stops it and returns once its launches in flight have returned."""
+# Whether a wait ever recorded a fault in this process: until one does, the steady states of
+# the launches skip looking at their inputs' faults (a list read, replaced whole).
+_recorded: list[bool] = [False]
 
-    def detach(self) -> None: ...
+
+def faults_recorded() -> bool:
+    """Whether any fault was ever recorded in this process."""
+    return _recorded[0]
+
+
+def is_fault(exc: BaseException) -> bool:
+    """Whether a synchronize's error is a device fault of the work it waited for."""
+    return isinstance(exc, AclRuntimeError) and exc.status >= 500000 and exc.status not in _NOT_FAULTS
+
+
+class Fault:
+    """A fault a wait recorded: CANN's error and the window of epochs it may have come from
+    (``lo`` exclusive, ``hi`` inclusive). ``raised``: a synchronize has raised it. Fields are
+    guarded by the lock of the stream(s) that hold it."""
+
+    __slots__ = ("error", "lo", "hi", "raised")
+
+    def __init__(self, error: AclError, lo: int, hi: int) -> None:
+        self.error, self.lo, self.hi, self.raised = error, lo, hi, False
+
+    def exception(self) -> AclError:
+        """A new exception with CANN's status, API and message, to raise."""
+        e = self.error
+        return type(e)(e.status, e.api, e.message)
+
+
+def check_written(track: Any, waiting: bool = True) -> None:
+    """Raise the fault of ``track``'s latest write, if a wait recorded one. With ``waiting``
+    (a read back), a write no wait has covered yet is waited for first, on its own stream
+    (without raising that stream's other faults): a read on another stream, ordered after the
+    write by an event, would never learn of the write's fault otherwise."""
+    for state, epoch in track.written:
+        if waiting and not state.confirmed(epoch) and not (state.closing or state.device.closed):
+            state.wait(report=False)
+        fault = state.fault_at(epoch)
+        if fault is not None:
+            raise fault.exception()
 
 
 class StreamState:
-    """A stream's internals, shared by the :class:`Stream` that the user holds and by whatever
-    still uses the stream (plans bound to it, work held on its ledger).
+    """A stream's internals, shared by the :class:`Stream` the user holds and by whatever still
+    uses the stream (plans, work held on its ledger).
 
-    ``lock`` guards the ledger, ``caches``, ``closing`` and the launchers: every enqueue and
-    every state change takes it; never call :func:`~pyacl_moe._lifetime.collect` while holding
-    it. ``caches`` holds per-stream objects of the layers above (the op layer's executors, the
-    stream's workspace), each with ``release(idle) -> list``: with ``idle`` the stream has run
-    everything; otherwise it returns what must be kept until the stream's queued work is done.
+    ``lock`` guards every field below but ``device``, ``context`` and ``handle``: the ledger,
+    ``caches`` (per-stream objects of the layers above, each with ``release(idle) -> list``),
+    ``workspace``, ``closing``/``closed``, the epochs and faults, ``waiting`` (threads inside a
+    wait, which ``idle`` is notified of). Never call :func:`~pyacl_moe._lifetime.collect` while
+    holding it.
     """
 
-    __slots__ = ("device", "context", "handle", "lock", "ledger", "closing", "closed", "caches", "launchers",
-                 "shut_caches", "waiters", "owner", "__weakref__")
+    __slots__ = ("device", "context", "handle", "lock", "idle", "ledger", "closing", "closed", "caches", "shut_caches",
+                 "workspace", "epoch", "clean", "faults", "his", "waiting", "owner", "__weakref__")
 
     def __init__(self, device: Device, handle: acl.StreamHandle | None) -> None:
         self.device = device
         self.context = device.context
         self.handle = handle  # None: the device's default stream
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
         self.ledger = _lifetime.Ledger(device.context, handle)
-        self.closing = False  # no new work (set under lock)
+        self.closing = False  # no new work
         self.closed = False  # the handle is gone
         self.caches: dict[Any, Any] = {}
         self.shut_caches: dict[Any, Any] = {}  # the caches once shut, until the stream is destroyed
-        self.waiters = 0  # threads in synchronize() or query() (the handle in use outside the lock)
-        self.launchers: _lifetime.WeakMap[Any, None] = _lifetime.WeakMap()
+        self.workspace: Any = None  # the stream's workspace block (pool.workspace_for)
+        self.epoch = 1  # writes queued now are stamped with it; a wait that begins ends it
+        self.clean = 0  # every write stamped <= clean ran, its faults (if any) recorded
+        self.faults: list[Fault] = []  # disjoint windows, in order
+        self.his: list[int] = []  # each fault's hi, for bisect
+        self.waiting = 0
         self.owner: Any = None  # what keeps a borrowed stream alive (Stream.from_handle)
 
     # -- use
@@ -92,22 +146,30 @@ class StreamState:
                 " (or this is a fork() child)" if _lifetime.forked() else "")
         return "it was closed"
 
-    def enqueue(self, hold: Any, call: Callable[..., None], *args: Any) -> None:
-        """Queue a task: ``call(*args, stream_handle)`` with ``hold`` kept until it has run.
-        The hold is taken before the call (an interrupted call leaves it held, never freed)."""
+    def enqueue(self, hold: Any, call: Callable[..., None], *args: Any, writes: Iterable[Any] = ()) -> None:
+        """Queue a task: ``call(*args, stream_handle)``, with ``hold`` kept until it has run and
+        the tracks of ``writes`` (memory it writes) stamped. The hold is taken first: an
+        interrupted call leaves it held, never freed."""
         with self.lock:
             self.check_open()
             acl.use_context(self.context)
             self.ledger.hold(hold)
             call(*args, self.handle)
+            self.stamp(writes)
             done = self.ledger.after_enqueue()
         del done  # outside the lock: dropping the last reference may free memory
         _lifetime.collect()
 
+    def stamp(self, tracks: Iterable[Any]) -> None:
+        """The memory of ``tracks`` was just written by work queued here (lock held)."""
+        mark = ((self, self.epoch),)
+        for t in tracks:
+            t.written = mark
+
     def retire(self, what: Any) -> None:
         """Keep ``what`` until everything queued so far on the stream has run."""
         if _lifetime.forked():
-            return  # nothing of CANN runs here, and a parent thread may have held the lock at fork
+            return
         with self.lock:
             if self.closed:
                 return  # its work has run; dropping is safe
@@ -115,54 +177,122 @@ class StreamState:
             done = self.ledger.retire(what)
         del done
 
-    def add_launcher(self, launcher: Launcher) -> None:
-        with self.lock:
-            self.check_open()
-            self.launchers.add(launcher)
+    # -- waiting, and what it learns of faults
 
-    # -- waiting
-
-    def sync_mark(self) -> int:
+    def begin_wait(self, closing: bool = False) -> tuple[int, int, int]:
+        """Before a wait covering this stream: (ledger count, epoch ending, clean so far). A
+        close's own wait (``closing``) begins on a stream already refusing work."""
         with self.lock:
-            return self.ledger.count
+            if not closing:
+                self.check_open()
+            self.waiting += 1
+            token = (self.ledger.count, self.epoch, self.clean)
+            self.epoch += 1
+            return token
 
-    def sync_done(self, mark: int) -> None:
+    def end_wait(self, token: tuple[int, int, int], error: BaseException | None) -> Fault | None:
+        """After the wait: what it covered is complete, and a fault CANN reported to it is
+        recorded. Returns the fault (None for a wait that was clean, or timed out)."""
+        mark, ended, lo = token
         with self.lock:
+            self.waiting -= 1
+            if error is not None and not is_fault(error):
+                self.idle.notify_all()
+                return None  # a timeout: nothing is known complete
+            if error is not None:
+                assert isinstance(error, AclError)
+                fault = Fault(error, lo, self.epoch)
+                self._record(fault)
+            else:
+                fault = None
+            self.clean = max(self.clean, ended)
             done = self.ledger.synchronized(mark)
+            self.idle.notify_all()
         del done
+        return fault
 
-    def synchronize(self, timeout_ms: int | None) -> None:
+    def _record(self, fault: Fault) -> None:
+        # Windows are kept disjoint and in order (merged where they meet), so a lookup is a
+        # bisect; a merged window keeps the latest error, as CANN's stream does.
+        lo, hi, raised = fault.lo, fault.hi, fault.raised
+        while self.faults and self.faults[-1].hi > lo:
+            last = self.faults.pop()
+            self.his.pop()
+            lo, hi, raised = min(lo, last.lo), max(hi, last.hi), raised and last.raised
+        fault.lo, fault.hi, fault.raised = lo, hi, raised
+        self.faults.append(fault)
+        self.his.append(hi)
+        _recorded[0] = True
+
+    def fault_at(self, epoch: int) -> Fault | None:
+        """The fault recorded for a write stamped ``epoch``, if any."""
+        if not self.faults:
+            return None
+        with self.lock:
+            i = bisect.bisect_left(self.his, epoch)
+            if i < len(self.faults) and self.faults[i].lo < epoch:
+                return self.faults[i]
+        return None
+
+    def unraised(self) -> Fault | None:
+        """The oldest recorded fault no synchronize raised yet, now marked raised."""
+        if not self.faults:
+            return None
+        with self.lock:
+            for f in self.faults:
+                if not f.raised:
+                    f.raised = True
+                    return f
+        return None
+
+    def mark_raised(self, error: AclError) -> None:
+        """A synchronize raised ``error``: so is this stream's record of it."""
+        with self.lock:
+            for f in self.faults:
+                if f.error is error:
+                    f.raised = True
+
+    def confirmed(self, epoch: int) -> bool:
+        """Whether writes stamped ``epoch`` are known complete (their faults recorded)."""
+        return epoch <= self.clean
+
+    def wait(self, timeout_ms: int | None = None, report: bool = True) -> None:
+        """Wait for everything queued on the stream (aclrtSynchronizeStream). With ``report``
+        (a synchronize), raise the fault CANN reported to this wait, or else one an earlier
+        wait recorded and no synchronize raised yet; without (a read's wait), only record."""
+        token = self.begin_wait()
+        error: BaseException | None = None
         try:
-            # Counted while the handle is in use outside the lock: a close waits for it. The
-            # count goes up before the check, and close marks the stream before it reads the
-            # count, so either this call sees the stream closing or close waits for it.
-            self.waiters += 1
-            self.check_open()
             acl.use_context(self.context)
-            mark = self.sync_mark()
             acl.synchronize_stream(self.handle, timeout_ms)
+        except AclError as exc:
+            error = exc
         finally:
-            self.waiters -= 1
-        # Only what was held before the wait began: work queued meanwhile by other threads
-        # keeps what it uses.
-        self.sync_done(mark)
+            fault = self.end_wait(token, error)
         _lifetime.collect()
+        if error is not None and fault is None:
+            raise error  # not a fault: a timeout, a closed stream
+        if report:
+            pending = self.unraised()
+            if pending is not None:
+                raise pending.exception()
 
     def query(self) -> bool:
-        try:
-            self.waiters += 1  # see synchronize
+        """aclrtStreamQuery: True once everything queued has run (never waits, never reports
+        a fault)."""
+        with self.lock:
             self.check_open()
+            mark = self.ledger.count
+            self.waiting += 1
+        try:
             acl.use_context(self.context)
-            mark = self.sync_mark()
             idle = acl.query_stream(self.handle)
         finally:
-            self.waiters -= 1
-        if idle:
-            self.sync_done(mark)
-        else:
             with self.lock:
-                done = self.ledger.poll()
-            del done
+                self.waiting -= 1
+                done = self.ledger.synchronized(mark) if idle else self.ledger.poll()
+                self.idle.notify_all()
+        del done
         return idle
 
     def poll(self) -> None:
@@ -172,80 +302,79 @@ class StreamState:
         del done
 
     def drop_caches(self) -> None:
-        """Give up the per-stream caches (empty_cache): what they hold goes once the work
-        queued so far is done; the spare fence events go now."""
+        """Give up the per-stream caches and the workspace (empty_cache): what they hold goes
+        once the work queued so far is done; the spare fence events go now."""
         with self.lock:
             if self.closed:
                 return
             caches, self.caches = self.caches, {}
-            retired: list[Any] = []
+            retired: list[Any] = [self.workspace] if self.workspace is not None else []
+            self.workspace = None
             for cache in caches.values():
                 retired += cache.release(False)
             acl.use_context(self.context)
-            # Only held enqueues use the caches (a plan's slot keeps its own references).
+            # Only held enqueues use what the caches and the workspace held (a plan's slot keeps
+            # its own references): once every point is known complete they go at once.
             done = self.ledger.retire(retired, counted_only=True) if retired else []
             self.ledger.drop_events()
         del done, retired, caches
 
     # -- release
 
-    def shut(self) -> None:
-        """Stop new work and the launchers (waiting for launches in flight). Safe twice."""
+    def shut(self) -> dict[Any, Any]:
+        """Refuse new work (launches check ``closing`` under the lock) and take the caches, to
+        be released once the stream has run everything. Safe twice."""
         with self.lock:
             self.closing = True
-            launchers = self.launchers.keys()
             self.shut_caches.update(self.caches)
             self.caches = {}
-        for launcher in launchers:
-            launcher.detach()
+            if self.workspace is not None:
+                self.shut_caches["workspace"] = _Kept(self.workspace)
+                self.workspace = None
+            return self.shut_caches
 
-    def _shut(self) -> dict[Any, Any]:
-        """shut(), then the caches, to be released once the stream has run everything."""
-        self.shut()
-        with self.lock:
-            caches, self.shut_caches = self.shut_caches, {}
-        return caches
-
-    def _destroy(self, caches: dict[Any, Any]) -> int:
-        """The stream has run everything: release its caches and what it held, destroy it
-        (once no other thread is still waiting on it)."""
-        while self.waiters:
-            time.sleep(0.0001)
-        for cache in caches.values():
+    def destroy(self, caches: dict[Any, Any]) -> int:
+        """The stream has run everything: release its caches and what it held, then destroy it
+        once no other thread is inside a wait on it."""
+        for cache in list(caches.values()):
             cache.release(True)
         with self.lock:
+            while self.waiting:
+                self.idle.wait()
             done = self.ledger.release_all()
+            self.shut_caches = {}
             self.closed = True
         del done
-        return self._finish_destroy()
-
-    def _finish_destroy(self) -> int:
-        """The end of _destroy, repeated by whoever finds the stream closed while its device
-        is open (an interrupt may have cut _destroy short after it marked the stream closed):
-        no longer a queue of the device, and the handle released (a second release does
-        nothing)."""
         self.device.remove_queue(self)
         return self.handle.release() if self.handle is not None else 0
 
     def close(self) -> None:
-        """Wait for the stream, then destroy it (an explicit close; raises what the wait or
-        the destruction reports, after releasing everything)."""
-        if self.device.closed:  # its device closed it (or this is a fork() child): nothing left
+        """Wait for the stream, then destroy it (an explicit close: raises what the wait
+        reports, after releasing everything)."""
+        if self.device.closed:  # its device closed it (or this is a fork() child)
             self.closing = self.closed = True
             return
         if self.closed:
-            _check_destroy(self._finish_destroy())  # after an interrupted close, or nothing
+            check(self.handle.release() if self.handle is not None else 0, "aclrtDestroyStream")
             return
-        caches = self._shut()
+        caches = self.shut()
+        token = self.begin_wait(closing=True)
+        error: BaseException | None = None
         try:
             acl.use_context(self.context)
             acl.synchronize_stream(self.handle)
-        except Exception:
-            # Its work may not have run: release it later, once the device says it has.
-            _lifetime.retiring(_Retiring(self, caches))
-            raise
-        _check_destroy(self._destroy(caches))
+        except AclError as exc:
+            error = exc
+        finally:
+            fault = self.end_wait(token, error)
+        if error is not None and fault is None:
+            _lifetime.retiring(_Retiring(self, caches))  # its work may not have run: later
+            raise error
+        check(self.destroy(caches), "aclrtDestroyStream")
         _lifetime.collect()
+        pending = self.unraised()
+        if pending is not None:
+            raise pending.exception()
 
     def release(self) -> int:
         """The Stream was dropped without close(): release without blocking (the holder's
@@ -253,25 +382,37 @@ class StreamState:
         if self.device.closed:
             self.closed = True
             return 0
-        if self.closed:
-            return self._finish_destroy()
-        _lifetime.retiring(_Retiring(self, self._shut()))
+        if not self.closed:
+            _lifetime.retiring(_Retiring(self, self.shut()))
         return 0
 
     def close_for_device(self) -> list[BaseException]:
         """The device is closing and has been synchronized."""
-        errors: list[BaseException] = []
         try:
-            status = self._destroy(self._shut())
-            if status:
-                _check_destroy(status)
+            check(self.destroy(self.shut()), "aclrtDestroyStream")
         except Exception as exc:
-            errors.append(exc)
-        return errors
+            return [exc]
+        return []
+
+    def after_fork(self) -> None:
+        """In a fork() child: a new lock (a parent thread may have held the old one), and no
+        work ever again."""
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.closing = True
 
 
-def _check_destroy(status: int) -> None:
-    check(status, "aclrtDestroyStream")
+class _Kept:
+    """A block the stream held (its workspace), dropped with the stream's other caches."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: Any) -> None:
+        self.what = what
+
+    def release(self, idle: bool) -> list[Any]:
+        self.what = None
+        return []
 
 
 class _Retiring:
@@ -285,18 +426,13 @@ class _Retiring:
 
     def poll(self) -> bool:
         s = self.state
-        if s.device.closed:
+        if s.device.closed or s.closed:
             s.closed = True
             return True
-        if s.closed:
-            s._finish_destroy()
-            return True
-        if s.waiters:
-            return False  # a thread still waits on it (through a plan's stream): later
         acl.use_context(s.context)
         if not acl.query_stream(s.handle):
             return False
-        s._destroy(self.caches)
+        s.destroy(self.caches)
         return True
 
 
@@ -311,19 +447,18 @@ class Stream:
     """
 
     __slots__ = ("state", "_is_default", "__weakref__")
-    state: StreamState  #: the stream's internals, for pyacl_moe's own layers (read on every launch)
+    state: StreamState  #: the stream's internals, for pyacl_moe's own layers
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
         _lifetime.collect()
         dev.activate()
         handle = acl.StreamHandle(dev.context)
-        state = StreamState(dev, handle)
-        self.state = state
+        self.state = StreamState(dev, handle)
         self._is_default = False
-        _lifetime.track(self, state)  # before the handle exists: a dropped stream is released
+        _lifetime.track(self, self.state)  # before the handle exists: a dropped stream is released
         acl.create_stream(handle)
-        dev.add_queue(state)
+        dev.add_queue(self.state)
 
     @classmethod
     def from_handle(cls, handle: Any, device: Device | int | None = None, owner: Any = None) -> Stream:
@@ -338,26 +473,21 @@ class Stream:
             return dev.default_stream  # type: ignore[no-any-return]
         _lifetime.collect()
         dev.activate()
-        h = acl.BorrowedStreamHandle(dev.context, address)
         s = cls.__new__(cls)
-        state = StreamState(dev, h)
-        state.owner = owner
-        s.state = state
+        s.state = StreamState(dev, acl.BorrowedStreamHandle(dev.context, address))
+        s.state.owner = owner
         s._is_default = False
-        _lifetime.track(s, state)
-        dev.add_queue(state)
+        _lifetime.track(s, s.state)
+        dev.add_queue(s.state)
         return s
 
     @classmethod
     def _default(cls, device: Device) -> Stream:
         s = cls.__new__(cls)
-        state = StreamState(device, None)
-        s.state = state
+        s.state = StreamState(device, None)
         s._is_default = True
-        device.add_queue(state)
+        device.add_queue(s.state)
         return s
-
-    # -- properties
 
     @property
     def device(self) -> Device:
@@ -378,65 +508,57 @@ class Stream:
     @property
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
-        s = self.state
-        return s.closing or s.device.closed
+        return self.state.closing or self.state.device.closed
 
     def __repr__(self) -> str:
         kind = "default stream" if self._is_default else f"stream {self.handle:#x}"
         return f"<Stream {kind} on device {self.device.device_id}{' closed' if self.closed else ''}>"
 
-    # -- waiting and ordering
-
     def synchronize(self, timeout_ms: int | None = None) -> None:
         """Block until every task queued on the stream has run. Raises AclRuntimeError for a
-        device-side failure (e.g. 507015 for a kernel fault) or a timeout (507046)."""
+        device fault of its work (e.g. 507015), once, whichever thread's wait CANN reported it
+        to, or for a timeout (507046; -1 waits for ever, 0 is not a timeout CANN takes)."""
         if timeout_ms is not None:
             timeout_ms = _args.int32("timeout_ms", timeout_ms, lo=-1)
-        self.state.synchronize(timeout_ms)
+        self.state.wait(timeout_ms)
 
     def query(self) -> bool:
-        """True when every task queued on the stream has run (aclrtStreamQuery); never
-        waits."""
+        """True when every task queued on the stream has run (aclrtStreamQuery); never waits
+        and never reports a fault."""
         return self.state.query()
 
     def wait_event(self, event: Event) -> None:
-        """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent)."""
+        """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent).
+        An event never recorded is nothing to wait for (CANN refuses one: 107000)."""
         ev = _args.instance("event", event, Event, "an Event")
         core = ev.core("event")
         if core.device is not self.state.device:
             raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
                                            f"{self.state.device.device_id}")
-        self.state.enqueue(core, acl.stream_wait_event, core.handle)
+        if core.recorded:
+            self.state.enqueue(core, acl.stream_wait_event, core.handle)
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) on this stream and return it."""
-        if event is None:
-            ev = Event(self.state.device)
-        else:
-            ev = _args.instance("event", event, Event, "an Event or None")
+        ev = Event(self.state.device) if event is None else _args.instance("event", event, Event, "an Event or None")
         ev.record(self)
         return ev
-
-    # -- release
 
     def close(self) -> None:
         """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice;
         a no-op on a default stream."""
-        if self._is_default:
-            return
-        self.state.close()
+        if not self._is_default:
+            self.state.close()
 
     def __enter__(self) -> Stream:
         self.state.check_open()
         self.state.device.__enter__()
-        cur = thread_current
-        cur.saved.append(cur.stream)
-        cur.stream = self
+        thread_current.saved.append(thread_current.stream)
+        thread_current.stream = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        cur = thread_current
-        cur.stream = cur.saved.pop()
+        thread_current.stream = thread_current.saved.pop()
         self.state.device.__exit__()
 
 
@@ -455,21 +577,15 @@ def current_stream(device: Device | int | None = None) -> Stream:
     the one a ``with stream:`` block made current on this thread, else the device's default
     stream."""
     dev = resolve_device(device)
-    s = thread_current.stream
-    if s is not None and s.state.device is dev:
-        return s
-    return dev.default_stream  # type: ignore[no-any-return]
+    return active_stream(dev) or dev.default_stream
 
 
 def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") -> StreamState:
     """The state of ``stream`` (if None, the thread's current stream on ``device``, else the
     device's default stream), checked open and on ``device``."""
     if stream is None:
-        cur = thread_current.stream
-        if cur is None or cur.state.device is not device:
-            state: StreamState = device.default_stream.state
-            return state
-        stream = cur
+        cur = active_stream(device)
+        return cur.state if cur is not None else device.default_stream.state  # type: ignore[no-any-return]
     if not isinstance(stream, Stream):
         raise InvalidArgument(name, f"must be a Stream or None, got {type(stream).__name__}")
     state = stream.state
@@ -481,20 +597,22 @@ def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") 
 
 class _EventCore:
     """What an Event owns: the handle, released once neither the Event nor queued work (a
-    record, a wait) needs it."""
+    record, a wait) needs it. ``recorded`` turns True at its first record."""
 
-    __slots__ = ("device", "handle", "token", "__weakref__")
+    __slots__ = ("device", "handle", "token", "recorded", "__weakref__")
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.handle = acl.EventHandle(device.context)
         self.token = _lifetime.track(self, self.handle)
+        self.recorded = False
         acl.create_event(self.handle)
 
 
 class Event(_lifetime.Owner):
     """A CANN event: a marker recorded on a stream, for ordering and timing. ``close()``
-    destroys it, at once unless queued work still records or waits on it."""
+    destroys it, at once unless queued work still records or waits on it. Neither its
+    synchronize nor its query reports a device fault (a stream's synchronize does)."""
 
     __slots__ = ("_core", "_device", "__weakref__")
     RELEASE_API = "aclrtDestroyEvent"
@@ -534,21 +652,23 @@ class Event(_lifetime.Owner):
         return f"<Event {self.handle:#x} on device {self._device.device_id}{' closed' if self.closed else ''}>"
 
     def record(self, stream: Stream | None = None) -> Event:
-        """Record the event on ``stream`` (default: the device's default stream)."""
+        """Record the event on ``stream`` (default: the thread's current stream)."""
         core = self.core()
         state = resolve_stream(stream, core.device)
         state.enqueue(core, acl.record_event, core.handle)
+        core.recorded = True
         return self
 
     def synchronize(self) -> None:
-        """Block until the work recorded before the event has run."""
+        """Block until the work recorded before the event has run (at once for an event never
+        recorded)."""
         core = self.core()
         core.device.activate()
         acl.synchronize_event(core.handle)
 
     def query(self) -> bool:
         """True when the work recorded before the event has run (aclrtQueryEventStatus); an
-        event never recorded counts as complete. Never waits."""
+        event never recorded is not complete, as CANN has it. Never waits."""
         core = self.core()
         core.device.activate()
         return acl.query_event(core.handle)
@@ -564,3 +684,32 @@ class Event(_lifetime.Owner):
         """``end - start``: milliseconds between two completed events."""
         return _args.instance("start", start, Event, "an Event").elapsed_ms(self)
 
+
+def synchronize_device(device: Device, closing: bool = False) -> None:
+    """aclrtSynchronizeDevice for ``device``'s streams, with the fault rule: a fault it reports
+    is recorded on each of them (CANN does not say which stream's it was), and it raises the
+    oldest fault of its streams no synchronize raised yet (one fault recorded on several streams
+    is raised once)."""
+    states = [q for q in device.queues() if isinstance(q, StreamState) and (closing or not q.closing)]
+    tokens = [(s, s.begin_wait(closing)) for s in states]
+    error: BaseException | None = None
+    try:
+        acl.use_context(device.context)
+        acl.synchronize_device()
+    except AclError as exc:
+        error = exc
+    finally:
+        for s, token in tokens:
+            s.end_wait(token, error)
+    _lifetime.collect()
+    if error is not None and not is_fault(error):
+        raise error
+    for s in states:
+        pending = s.unraised()
+        if pending is not None:
+            for other in states:
+                other.mark_raised(pending.error)
+            raise pending.exception()
+
+
+Device.synchronize_hook = synchronize_device

@@ -68,8 +68,8 @@ class TensorHandle(handles.Handle):
 def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> None:
     """aclCreateTensor over device memory at ``addr`` into ``h`` (``fmt``: an aclFormat)."""
     fn = loader.libs().nn.aclCreateTensor
-    handles.store_result(h._slot, fn, desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset,
-                         fmt, desc.sdims, desc.sndim, _void(addr))
+    h._slot[0] = fn(desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset, fmt, desc.sdims, desc.sndim,
+                    _void(addr))
     if not h:
         raise null_result("aclCreateTensor")
 
@@ -182,7 +182,7 @@ def launch(api: str, workspace: int, size: int, executor: ExecutorHandle, stream
     fn = getattr(loader.libs().op, api)
     ws, st, ex = _void(workspace), _stream(stream), executor._slot[0]
     if consumes:
-        executor._slot[0] = _NULL  # before the call: no Python code may run between the two
+        executor.forget()  # CANN's from the call on, whatever it returns (the caller holds the executor's lock)
     check(fn(ws, size, ex, st), api)
 
 

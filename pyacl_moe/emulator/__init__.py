@@ -116,7 +116,7 @@ def stats() -> dict[str, int]:
     """Live-object counters of the loaded emulator: allocations and bytes, streams, events,
     tensors, scalars, int arrays, executors, pending tasks, and cumulative figures. What the
     process dropped is released first, so the counters show what is really alive."""
-    _lifetime.quiesce()
+    _lifetime.collect()
     return aclemu.stats()
 
 

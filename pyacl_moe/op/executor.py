@@ -21,12 +21,12 @@ from ..array import Allocation, DeviceArray
 from ..device import Device, current_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
-from ..stream import Stream, StreamState, resolve_stream
+from ..stream import Stream, StreamState, check_written, resolve_stream
 from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
 __all__ = ["Executor", "ExecutorCore", "build", "check_output_layout", "checked_workspace", "device_of", "execute",
-           "launch", "mark_uses", "register_uses"]
+           "launch", "mark_uses", "output_tracks"]
 
 
 class ExecutorCore:
@@ -151,11 +151,15 @@ def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> A
     return alloc
 
 
-def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, hold: tuple[Any, ...]) -> None:
+def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, hold: tuple[Any, ...],
+           writes: Sequence[Any]) -> None:
     """The second phase on ``state``'s stream. ``hold`` is what the kernel reads and writes
-    (allocations, the workspace), kept on the stream until the kernel has run. The executor
-    and its aclTensors are not: a launch captures what it needs (CANN frees a one-shot executor
-    as soon as it is launched), so they may go at once."""
+    (allocations, the workspace), kept on the stream until the kernel has run; ``writes`` are
+    the tracks of the outputs. The executor and its aclTensors are not held: a launch captures
+    what it needs (CANN frees a one-shot executor as soon as it is launched)."""
+    for name, t in core.tensors.items():
+        if t is not None and t.alloc is not None and name not in core.spec.outputs:
+            check_written(t.alloc.track, waiting=False)  # a faulted input would hand its garbage on
     with core.lock:
         core.check_live()
         consumes = not core.repeatable
@@ -164,22 +168,20 @@ def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, ho
             state.device.activate()
             state.ledger.hold(hold)
             aclnn.launch(core.spec.api, workspace, size, core.handle, state.handle, consumes)
+            state.stamp(writes)
             done = state.ledger.after_enqueue()
     del done
     _lifetime.collect()
 
 
-def register_uses(spec: OpSpec, allocs: Sequence[Allocation | None], state: StreamState) -> None:
-    """Record that work queued on ``state`` reads ``allocs`` (in ``spec.tensors`` order, None
-    for a null pointer) and writes the outputs among them (see :meth:`Allocation.used_on`)."""
-    outputs = spec.output_positions
-    for i, alloc in enumerate(allocs):
-        if alloc is not None:
-            alloc.used_on(state, write=i in outputs)
-
-
 def _allocations(core: ExecutorCore) -> tuple[Allocation, ...]:
     return tuple(t.alloc for t in core.tensors.values() if t is not None and t.alloc is not None)
+
+
+def output_tracks(core: ExecutorCore) -> tuple[Any, ...]:
+    """The tracks of the memory the executor's outputs point at."""
+    return tuple(t.alloc.track for n, t in core.tensors.items()
+                 if t is not None and t.alloc is not None and n in core.spec.outputs)
 
 
 def mark_uses(core: ExecutorCore, state: StreamState) -> None:
@@ -309,4 +311,4 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
         raise InvalidArgument("workspace", f"is missing but workspace_size is {size}: pass device memory of that size")
     state = resolve_stream(stream, core.device)
     mark_uses(core, state)
-    launch(core, state, ws, size, (ws_alloc, *_allocations(core)))
+    launch(core, state, ws, size, (ws_alloc, *_allocations(core)), output_tracks(core))

@@ -23,16 +23,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _args, _contract
-from ..array import DeviceArray, empty, host_array, to_device
-from ..device import Device, current_device, resolve_device
+from ..array import DeviceArray, empty
+from ..device import Device, resolve_device
 from ..errors import InvalidArgument
-from ..host import host_view, in_family
-from ..pool import workspace_for
-from ..stream import Stream, current_stream, resolve_stream
+from ..stream import Stream
 from ..tensor import AclTensor
-from .executor import Executor, check_output_layout, checked_workspace, device_of, first_phase, launch, mark_uses
+from .call import OneCall, Outputs, run_device, run_host
+from .executor import Executor, check_output_layout, device_of, first_phase
 from .executor import execute as execute
-from .plan import Plan, check_no_overlap, check_workspace_apart, launch_cached
+from .plan import Plan, check_no_overlap
 from .spec import OpSpec, Param
 
 __all__ = ["SPEC", "MoeInitRoutingV2", "RoutingResult", "execute", "get_workspace_size", "moe_init_routing_v2"]
@@ -266,6 +265,27 @@ def _new_output(name: str, shape: tuple[int, ...], x_dtype: np.dtype, device: De
     return empty(shape, dtype, device)
 
 
+def _one_check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
+    (xs, xd), (ixs, ixd) = layouts["x"], layouts["expert_idx"]
+    _check(xs, xd, ixs, ixd, dict(attrs))
+    return {name: None if shape is None else (shape, _dtype_of(name, xd))
+            for name, shape in _shapes(xs[0], ixs[1], xs[1], dict(attrs)).items()}
+
+
+def _one_sizes(arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any]) -> Outputs:
+    x = arrays["x"]
+    return {name: None if shape is None else (shape, _dtype_of(name, x.dtype))
+            for name, shape in _shapes(*_sizes(x, arrays["expert_idx"]), dict(attrs)).items()}
+
+
+def _one_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> None:
+    _contract.check_expert_ids(hosts["expert_idx"], attrs["expert_num"], attrs["drop_pad_mode"],
+                               attrs["expert_tokens_count_or_cumsum_flag"])
+
+
+ONE_CALL = OneCall(SPEC, _one_check, _one_sizes, _one_values)
+
+
 def moe_init_routing_v2(
     x: Any,
     expert_idx: Any,
@@ -295,98 +315,40 @@ def moe_init_routing_v2(
     current stream). With ``validate`` the contract is checked on the host first (for host
     inputs, the ids' range too); False hands everything to CANN.
 
-    DeviceArrays only: ``out``, a :class:`RoutingResult` of DeviceArrays to write (None for
-    an output to allocate; one the scenario does not write must be None), as a plan's
-    ``outputs`` or an earlier call's result, so that a loop allocates nothing; ``workspace``,
-    a DeviceArray of at least the op's workspace size (default: the stream's).
+    ``out``: a :class:`RoutingResult` of arrays to write (DeviceArrays for device inputs, host
+    arrays for host inputs; None for an output to make; one the scenario does not write must
+    be None), as a plan's ``outputs`` or an earlier call's result, so that a loop allocates
+    nothing. ``workspace``: a DeviceArray of at least the op's workspace size (default: the
+    stream's).
     """
     attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                    expert_tokens_before_capacity_flag)
     validate = _args.boolean("validate", validate)
-    if stream is not None and not isinstance(stream, Stream):
-        raise InvalidArgument("stream", f"must be a Stream or None, got {type(stream).__name__}")
+    if stream is not None:
+        _args.instance("stream", stream, Stream, "a Stream or None")
+    if workspace is not None:
+        _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
     on_device = isinstance(x, DeviceArray)
     if on_device != isinstance(expert_idx, DeviceArray):
         raise InvalidArgument("expert_idx", "must be a DeviceArray when x is one, and a host array otherwise")
+    given = _given_outputs(out, on_device)
+    inputs = {"x": x, "expert_idx": expert_idx}
     if on_device:
-        return _run_device(x, expert_idx, attrs, stream, validate, _given_outputs(out), workspace)
-    if out is not None or workspace is not None:
-        raise InvalidArgument("out" if out is not None else "workspace",
-                              "is for DeviceArray inputs: host inputs get new host arrays back")
-    vx, family = host_view(x, "x")
-    vi, _ = host_view(expert_idx, "expert_idx")
-    if validate:
-        _check(vx.shape, vx.dtype, vi.shape, vi.dtype, attrs)
-        _contract.check_expert_ids(vi, attrs["expert_num"], attrs["drop_pad_mode"],
-                                   attrs["expert_tokens_count_or_cumsum_flag"])
-    hx, hi_ = host_array(vx, "x"), host_array(vi, "expert_idx")
-    dev = stream.device if stream is not None else current_device()
-    s = stream if stream is not None else current_stream(dev)
-    dx, di = to_device(hx, stream=s), to_device(hi_, stream=s)
-    # Checked above when validate: the device path checks again (cheap) and takes the cache.
-    outs = _run_device(dx, di, attrs, s, validate, {}, None)
-    host = [None if o is None else o.to_host(s) for o in outs]
-    return RoutingResult(*(None if h is None else in_family(h, family) for h in host))
+        outs = run_device(ONE_CALL, inputs, given, attrs, stream, workspace, validate)
+    else:
+        outs = run_host(ONE_CALL, inputs, attrs, given, stream, workspace, validate)
+    return RoutingResult(*(outs[n] for n in _OUTPUTS))
 
 
-def _given_outputs(out: Any) -> dict[str, DeviceArray]:
-    """The outputs a caller gave, by name (checked to be DeviceArrays or None)."""
+def _given_outputs(out: Any, on_device: bool) -> dict[str, Any]:
+    """The outputs a caller gave, by name (checked to be DeviceArrays for device inputs)."""
     if out is None:
         return {}
     if not isinstance(out, tuple) or len(out) != len(_OUTPUTS):
-        raise InvalidArgument("out", f"must be a RoutingResult (or a tuple of {len(_OUTPUTS)}) of DeviceArrays "
-                                     f"or None, got {type(out).__name__}")
-    given: dict[str, DeviceArray] = {}
+        raise InvalidArgument("out", f"must be a RoutingResult (or a tuple of {len(_OUTPUTS)}) of arrays or None, "
+                                     f"got {type(out).__name__}")
+    given: dict[str, Any] = {}
     for name, a in zip(_OUTPUTS, out):
         if a is not None:
-            given[name] = _args.instance(f"out.{name}", a, DeviceArray, "a DeviceArray or None")
+            given[name] = _args.instance(f"out.{name}", a, DeviceArray, "a DeviceArray or None") if on_device else a
     return given
-
-
-def _run_device(x: DeviceArray, idx: DeviceArray, attrs: dict[str, Any], stream: Stream | None,
-                validate: bool, given: dict[str, DeviceArray], workspace: DeviceArray | None) -> RoutingResult:
-    arrays_in = {"x": x, "expert_idx": idx, **given}
-    if workspace is not None:
-        arrays_in["workspace"] = _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
-    dev = device_of(arrays_in)
-    xa, ia = x.allocation("x"), idx.allocation("expert_idx")
-    shapes = _shapes(*_sizes(x, idx), attrs)
-    if validate:
-        _check(x.shape, x.dtype, idx.shape, idx.dtype, attrs)
-        _check_outputs(given, shapes, x.dtype)
-        if given:
-            check_no_overlap(SPEC, {"x": x, "expert_idx": idx, **given})
-        if workspace is not None:
-            check_workspace_apart(workspace, {"x": x, "expert_idx": idx, **given})
-    state = resolve_stream(stream, dev)
-    outs = {name: given[name] if name in given else None if shp is None else _new_output(name, shp, x.dtype, dev)
-            for name, shp in shapes.items()}
-    if validate:
-        # A layout seen before on this stream relaunches its cached executor, rebound (the
-        # contract held, so the first phase would give the same executor again).
-        arrays = (x, idx, *outs.values())
-        values = tuple(attrs[n] for n in SPEC.attrs)
-        key = (*(-1 if a is None else a.layout_id for a in arrays), *values)
-        launch_cached(SPEC, key, arrays, tuple(None if a is None else a.allocation(n) for n, a in
-                                               zip(SPEC.tensors, arrays)),
-                      tuple(0 if a is None else a.span[0] for a in arrays), values, state, workspace)
-        return RoutingResult(*outs.values())
-    size, executor = get_workspace_size(
-        x, idx, attrs["active_num"], attrs["expert_capacity"], attrs["expert_num"], attrs["drop_pad_mode"],
-        attrs["expert_tokens_count_or_cumsum_flag"], attrs["expert_tokens_before_capacity_flag"],
-        outs["expanded_x"], outs["expanded_row_idx"], outs["expert_tokens_count_or_cumsum"],
-        outs["expert_tokens_before_capacity"], device=dev)
-    try:
-        if workspace is not None:
-            block: Any = checked_workspace(workspace, size, dev, "executor")
-            ws = workspace.address
-        else:
-            block = workspace_for(state, size) if size else None
-            ws = block.ptr if block is not None else 0
-        core = executor.core()
-        mark_uses(core, state)
-        launch(core, state, ws, size, (block, xa, ia, *(o.allocation(n) for n, o in outs.items() if o is not None)))
-    finally:
-        executor.close()
-    return RoutingResult(outs["expanded_x"], outs["expanded_row_idx"], outs["expert_tokens_count_or_cumsum"],
-                         outs["expert_tokens_before_capacity"])

@@ -12,21 +12,21 @@ synchronize, copy out) or DeviceArrays (queued on a stream, returns at once).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, overload
 
 import numpy as np
 
 from .. import _args, _contract
-from ..array import DeviceArray, empty, host_array, to_device
-from ..device import Device, current_device, resolve_device
+from ..array import DeviceArray, empty
+from ..device import Device, resolve_device
 from ..errors import InvalidArgument
-from ..host import TORCH, host_view, in_family
-from ..pool import workspace_for
-from ..stream import Stream, current_stream, resolve_stream, thread_current
+from ..stream import Stream
 from ..tensor import AclTensor
-from .executor import Executor, check_output_layout, device_of, first_phase, launch, mark_uses
+from .call import OneCall, Outputs, run_device, run_host
+from .executor import Executor, check_output_layout, device_of, first_phase
 from .executor import execute as execute
-from .plan import Plan, check_no_overlap, check_workspace_apart, launch_cached, relaunch
+from .plan import Plan, check_no_overlap
 from .spec import OpSpec, Param
 
 __all__ = ["SPEC", "MoeInitRoutingV2Grad", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
@@ -71,29 +71,28 @@ def get_workspace_size(
     return first_phase(SPEC, given, attrs, resolve_device(device) if device is not None else None)
 
 
-# ---------------------------------------------------------------------------- the contract on device arrays
+# ---------------------------------------------------------------------------- the contract
 
-# Layouts that passed the contract: the checks depend only on shapes, dtypes, strides and the
-# attributes, so a layout that passed once passes again. Keys carry the attributes' types, so
-# True never stands for 1.
-_validated: dict[tuple[Any, ...], _contract.Geometry] = {}
-_VALIDATED_MAX = 256
+def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
+    (xs, xd), (ixs, ixd) = layouts["grad_expanded_x"], layouts["expanded_row_idx"]
+    geo = _contract.check_shapes(xs, xd, ixs, ixd, attrs["top_k"], attrs["drop_pad_mode"], attrs["active_num"])
+    return {"out": ((geo.tokens, geo.hidden), xd)}
 
 
-def _check_layout(key: tuple[Any, ...], x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any,
-                  out: DeviceArray | None) -> _contract.Geometry:
-    geo = _validated.get(key)
-    if geo is None:
-        geo = _contract.check_shapes(
-            x.shape, x.dtype, idx.shape, idx.dtype, top_k, mode, active,
-            None if out is None else out.shape, None if out is None else out.dtype,
-        )
-        if out is not None:
-            check_output_layout("out", out)
-        if len(_validated) >= _VALIDATED_MAX:
-            _validated.clear()
-        _validated[key] = geo
-    return geo
+def _sizes(arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any]) -> Outputs:
+    # validate=False: [len(idx) / top_k, H] as far as the arrays say (0 where a rank is wrong).
+    x, idx, k = arrays["grad_expanded_x"], arrays["expanded_row_idx"], attrs["top_k"]
+    return {"out": (((idx.shape[0] // k if idx.ndim and k > 0 else 0), (x.shape[-1] if x.ndim else 0)), x.dtype)}
+
+
+def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> None:
+    x, idx = hosts["grad_expanded_x"], hosts["expanded_row_idx"]
+    geo = _contract.check_shapes(x.shape, x.dtype, idx.shape, idx.dtype, attrs["top_k"], attrs["drop_pad_mode"],
+                                 attrs["active_num"])
+    _contract.check_indices(idx, geo, attrs["top_k"], attrs["active_num"])
+
+
+ONE_CALL = OneCall(SPEC, _check, _sizes, _check_values)
 
 
 # ---------------------------------------------------------------------------- the prepared plan
@@ -213,158 +212,34 @@ def moe_init_routing_v2_grad(
         (drop/pad), float16, bfloat16 (ml_dtypes) or float32.
     expanded_row_idx: [N*top_k] int32.
     top_k, drop_pad_mode (0 or 1), active_num (>= 0): the op's attributes.
-    out: optional output [N, H], same dtype as grad_expanded_x, contiguous, sharing no memory
-        with the inputs.
+    out: optional output [N, H], same dtype as grad_expanded_x, sharing no memory with the
+        inputs, contiguous up to CANN 9.0 (a DeviceArray for device inputs, a host array for
+        host inputs, written in place).
     stream: where to run (default: the thread's current stream; see `with stream:`).
     workspace: a DeviceArray of at least the op's workspace size (default: the stream's).
     validate: check the contract on the host first (index values too when the indices are a
-        NumPy array) and raise InvalidArgument; False hands everything to CANN untouched.
+        host array) and raise InvalidArgument; False hands everything to CANN untouched.
 
     Host arrays in (NumPy, torch CPU tensors, anything with DLPack, the buffer or array
     interface): copies in, runs, synchronizes, returns the result in the inputs' family (a
     torch tensor for torch inputs, else NumPy). DeviceArray in: returns a DeviceArray at once,
     the kernel queued on the stream.
     """
-    if (type(grad_expanded_x) is DeviceArray and type(expanded_row_idx) is DeviceArray and workspace is None
-            and validate is True and (stream is None or type(stream) is Stream)):
-        # The common device call, its argument checks in one test (each is a share of it).
-        return _run_device(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out, stream, None,
-                           True)
+    attrs = _attrs(top_k, drop_pad_mode, active_num)
     on_device = isinstance(grad_expanded_x, DeviceArray)
     if on_device != isinstance(expanded_row_idx, DeviceArray):
         raise InvalidArgument(
             "expanded_row_idx", "must be a DeviceArray when grad_expanded_x is one, and a host array otherwise"
         )
-    if stream is not None and not isinstance(stream, Stream):
-        raise InvalidArgument("stream", f"must be a Stream or None, got {type(stream).__name__}")
-    if workspace is not None and not isinstance(workspace, DeviceArray):
-        raise InvalidArgument("workspace", f"must be a DeviceArray or None, got {type(workspace).__name__}")
-    validate = _args.boolean("validate", validate)
+    if stream is not None and type(stream) is not Stream:
+        _args.instance("stream", stream, Stream, "a Stream or None")
+    if workspace is not None:
+        _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
+    if validate is not True:
+        validate = _args.boolean("validate", validate)
+    inputs = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx}
     if on_device:
-        return _run_device(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out, stream,
-                           workspace, validate)
-    return _run_host(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out, stream, workspace,
-                     validate)
-
-
-def _run_device(x: DeviceArray, idx: DeviceArray, top_k: Any, mode: Any, active: Any, out: Any,
-                stream: Stream | None, workspace: DeviceArray | None, validate: bool) -> DeviceArray:
-    # The common case's checks come first and cheaply (a closed device is caught at the
-    # launch); anything unusual takes device_of for its errors.
-    xa, ia = x.alloc, idx.alloc
-    if xa is None or ia is None:
-        xa, ia = x.allocation("grad_expanded_x"), idx.allocation("expanded_row_idx")  # raises ClosedError
-    dev = xa.device
-    oa = None
-    if out is not None:
-        if type(out) is not DeviceArray and not isinstance(out, DeviceArray):
-            raise InvalidArgument("out", f"must be a DeviceArray when the inputs are, got {type(out).__name__}")
-        oa = out.alloc
-        if oa is None:
-            oa = out.allocation("out")  # raises ClosedError
-    if ia.device is not dev or (oa is not None and oa.device is not dev) or workspace is not None:
-        arrays = {"grad_expanded_x": x, "expanded_row_idx": idx}
-        if out is not None:
-            arrays["out"] = out
-        if workspace is not None:
-            arrays["workspace"] = workspace
-        device_of(arrays)
-    if stream is None:
-        cur = thread_current.stream
-        state = cur.state if cur is not None and cur.state.device is dev else dev.default_stream.state
-    else:
-        state = stream.state
-    if state.device is not dev:
-        resolve_stream(stream, dev)  # raises, naming the devices
-    if validate:
-        if type(top_k) is int and type(mode) is int and type(active) is int:
-            key: tuple[Any, ...] = (x.layout_id, idx.layout_id, -1 if out is None else out.layout_id, top_k, mode,
-                                    active)
-        else:  # NumPy integers, or what the checks refuse: the types go in the key too
-            key = (x.layout_id, idx.layout_id, -1 if out is None else out.layout_id, type(top_k), top_k, type(mode),
-                   mode, type(active), active)
-        xlo, xhi = x.span
-        ilo, ihi = idx.span
-        if out is not None:
-            assert oa is not None
-            olo, ohi = out.span
-            # The steady state: an out apart from the inputs, the stream's workspace, and a
-            # layout this stream has an executor for (so validated before).
-            if workspace is None and not ((olo <= xhi and xlo <= ohi) or (olo <= ihi and ilo <= ohi)) and relaunch(
-                    SPEC, key, (xlo, ilo, olo), (xa, ia, oa), state,
-                    state not in xa.users or state not in ia.users or state not in oa.writers):
-                result: DeviceArray = out
-                return result
-        geo = _validated.get(key)
-        if geo is None:
-            geo = _check_layout(key, x, idx, top_k, mode, active, out)
-        if out is None:
-            out = empty((geo.tokens, geo.hidden), x.dtype, dev)
-            oa = out.allocation("out")
-            key = (key[0], key[1], out.layout_id, *key[3:])
-            olo = out.span[0]
-        elif (olo <= xhi and xlo <= ohi) or (olo <= ihi and ilo <= ohi):
-            check_no_overlap(SPEC, {"grad_expanded_x": x, "expanded_row_idx": idx, "out": out})
-        if workspace is not None:
-            check_workspace_apart(workspace, {"grad_expanded_x": x, "expanded_row_idx": idx, "out": out})
-        assert oa is not None
-        # A layout seen before on this stream relaunches its cached executor, rebound.
-        launch_cached(SPEC, key, (x, idx, out), (xa, ia, oa), (xlo, ilo, olo), (top_k, mode, active), state,
-                      workspace)
-        made: DeviceArray = out
-        return made
-    attrs = _attrs(top_k, mode, active)
-    k = attrs["top_k"]
-    n = idx.shape[0] // k if idx.ndim and k > 0 else 0
-    h = x.shape[-1] if x.ndim else 0
-    if out is None:
-        out = empty((n, h), x.dtype, dev)
-    size, executor = get_workspace_size(x, idx, k, attrs["drop_pad_mode"], attrs["active_num"], out, device=dev)
-    try:
-        if workspace is None:
-            block = workspace_for(state, size) if size else None
-            core = executor.core()
-            mark_uses(core, state)
-            launch(core, state, block.ptr if block is not None else 0, size,
-                   (block, xa, ia, out.allocation("out")))
-        else:
-            execute(workspace, size, executor, stream)
-    finally:
-        executor.close()
-    written: DeviceArray = out
-    return written
-
-
-def _run_host(x: Any, idx: Any, top_k: Any, mode: Any, active: Any, out: Any, stream: Stream | None,
-              workspace: DeviceArray | None, validate: bool) -> Any:
-    vx, family = host_view(x, "grad_expanded_x")
-    vi, _ = host_view(idx, "expanded_row_idx")
-    hx, hi = _contract.native(vx), _contract.native(vi)
-    out_given = out
-    if out is not None:
-        if not isinstance(out, np.ndarray) and family is not TORCH:
-            raise InvalidArgument("out", f"must be a NumPy array when the inputs are, got {type(out).__name__}")
-        out, _ = host_view(out, "out")  # a torch tensor's own memory, written in place
-    if validate:
-        geo = _contract.check_shapes(
-            hx.shape, hx.dtype, hi.shape, hi.dtype, top_k, mode, active,
-            None if out is None else out.shape, None if out is None else out.dtype,
-        )
-        if out is not None and not out.flags.writeable:
-            raise InvalidArgument("out", "must be writable")
-        _contract.check_indices(hi, geo, int(top_k), int(active))
-    hx, hi = host_array(hx, "grad_expanded_x"), host_array(hi, "expanded_row_idx")
-    dev = stream.device if stream is not None else current_device()
-    s = stream if stream is not None else current_stream(dev)
-    dx = to_device(hx, stream=s)
-    di = to_device(hi, stream=s)
-    # The indices were checked above; the layout check below is a memo lookup.
-    dout = _run_device(dx, di, top_k, mode, active, None, s, workspace, validate)
-    result = dout.to_host(s)
-    dx.close()
-    di.close()
-    dout.close()
-    if out is not None:
-        out[...] = result
-        return out_given
-    return in_family(result, family)
+        given = {} if out is None else {"out": _args.instance("out", out, DeviceArray, "a DeviceArray when the "
+                                                              "inputs are, or None")}
+        return run_device(ONE_CALL, inputs, given, attrs, stream, workspace, validate)["out"]
+    return run_host(ONE_CALL, inputs, attrs, {"out": out}, stream, workspace, validate)["out"]
