@@ -133,19 +133,7 @@ def collect() -> None:
     if not (_dead or _later) or forked():
         return
     with _collecting:
-        while _dead:
-            token = _dead[0]
-            with _lock:
-                holder = _registry.get(token)
-            if holder is not None:
-                try:
-                    holder.release()
-                except Exception:
-                    pass  # it stays registered: the device's close releases it (release_where)
-                else:
-                    with _lock:
-                        _registry.pop(token, None)
-            _dead.popleft()
+        _collect_dead()
         with _lock:
             later = list(_later)
         for poller in later:
@@ -156,6 +144,23 @@ def collect() -> None:
             if done:
                 with _lock:
                     _later.remove(poller)
+        _collect_dead()  # what the finished pollers held
+
+
+def _collect_dead() -> None:
+    while _dead:
+        token = _dead[0]
+        with _lock:
+            holder = _registry.get(token)
+        if holder is not None:
+            try:
+                holder.release()
+            except Exception:
+                pass  # it stays registered: the device's close releases it (release_where)
+            else:
+                with _lock:
+                    _registry.pop(token, None)
+        _dead.popleft()
 
 
 def unreleased_while(fn: Callable[[], Any]) -> Any:

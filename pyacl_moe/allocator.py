@@ -182,17 +182,18 @@ class _Block:
     """The holder of a cached block: its release gives the block to the cache (or frees it
     when the cache keeps nothing)."""
 
-    __slots__ = ("mem", "cache", "size", "context")
+    __slots__ = ("mem", "cache", "size", "context", "uncached")
 
     def __init__(self, mem: Any, cache: BlockCache, size: int) -> None:
         self.mem = mem
         self.cache = cache
         self.size = size
         self.context = cache.device.context  # the device closing releases it (Device.memory_kinds)
+        self.uncached = False  # set once (Allocation.uncache): freed, not kept, when released
 
     def release(self) -> int:
         mem = self.mem
-        if mem is None or self.cache.keep(self):
+        if mem is None or (not self.uncached and self.cache.keep(self)):
             return 0
         status = int(mem.release())  # once: a repeat finds the handle empty
         self.cache.drop(self)
@@ -274,7 +275,7 @@ class Allocation:
     that uses it. Owned memory goes to the device's block cache (or back to CANN) once this
     object is gone; borrowed memory (``owned`` False) stays its owner's, kept alive here."""
 
-    __slots__ = ("device", "ptr", "nbytes", "owned", "owner", "track", "__weakref__")
+    __slots__ = ("device", "ptr", "nbytes", "owned", "owner", "track", "block", "__weakref__")
 
     def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None, track: Track | None = None
                  ) -> None:
@@ -284,6 +285,13 @@ class Allocation:
         self.owner = owner  # what keeps borrowed memory alive
         self.owned = False
         self.track = track if track is not None else Track()
+        self.block: _Block | None = None  # owned memory's cached block
+
+    def uncache(self) -> None:
+        """Give the memory back to CANN, not to the cache, once it is idle (what empty_cache
+        does with a workspace queued work still uses)."""
+        if self.block is not None:
+            self.block.uncached = True
 
     def used_on(self, state: Any, write: bool) -> None:
         """Queued work on ``state`` reads (or writes) this memory."""
@@ -305,7 +313,7 @@ def allocate(device: Device, nbytes: int) -> Allocation:
     cache: BlockCache = device.attached("block_cache")
     alloc = Allocation(device, nbytes)
     alloc.owned = True
-    block = _Block(None, cache, size)
+    block = alloc.block = _Block(None, cache, size)
     _lifetime.track(alloc, block)  # before the block is taken or made: nothing can be lost in between
     if not cache.take_into(block):
         mem = acl.DeviceMemory(device.context)

@@ -350,9 +350,9 @@ class DeviceArray:
             state = resolve_stream(stream, alloc.device)
             _order_after(alloc, state, writers_only=True)
             alloc.used_on(state, write=False)
-            state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
-                          "ACL_MEMCPY_DEVICE_TO_HOST")
-            state.wait(report=False)
+            epoch = state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
+                                  "ACL_MEMCPY_DEVICE_TO_HOST")
+            state.wait_for(epoch)  # a fault of the copy itself: ``host`` was not written
         else:
             _order_after(alloc, None, writers_only=True)
             alloc.device.activate()
@@ -577,7 +577,7 @@ def host_array(array: np.ndarray, name: str) -> np.ndarray:
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
     acl_data_type(array.dtype)
-    return np.ascontiguousarray(array)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (which makes 0-D 1-D)
 
 
 def _order_after(alloc: Allocation, state: StreamState | None, writers_only: bool = False) -> None:

@@ -249,6 +249,10 @@ class Device:
                 Device.synchronize_hook(self, True)  # queued work still reads what is about to go
             except Exception as exc:
                 errors.append(exc)
+                try:  # CANN reported the fault and cleared it: the next wait covers what remains
+                    acl.synchronize_device()
+                except Exception:
+                    pass
             with self._lock:
                 self._queues.clear()
             for q in queues:

@@ -80,6 +80,9 @@ class Fault:
     __slots__ = ("error", "lo", "hi", "raised")
 
     def __init__(self, error: AclError, lo: int, hi: int) -> None:
+        # A fault's error is never raised itself (exception() makes a new one): its traceback
+        # goes, since its frames would keep the arrays of the wait that caught it alive.
+        error.__traceback__ = error.__context__ = error.__cause__ = None
         self.error, self.lo, self.hi, self.raised = error, lo, hi, False
 
     def exception(self) -> AclError:
@@ -98,7 +101,16 @@ def check_written(track: Any, waiting: bool = True) -> None:
             state.wait(report=False)
         fault = state.fault_at(epoch)
         if fault is not None:
-            raise fault.exception()
+            raise _reported(fault, state.device)
+
+
+def _reported(fault: Fault, device: Device) -> AclError:
+    """The exception to raise for ``fault``, now marked raised on every stream that recorded it
+    (a device synchronize records one error on each): no synchronize raises it again."""
+    for q in device.queues():
+        if isinstance(q, StreamState):
+            q.mark_raised(fault.error)
+    return fault.exception()
 
 
 class StreamState:
@@ -146,19 +158,22 @@ class StreamState:
                 " (or this is a fork() child)" if _lifetime.forked() else "")
         return "it was closed"
 
-    def enqueue(self, hold: Any, call: Callable[..., None], *args: Any, writes: Iterable[Any] = ()) -> None:
+    def enqueue(self, hold: Any, call: Callable[..., None], *args: Any, writes: Iterable[Any] = ()) -> int:
         """Queue a task: ``call(*args, stream_handle)``, with ``hold`` kept until it has run and
-        the tracks of ``writes`` (memory it writes) stamped. The hold is taken first: an
-        interrupted call leaves it held, never freed."""
+        the tracks of ``writes`` (memory it writes) stamped. Returns the task's epoch (for
+        :meth:`wait_for`). The hold is taken first: an interrupted call leaves it held, never
+        freed."""
         with self.lock:
             self.check_open()
             acl.use_context(self.context)
             self.ledger.hold(hold)
             call(*args, self.handle)
             self.stamp(writes)
+            epoch = self.epoch
             done = self.ledger.after_enqueue()
         del done  # outside the lock: dropping the last reference may free memory
         _lifetime.collect()
+        return epoch
 
     def stamp(self, tracks: Iterable[Any]) -> None:
         """The memory of ``tracks`` was just written by work queued here (lock held)."""
@@ -191,24 +206,29 @@ class StreamState:
             return token
 
     def end_wait(self, token: tuple[int, int, int], error: BaseException | None) -> Fault | None:
-        """After the wait: what it covered is complete, and a fault CANN reported to it is
-        recorded. Returns the fault (None for a wait that was clean, or timed out)."""
+        """After the wait: a clean wait knows what it covered complete (its holds go); a fault
+        CANN reported to it is recorded, and what it covered stays held (CANN reports a
+        fault from a completed wait, but nothing here can tell that wait from one that
+        failed midway). Returns the fault (None for a clean wait, or one that timed out)."""
         mark, ended, lo = token
+        done: list[Any] = []
+        fault = None
         with self.lock:
             self.waiting -= 1
-            if error is not None and not is_fault(error):
-                self.idle.notify_all()
-                return None  # a timeout: nothing is known complete
-            if error is not None:
+            if error is None:
+                self.clean = max(self.clean, ended)
+                done = self.ledger.synchronized(mark)
+            elif is_fault(error):
                 assert isinstance(error, AclError)
+                # The wait may have covered writes queued while it ran (stamped after
+                # ``ended``): the window takes them all (they read as faulted, so nothing
+                # need wait for them), and later writes get a new epoch.
                 fault = Fault(error, lo, self.epoch)
                 self._record(fault)
-            else:
-                fault = None
-            self.clean = max(self.clean, ended)
-            done = self.ledger.synchronized(mark)
+                self.clean = max(self.clean, self.epoch)
+                self.epoch += 1
             self.idle.notify_all()
-        del done
+        del done  # outside the lock: dropping the last reference may free memory
         return fault
 
     def _record(self, fault: Fault) -> None:
@@ -275,7 +295,15 @@ class StreamState:
         if report:
             pending = self.unraised()
             if pending is not None:
-                raise pending.exception()
+                raise _reported(pending, self.device)
+
+    def wait_for(self, epoch: int) -> None:
+        """Wait for the stream, then raise the fault of a task queued in ``epoch`` (a copy to
+        the host the caller is about to use), whichever wait CANN reported it to."""
+        self.wait(report=False)
+        fault = self.fault_at(epoch)
+        if fault is not None:
+            raise _reported(fault, self.device)
 
     def query(self) -> bool:
         """aclrtStreamQuery: True once everything queued has run (never waits, never reports
@@ -284,6 +312,7 @@ class StreamState:
             self.check_open()
             mark = self.ledger.count
             self.waiting += 1
+        idle = False
         try:
             acl.use_context(self.context)
             idle = acl.query_stream(self.handle)
@@ -308,8 +337,11 @@ class StreamState:
             if self.closed:
                 return
             caches, self.caches = self.caches, {}
-            retired: list[Any] = [self.workspace] if self.workspace is not None else []
-            self.workspace = None
+            retired: list[Any] = []
+            if self.workspace is not None:
+                self.workspace.uncache()
+                retired.append(self.workspace)
+                self.workspace = None
             for cache in caches.values():
                 retired += cache.release(False)
             acl.use_context(self.context)
@@ -341,12 +373,16 @@ class StreamState:
         with self.lock:
             while self.waiting:
                 self.idle.wait()
-            done = self.ledger.release_all()
             self.shut_caches = {}
             self.closed = True
-        del done
         self.device.remove_queue(self)
-        return self.handle.release() if self.handle is not None else 0
+        # aclrtDestroyStream waits for what is still queued (a fault's wait left it held):
+        # what the ledger holds goes after it.
+        status = self.handle.release() if self.handle is not None else 0
+        with self.lock:
+            done = self.ledger.release_all()
+        del done
+        return status
 
     def close(self) -> None:
         """Wait for the stream, then destroy it (an explicit close: raises what the wait
@@ -374,7 +410,7 @@ class StreamState:
         _lifetime.collect()
         pending = self.unraised()
         if pending is not None:
-            raise pending.exception()
+            raise _reported(pending, self.device)
 
     def release(self) -> int:
         """The Stream was dropped without close(): release without blocking (the holder's
@@ -707,9 +743,7 @@ def synchronize_device(device: Device, closing: bool = False) -> None:
     for s in states:
         pending = s.unraised()
         if pending is not None:
-            for other in states:
-                other.mark_raised(pending.error)
-            raise pending.exception()
+            raise _reported(pending, device)
 
 
 Device.synchronize_hook = synchronize_device

@@ -242,7 +242,8 @@ def test_reading_back_waits_for_the_last_writer(device, lazy_streams, no_leaks):
 def test_reading_back_reports_a_fault_of_the_work_that_wrote_the_array(device, no_leaks):
     # The kernel faults (an index past the rows, unchecked with validate=False); by the time
     # the array is read back the device is idle, and a query would say so without the fault:
-    # the read back synchronizes the writer's stream, so the fault is reported here, once.
+    # the read back synchronizes the writer's stream, so the fault is reported here, and on
+    # every read of the array; a synchronize does not raise it again.
     x = pm.to_device(np.ones((8, 4), np.float32))
     bad = pm.to_device(np.full(8, 99, np.int32))
     out = pm.moe_init_routing_v2_grad(x, bad, 2, validate=False)
@@ -252,5 +253,8 @@ def test_reading_back_reports_a_fault_of_the_work_that_wrote_the_array(device, n
     with pytest.raises(pm.AclRuntimeError) as info:
         out.to_host()
     assert info.value.status == 507015
+    with pytest.raises(pm.AclRuntimeError, match="507015"):
+        out.to_host()
     out2 = pm.moe_init_routing_v2_grad(x, pm.to_device(np.arange(8, dtype=np.int32)), 2)
     assert np.array_equal(out2.to_host(), np.full((4, 4), 2.0, np.float32))  # the next one is clean
+    device.synchronize()

@@ -453,6 +453,7 @@ d0.synchronize()
 fwd = pm.MoeInitRoutingV2(pm.to_device(x, stream=s1), pm.to_device(ids, stream=s1))
 bwd = pm.MoeInitRoutingV2Grad(pm.to_device(np.ones((16, 4), np.float32), stream=s1),
                               pm.to_device(np.arange(16, dtype=np.int32), stream=s1), 2)
+d1.synchronize()  # the inputs are written: a fault later is no fault of their copies
 for plan in (fwd, bwd):
     ex = plan.executor
     ex.set_input_addr(0, ex.tensors[0], elsewhere.address)

@@ -368,11 +368,12 @@ def test_one_call_writes_into_given_outputs_and_workspace_and_allocates_nothing(
 
 
 @pytest.mark.parametrize("make, name, rule", [
-    (lambda r: r._replace(expanded_x=pm.empty((6, 4, 16), np.float32)), "expanded_x", "must be (6, 3, 16)"),
+    (lambda r: r._replace(expanded_x=pm.empty((6, 4, 16), np.float32)), "expanded_x",
+     "must have shape (6, 3, 16) and dtype float32"),
     (lambda r: r._replace(expert_tokens_count_or_cumsum=pm.empty((6,), np.int32)), "expert_tokens_count_or_cumsum",
      "not written"),
     (lambda r: r._replace(expanded_row_idx=r.expanded_x.reshape(-1)[:36].reshape(36)), "expanded_row_idx",
-     "must be (36,) int32"),
+     "must have shape (36,) and dtype int32"),
     (lambda r: (r.expanded_x,), "out", "RoutingResult"),
     (lambda r: r._replace(expanded_x=np.zeros((6, 3, 16), np.float32)), "out.expanded_x", "DeviceArray"),
 ])
@@ -397,9 +398,9 @@ def test_one_call_refuses_overlap_a_small_workspace_and_outputs_for_host_inputs(
     with pytest.raises(pm.InvalidArgument, match="less than") as e:
         pm.moe_init_routing_v2(dx, di, expert_num=6, workspace=pm.empty((16,), np.uint8))
     assert e.value.parameter == "workspace"
-    with pytest.raises(pm.InvalidArgument, match="host inputs") as e:
+    with pytest.raises(pm.InvalidArgument, match="must be a host array or None when the inputs are host arrays") as e:
         pm.moe_init_routing_v2(x, idx, expert_num=6, out=r)
-    assert e.value.parameter == "out"
+    assert e.value.parameter == "out.expanded_x"
 
 
 def test_a_plans_executor_lists_the_tensors_it_was_built_with(device):

@@ -344,7 +344,7 @@ print("ok")
 
 
 def test_weak_registries_run_no_python_code_when_a_member_dies(device):
-    """The binding's weak registries (a stream's launchers, every plan, a pool's blocks) give
+    """The binding's weak references (every plan, a stream, its workspace block) give
     their references no callback that runs Python code: a KeyboardInterrupt that lands while a
     member dies can never be swallowed inside one (only the lifetime mechanism's own callback,
     deque.append, which runs none, is allowed). Dead members are skipped, and dropped as the
@@ -355,15 +355,14 @@ def test_weak_registries_run_no_python_code_when_a_member_dies(device):
     from pyacl_moe import _lifetime
     from pyacl_moe._lifetime import WeakMap
 
-    # The real registries, filled: a plan launched on a stream (a launcher of the stream, and
-    # a plan) and the stream's workspace block from the pool.
+    # The real registries, filled: a plan launched on a stream, the stream, and the stream's
+    # workspace block.
     x = pm.to_device(np.ones((8, 4), np.float32))
     idx = pm.to_device(np.arange(8, dtype=np.int32))
     with closing(pm.Stream(device)) as s, pm.MoeInitRoutingV2Grad(x, idx, 2) as plan:
         plan(s)
-        pool = device.attached("workspace_pool")
-        members = [plan, *s.state.launchers, *pool.blocks]
-        assert len(members) >= 3
+        members = [plan, s, s.state, s.state.workspace]
+        assert s.state.workspace is not None
         for obj in members:
             for r in weakref.getweakrefs(obj):
                 assert r.__callback__ in (None, _lifetime._dead.append), (obj, r.__callback__)

@@ -187,10 +187,9 @@ def run_host(op: OneCall, inputs: Mapping[str, Any], attrs: Mapping[str, Any], o
              stream: Stream | None, workspace: DeviceArray | None, validate: bool) -> dict[str, Any]:
     """The one call on host arrays: the outputs by name, in the family of the first input (or
     the arrays given in ``out``, written in place)."""
-    views, family = {}, None
+    raw, family = {}, None
     for name, value in inputs.items():
-        v, fam = host_view(value, name)
-        views[name] = host_array(_contract.native(v), name)
+        raw[name], fam = host_view(value, name)
         family = family or fam
     given: dict[str, np.ndarray] = {}
     for name, value in (out or {}).items():
@@ -201,10 +200,12 @@ def run_host(op: OneCall, inputs: Mapping[str, Any], attrs: Mapping[str, Any], o
             given[name], _ = host_view(value, name)  # a torch tensor's own memory, written in place
             if not given[name].flags.writeable:
                 raise InvalidArgument(name, "must be writable")
-    if validate:
-        wanted = op.check({n: (v.shape, v.dtype) for n, v in views.items()}, attrs)
+    if validate:  # the contract first: its messages name the rule an input breaks
+        wanted = op.check({n: (v.shape, v.dtype.newbyteorder("=")) for n, v in raw.items()}, attrs)
         for name, host in given.items():
             _fits(name, wanted[name], host.shape, host.dtype)
+    views = {n: host_array(v, n) for n, v in raw.items()}  # each input converted once
+    if validate:
         op.check_values(views, attrs)
     dev = stream.device if stream is not None else current_device()
     s = stream if stream is not None else current_stream(dev)

@@ -349,6 +349,12 @@ def _given_outputs(out: Any, on_device: bool) -> dict[str, Any]:
                                      f"got {type(out).__name__}")
     given: dict[str, Any] = {}
     for name, a in zip(_OUTPUTS, out):
-        if a is not None:
-            given[name] = _args.instance(f"out.{name}", a, DeviceArray, "a DeviceArray or None") if on_device else a
+        if a is None:
+            continue
+        if on_device:
+            _args.instance(f"out.{name}", a, DeviceArray, "a DeviceArray or None")
+        elif isinstance(a, DeviceArray):
+            raise InvalidArgument(f"out.{name}", "must be a host array or None when the inputs are host arrays, "
+                                                 "got a DeviceArray")
+        given[name] = a
     return given

@@ -274,6 +274,8 @@ class Plan:
     def _checked_changes(self, given: Mapping[str, Any]) -> dict[str, DeviceArray]:
         """The arrays a rebind was given (None: unchanged), each checked to have the layout
         the plan was built for and to be on its device."""
+        if not self._repeatable and not self._closed:  # fixed at construction: no lock
+            raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
         self._usable()
         changes: dict[str, DeviceArray] = {}
         for name, new in given.items():
@@ -306,8 +308,6 @@ class Plan:
         with self._lock:
             if self._closed:
                 raise ClosedError("plan", "it was closed")
-            if not self._repeatable:
-                raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
             if self._validate and todo:
                 bound = {**self._arrays, **{n: v[0] for n, v in self._rebinding.items()}}
                 check_no_overlap(self._spec, {**bound, **changes})
