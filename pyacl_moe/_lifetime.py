@@ -35,8 +35,8 @@ from ._cann import acl
 from ._cann.errcheck import check
 from ._cann.handles import process_forked
 
-__all__ = ["Holder", "Ledger", "Owner", "WeakMap", "close_core", "collect", "forked", "release", "release_where",
-           "retiring", "track", "unreleased_while"]
+__all__ = ["Holder", "Ledger", "Owner", "WeakMap", "close_core", "collect", "forked", "holders", "release",
+           "release_where", "retiring", "track", "unreleased_while"]
 
 
 class Holder(Protocol):
@@ -163,6 +163,12 @@ def _collect_dead() -> None:
         _dead.popleft()
 
 
+def holders(kind: type) -> list[Any]:
+    """The registered holders of ``kind`` (released or not yet: what may still hold a handle)."""
+    with _lock:
+        return [h for h in _registry.values() if isinstance(h, kind)]
+
+
 def unreleased_while(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` with no release running meanwhile (a device reset frees what a release
     would free)."""
@@ -264,7 +270,7 @@ class Ledger:
     # Beyond this many fences still pending, no new one: the oldest must finish first.
     MAX_FENCES = 16
 
-    __slots__ = ("context", "stream", "count", "completed", "holds", "fences", "spare", "next_fence")
+    __slots__ = ("context", "stream", "count", "completed", "holds", "fences", "spare", "events", "next_fence")
 
     def __init__(self, context: acl.Context, stream: acl.StreamHandle | None) -> None:
         self.context = context
@@ -274,6 +280,9 @@ class Ledger:
         self.holds: collections.deque[tuple[Any, ...]] = collections.deque()  # (point, what...) in order
         self.fences: collections.deque[tuple[int, acl.EventHandle]] = collections.deque()
         self.spare: list[acl.EventHandle] = []  # completed fence events, for reuse
+        # Every fence event made and not yet destroyed: one that an interrupt dropped between
+        # the lists above is still here, and destroyed with the rest (drop_events).
+        self.events: list[acl.EventHandle] = []
         self.next_fence = self.FENCE_EVERY  # the count at which after_enqueue fences next
 
     def hold(self, what: Any) -> None:
@@ -309,15 +318,13 @@ class Ledger:
         try:
             if not self.spare:
                 h = acl.EventHandle(self.context)
-                self.spare.append(h)  # owned before it is created
+                self.events.append(h)  # owned before it is created
                 acl.create_event(h)
-            h = self.spare[-1]
-            if not h:  # a creation that failed earlier
-                self.spare.pop()
-                return
-            acl.record_event(h, self.stream)
-            self.spare.pop()
-            self.fences.append((self.count, h))
+                self.spare.append(h)
+            h = self.spare.pop()
+            if h:  # (not a creation that failed)
+                acl.record_event(h, self.stream)
+                self.fences.append((self.count, h))
         except Exception:
             return
 
@@ -328,7 +335,8 @@ class Ledger:
                 point, h = self.fences[0]
                 if not acl.query_event(h):
                     break
-                self.spare.append(self.fences.popleft()[1])
+                self.fences.popleft()
+                self.spare.append(h)
                 self.completed = max(self.completed, point)
         except Exception:
             pass
@@ -351,20 +359,23 @@ class Ledger:
     def release_all(self) -> list[Any]:
         """The stream has run everything (it was synchronized, or its device): drop it all."""
         self.completed = self.count
-        while self.fences:
-            self.spare.append(self.fences.popleft()[1])
+        self.fences.clear()
         done = self._advance()
         self.drop_events()
         return done
 
     def drop_events(self) -> None:
-        """Destroy the spare fence events (they are only a cache)."""
-        while self.spare:
-            h = self.spare.pop()
-            try:
-                h.release()
-            except Exception:
-                pass
+        """Destroy the fence events not pending (they are only a cache). A destroy is once per
+        handle, so one an interrupt cut short is made again by the next call."""
+        pending = {id(h) for _, h in self.fences}
+        self.spare = []
+        for h in self.events:
+            if id(h) not in pending:
+                try:
+                    h.release()
+                except Exception:
+                    pass
+        self.events = [h for h in self.events if id(h) in pending]
 
 
 # ---------------------------------------------------------------------------- fork

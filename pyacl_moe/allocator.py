@@ -73,16 +73,21 @@ def set_caching(enabled: bool) -> None:
 # ---------------------------------------------------------------------------- block caches
 
 class BlockCache:
-    """A device's idle blocks of one kind ("device" or "pinned"), by rounded size. ``lock``
-    guards every field. A block being freed stays in ``freeing`` until its free returned, so an
-    interrupt never loses one: the next trim frees it (a free is once per handle)."""
+    """A device's idle blocks of one kind ("device" or "pinned"), by rounded size.
+
+    ``lock`` guards every field. ``made`` lists every handle the cache's blocks got and that
+    is not yet freed: a handle is on one block (``_Block.mem``), idle, or being freed. Moves
+    between those places clear the old place before filling the new one, so an interrupt
+    between the two leaves a handle in none (never in two): :meth:`trim` frees such strays
+    too, so an interrupt never loses memory for good, and never hands one block out twice.
+    Freeing is once per handle (its slot), so a free an interrupt cut short is made again."""
 
     def __init__(self, device: Device, kind: str) -> None:
         self.device = device
         self.kind = kind
         self.lock = threading.Lock()
         self.idle: dict[int, list[Any]] = {}  # rounded size -> idle memory handles, newest last
-        self.freeing: dict[Any, None] = {}
+        self.made: dict[Any, None] = {}  # every handle not yet freed
         self.closed = False
         self.hits = 0
         self.misses = 0
@@ -96,15 +101,17 @@ class BlockCache:
             if not blocks:
                 self.misses += 1
                 return False
-            block.mem = blocks.pop()
+            mem = blocks.pop()
+            block.mem = mem
             self.bytes_idle -= block.size
             self.bytes_in_use += block.size
             self.hits += 1
             return True
 
-    def made(self, block: _Block, mem: Any) -> None:
+    def made_for(self, block: _Block, mem: Any) -> None:
         """``block`` gets a new (not yet allocated) handle."""
         with self.lock:
+            self.made[mem] = None
             block.mem = mem
             self.bytes_in_use += block.size
 
@@ -117,42 +124,40 @@ class BlockCache:
                 return True  # kept by an earlier call that an interrupt cut short
             if self.closed or not _caching[0] or self.device.closed or not mem:
                 return False
+            block.mem = None
             self.idle.setdefault(block.size, []).append(mem)
             self.bytes_idle += block.size
             self.bytes_in_use -= block.size
-            block.mem = None
             return True
 
-    def drop(self, block: _Block) -> None:
-        """``block``'s handle was freed."""
+    def freed(self, block: _Block, mem: Any) -> None:
+        """``block``'s handle ``mem`` was freed."""
         with self.lock:
-            if block.mem is not None:
+            if block.mem is mem:
                 block.mem = None
                 self.bytes_in_use -= block.size
+            self.made.pop(mem, None)
 
     def trim(self, close: bool = False) -> list[BaseException]:
-        """Free the idle blocks (and with ``close``, keep nothing from now on)."""
+        """Free the idle blocks and the strays (and with ``close``, keep nothing from now on)."""
         with self.lock:
-            for blocks in self.idle.values():
-                self.freeing.update(dict.fromkeys(blocks))
             self.idle = {}
             self.bytes_idle = 0
             if close:
                 self.closed = True
+            held = {b.mem for b in _lifetime.holders(_Block) if b.cache is self}
+            unheld = [m for m in self.made if m not in held]
         errors: list[BaseException] = []
-        while True:
+        for mem in unheld:
+            status = mem.release()  # once per handle: a repeat finds it empty
             with self.lock:
-                if not self.freeing:
-                    return errors
-                mem = next(iter(self.freeing))
-            status = mem.release()
-            with self.lock:
-                self.freeing.pop(mem, None)
+                self.made.pop(mem, None)
             if status:
                 try:
                     check(status, mem.API)
                 except Exception as exc:
                     errors.append(exc)
+        return errors
 
     def stats(self) -> dict[str, int]:
         with self.lock:
@@ -196,7 +201,7 @@ class _Block:
         if mem is None or (not self.uncached and self.cache.keep(self)):
             return 0
         status = int(mem.release())  # once: a repeat finds the handle empty
-        self.cache.drop(self)
+        self.cache.freed(self, mem)
         return status
 
 
@@ -317,7 +322,7 @@ def allocate(device: Device, nbytes: int) -> Allocation:
     _lifetime.track(alloc, block)  # before the block is taken or made: nothing can be lost in between
     if not cache.take_into(block):
         mem = acl.DeviceMemory(device.context)
-        cache.made(block, mem)
+        cache.made_for(block, mem)
         _fresh(device, acl.malloc, mem, size)
     alloc.ptr = block.mem.address  # from the handle: an interrupted malloc may not have set .ptr
     return alloc
@@ -365,7 +370,7 @@ def pinned_block(device: Device, nbytes: int) -> np.ndarray:
     _lifetime.track(owner, block)
     if not cache.take_into(block):
         mem = acl.HostMemory(device.context)
-        cache.made(block, mem)
+        cache.made_for(block, mem)
         _fresh(device, acl.malloc_host, mem, size)
     owner.__array_interface__ = {"version": 3, "shape": (nbytes,), "typestr": "|u1",
                                  "data": (block.mem.address, False)}

@@ -366,20 +366,21 @@ class StreamState:
             return self.shut_caches
 
     def destroy(self, caches: dict[Any, Any]) -> int:
-        """The stream has run everything: release its caches and what it held, then destroy it
-        once no other thread is inside a wait on it."""
+        """The stream has run everything: release its caches, destroy it once no other thread
+        is inside a wait on it, then drop what it held. Each step is safe again, so a destroy
+        an interrupt cut short is finished by the next (a close, or the retiring poll)."""
         for cache in list(caches.values()):
             cache.release(True)
         with self.lock:
             while self.waiting:
                 self.idle.wait()
-            self.shut_caches = {}
             self.closed = True
         self.device.remove_queue(self)
         # aclrtDestroyStream waits for what is still queued (a fault's wait left it held):
-        # what the ledger holds goes after it.
+        # what the ledger holds goes after it. A handle is released once.
         status = self.handle.release() if self.handle is not None else 0
         with self.lock:
+            self.shut_caches = {}
             done = self.ledger.release_all()
         del done
         return status
@@ -390,8 +391,8 @@ class StreamState:
         if self.device.closed:  # its device closed it (or this is a fork() child)
             self.closing = self.closed = True
             return
-        if self.closed:
-            check(self.handle.release() if self.handle is not None else 0, "aclrtDestroyStream")
+        if self.closed:  # a close an interrupt cut short, or a drop's: finish it
+            check(self.destroy(self.shut()), "aclrtDestroyStream")
             return
         caches = self.shut()
         token = self.begin_wait(closing=True)
@@ -418,8 +419,7 @@ class StreamState:
         if self.device.closed:
             self.closed = True
             return 0
-        if not self.closed:
-            _lifetime.retiring(_Retiring(self, self.shut()))
+        _lifetime.retiring(_Retiring(self, self.shut()))  # (closed: a destroy cut short, finished there)
         return 0
 
     def close_for_device(self) -> list[BaseException]:
@@ -462,12 +462,13 @@ class _Retiring:
 
     def poll(self) -> bool:
         s = self.state
-        if s.device.closed or s.closed:
+        if s.device.closed:
             s.closed = True
             return True
-        acl.use_context(s.context)
-        if not acl.query_stream(s.handle):
-            return False
+        if not s.closed:  # (closed: a destroy was cut short, its work had run)
+            acl.use_context(s.context)
+            if not acl.query_stream(s.handle):
+                return False
         s.destroy(self.caches)
         return True
 

@@ -68,8 +68,9 @@ class TensorHandle(handles.Handle):
 def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> None:
     """aclCreateTensor over device memory at ``addr`` into ``h`` (``fmt``: an aclFormat)."""
     fn = loader.libs().nn.aclCreateTensor
-    h._slot[0] = fn(desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset, fmt, desc.sdims, desc.sndim,
-                    _void(addr))
+    with handles.interrupts_deferred():  # the pointer it returns is stored before anything is raised
+        h._slot[0] = fn(desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset, fmt, desc.sdims, desc.sndim,
+                        _void(addr))
     if not h:
         raise null_result("aclCreateTensor")
 

@@ -12,13 +12,14 @@ one does nothing (the child must not call into the parent's CANN objects).
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from . import declare
 
-__all__ = ["Handle", "mark_process_forked", "process_forked"]
+__all__ = ["Handle", "interrupts_deferred", "mark_process_forked", "process_forked"]
 
 _forked = [False]  # set in a child of an initialized process; never cleared
 # Guard the Handles' slots, each handle by the lock its identity picks: releases of different
@@ -93,3 +94,32 @@ class Handle:
                 return 0
             self._slot[0] = declare.NULL
             return int(fn(h))
+
+
+class interrupts_deferred:
+    """Hold SIGINT's Python handler back across a C call that returns a new handle, until the
+    handle is stored: a KeyboardInterrupt raised as the call returns would lose the handle
+    for good. Python runs signal handlers on the main thread only, so elsewhere this does
+    nothing; a SIGINT that arrived meanwhile is handed to the handler on exit."""
+
+    __slots__ = ("saved", "hit")
+
+    def __enter__(self) -> None:
+        self.saved: Any = None
+        self.hit: tuple[int, Any] | None = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):  # (SIG_IGN, SIG_DFL: no Python code runs)
+            self.saved = handler
+            signal.signal(signal.SIGINT, self._held)
+
+    def _held(self, signum: int, frame: Any) -> None:
+        self.hit = (signum, frame)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is None:
+            return
+        signal.signal(signal.SIGINT, self.saved)
+        if self.hit is not None:
+            self.saved(*self.hit)
