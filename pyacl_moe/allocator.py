@@ -94,19 +94,27 @@ class BlockCache:
         self.bytes_idle = 0
         self.bytes_in_use = 0
 
-    def take_into(self, block: _Block) -> bool:
-        """Give ``block`` an idle handle of its size; False when none is idle."""
+    def take_into(self, block: _Block, state: Any = None) -> tuple[Any, ...] | None:
+        """Give ``block`` an idle handle of its size: one no queued work uses any more, or, for
+        memory about to be used on stream ``state``, one only ``state``'s queued work still
+        uses (stream order puts the new work after it). Returns the streams whose work may
+        still use it (the new allocation's Track takes them), or None when none is idle."""
         with self.lock:
             blocks = self.idle.get(block.size)
-            if not blocks:
-                self.misses += 1
-                return False
-            mem = blocks.pop()
-            block.mem = mem
-            self.bytes_idle -= block.size
-            self.bytes_in_use += block.size
-            self.hits += 1
-            return True
+            if blocks:
+                for i in range(len(blocks) - 1, -1, -1):
+                    mem, pending = blocks[i]
+                    streams = _unfinished(pending)
+                    if streams and any(s is not state for s in streams):
+                        continue
+                    del blocks[i]
+                    block.mem = mem
+                    self.bytes_idle -= block.size
+                    self.bytes_in_use += block.size
+                    self.hits += 1
+                    return streams
+            self.misses += 1
+            return None
 
     def made_for(self, block: _Block, mem: Any) -> None:
         """``block`` gets a new (not yet allocated) handle."""
@@ -115,20 +123,42 @@ class BlockCache:
             block.mem = mem
             self.bytes_in_use += block.size
 
-    def keep(self, block: _Block) -> bool:
-        """Take ``block``'s handle as idle; False when it must be freed instead (caching off,
-        device closing, nothing allocated)."""
+    def keep(self, block: _Block, pending: tuple[Any, ...]) -> bool:
+        """Take ``block``'s handle as idle, with the (stream, ledger point) pairs of work that
+        may still use it; False when it must be freed now (caching off, device closing,
+        ``block.uncached``, and no queued work uses it). One to be freed that queued work
+        still uses is kept idle, and freed once that work has run (:class:`_FreeWhenDone`)."""
         with self.lock:
             mem = block.mem
             if mem is None:
                 return True  # kept by an earlier call that an interrupt cut short
-            if self.closed or not _caching[0] or self.device.closed or not mem:
+            if not mem:
+                return False  # nothing allocated
+            free = self.closed or not _caching[0] or self.device.closed or block.uncached
+            if free and not _unfinished(pending):
                 return False
             block.mem = None
-            self.idle.setdefault(block.size, []).append(mem)
+            self.idle.setdefault(block.size, []).append((mem, pending))
             self.bytes_idle += block.size
             self.bytes_in_use -= block.size
-            return True
+        if free:
+            _lifetime.retiring(_FreeWhenDone(self, block.size, mem, pending))
+        return True
+
+    def free_idle(self, size: int, mem: Any) -> None:
+        """Free ``mem`` if it is still idle (no allocation took it meanwhile)."""
+        with self.lock:
+            blocks = self.idle.get(size, [])
+            for i, (m, _) in enumerate(blocks):
+                if m is mem:
+                    del blocks[i]
+                    self.bytes_idle -= size
+                    break
+            else:
+                return
+        mem.release()  # once per handle
+        with self.lock:
+            self.made.pop(mem, None)
 
     def freed(self, block: _Block, mem: Any) -> None:
         """``block``'s handle ``mem`` was freed."""
@@ -139,13 +169,20 @@ class BlockCache:
             self.made.pop(mem, None)
 
     def trim(self, close: bool = False) -> list[BaseException]:
-        """Free the idle blocks and the strays (and with ``close``, keep nothing from now on)."""
+        """Free the idle blocks no queued work uses and the strays (and with ``close``, keep
+        nothing from now on). Blocks queued work still uses stay idle until a later trim."""
         with self.lock:
-            self.idle = {}
-            self.bytes_idle = 0
+            busy = {}
+            for size, blocks in self.idle.items():
+                left = [(mem, pending) for mem, pending in blocks if _unfinished(pending)]
+                if left:
+                    busy[size] = left
+            self.idle = busy
+            self.bytes_idle = sum(size * len(b) for size, b in busy.items())
             if close:
                 self.closed = True
             held = {b.mem for b in _lifetime.holders(_Block) if b.cache is self}
+            held.update(mem for blocks in busy.values() for mem, _ in blocks)
             unheld = [m for m in self.made if m not in held]
         errors: list[BaseException] = []
         for mem in unheld:
@@ -183,26 +220,72 @@ def _close_caches(device: Device) -> None:
 Device.close_hooks.append(_close_caches)
 
 
+def _unfinished(pending: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The streams of ``pending`` ((stream, ledger point) pairs) whose work up to the point
+    may still run (a destroyed stream ran everything; a device closing has not yet).
+    ``completed`` and ``closed`` are read without the stream's lock: they only grow, so a
+    stale value only keeps a block waiting longer."""
+    return tuple(s for s, point in pending if s.ledger.completed < point and not s.closed)
+
+
 class _Block:
     """The holder of a cached block: its release gives the block to the cache (or frees it
-    when the cache keeps nothing)."""
+    when the cache keeps nothing), with what queued work may still use it (its Track's
+    streams, up to the work they have queued so far)."""
 
-    __slots__ = ("mem", "cache", "size", "context", "uncached")
+    __slots__ = ("mem", "cache", "size", "context", "uncached", "track")
 
-    def __init__(self, mem: Any, cache: BlockCache, size: int) -> None:
+    def __init__(self, mem: Any, cache: BlockCache, size: int, track: Track | None = None) -> None:
         self.mem = mem
         self.cache = cache
         self.size = size
         self.context = cache.device.context  # the device closing releases it (Device.memory_kinds)
         self.uncached = False  # set once (Allocation.uncache): freed, not kept, when released
+        self.track = track
+
+    def pending(self) -> tuple[Any, ...]:
+        """(stream, ledger point) for each stream whose queued work may still use the memory."""
+        t = self.track
+        if t is None:
+            return ()
+        with t.lock:
+            if not t.users:
+                return ()
+            users = list(t.users)
+        out = []
+        for s in users:
+            with s.lock:
+                point = s.ledger.count
+            if s.ledger.completed < point and not s.closed:
+                out.append((s, point))
+        return tuple(out)
 
     def release(self) -> int:
         mem = self.mem
-        if mem is None or (not self.uncached and self.cache.keep(self)):
+        if mem is None:
+            return 0
+        if self.cache.keep(self, self.pending()):
             return 0
         status = int(mem.release())  # once: a repeat finds the handle empty
         self.cache.freed(self, mem)
         return status
+
+
+class _FreeWhenDone:
+    """An idle block to free once the work that may use it has run (polled at safe points)."""
+
+    __slots__ = ("cache", "size", "mem", "pending")
+
+    def __init__(self, cache: BlockCache, size: int, mem: Any, pending: tuple[Any, ...]) -> None:
+        self.cache, self.size, self.mem, self.pending = cache, size, mem, pending
+
+    def poll(self) -> bool:
+        for s in _unfinished(self.pending):
+            s.poll()  # its fences
+        if _unfinished(self.pending):
+            return False
+        self.cache.free_idle(self.size, self.mem)
+        return True
 
 
 Device.memory_kinds.append(_Block)
@@ -309,22 +392,30 @@ class Allocation:
                 t.writers[state] = None
 
 
-def allocate(device: Device, nbytes: int) -> Allocation:
-    """A new allocation of ``nbytes``: an idle cached block of the same rounded size, else
-    aclrtMalloc."""
+def allocate(device: Device, nbytes: int, state: Any = None) -> Allocation:
+    """A new allocation of ``nbytes``: an idle cached block of the same rounded size (for
+    memory about to be used on stream ``state``, one that only ``state``'s queued work still
+    uses, too), else aclrtMalloc."""
     _lifetime.collect()
     device.activate()
     size = _rounded(nbytes)
     cache: BlockCache = device.attached("block_cache")
     alloc = Allocation(device, nbytes)
     alloc.owned = True
-    block = alloc.block = _Block(None, cache, size)
+    block = alloc.block = _Block(None, cache, size, alloc.track)
     _lifetime.track(alloc, block)  # before the block is taken or made: nothing can be lost in between
-    if not cache.take_into(block):
+    streams = cache.take_into(block, state)
+    if streams is None:
         mem = acl.DeviceMemory(device.context)
         cache.made_for(block, mem)
         _fresh(device, acl.malloc, mem, size)
-    alloc.ptr = block.mem.address  # from the handle: an interrupted malloc may not have set .ptr
+    elif streams:
+        # Work queued on those streams may still use the memory: the host waits for it too.
+        t = alloc.track
+        for s in streams:
+            t.users[s] = t.writers[s] = None
+    mem = block.mem
+    alloc.ptr = mem.ptr or mem.address  # (an interrupted malloc may not have set .ptr)
     return alloc
 
 
@@ -368,7 +459,7 @@ def pinned_block(device: Device, nbytes: int) -> np.ndarray:
     owner = _PinnedOwner()
     block = _Block(None, cache, size)
     _lifetime.track(owner, block)
-    if not cache.take_into(block):
+    if cache.take_into(block) is None:
         mem = acl.HostMemory(device.context)
         cache.made_for(block, mem)
         _fresh(device, acl.malloc_host, mem, size)

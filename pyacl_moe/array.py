@@ -29,9 +29,8 @@ from .host import host_view
 from .stream import Event, Stream, StreamState, active_stream, check_written, resolve_stream
 
 __all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "copy_in_native", "empty",
-           "from_pointer", "from_torch", "may_overlap",
-           "host_array",
-           "on_memory_pressure", "to_device", "zeros"]
+           "from_pointer", "from_torch", "host_array", "may_overlap", "new_empty", "on_memory_pressure", "to_device",
+           "zeros"]
 
 #: ml_dtypes' bfloat16 scalar type (``pm.bfloat16(1.5)``, ``x.astype(pm.bfloat16)``).
 bfloat16 = ml_dtypes.bfloat16
@@ -55,8 +54,17 @@ _ACL_NAMES: dict[np.dtype, str] = {
     np.dtype(bfloat16): "ACL_BF16",
 }
 
+_codes: dict[np.dtype, int] = {}  # _ACL_NAMES' codes, built whole at the first call (then only read)
+
+
 def acl_data_type(dtype: Any) -> int:
     """The aclDataType code of a numpy dtype; InvalidArgument if CANN has none."""
+    global _codes
+    code = _codes.get(dtype)
+    if code is not None:
+        return code
+    if not _codes:
+        _codes = {dt: declare.const(name) for dt, name in _ACL_NAMES.items()}
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -637,9 +645,18 @@ def empty(shape: Any, dtype: Any, device: Device | int | None = None) -> DeviceA
     """A new contiguous DeviceArray with uninitialized contents."""
     shp = _args.shape("shape", shape)
     dt = _dtype(dtype)
-    nbytes = _args.nbytes("shape", shp, dt.itemsize)
-    dev = resolve_device(device)
-    return DeviceArray(allocate(dev, nbytes), shp, dt, _contiguous_strides(shp), 0)
+    _args.nbytes("shape", shp, dt.itemsize)
+    return new_empty(shp, dt, resolve_device(device))
+
+
+def new_empty(shape: tuple[int, ...], dtype: np.dtype, device: Device, state: StreamState | None = None
+              ) -> DeviceArray:
+    """:func:`empty` of a shape, dtype and device already checked (the op layer's outputs),
+    for use on stream ``state`` first (see :func:`~.allocator.allocate`)."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return DeviceArray(allocate(device, n, state), shape, dtype, _contiguous_strides(shape), 0)
 
 
 def _dtype(dtype: Any) -> np.dtype:

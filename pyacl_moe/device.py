@@ -99,7 +99,9 @@ class Device:
 
     def _open(self, device_id: int) -> None:
         self._id = device_id
-        self._closed = False
+        #: True once the device was closed (or, in a fork() child, inherited). Set once, read
+        #: without a lock: a launch that misses it fails in CANN, cleanly.
+        self.closed = False
         self._torn_down = False
         self._lock = threading.RLock()  # guards _queues, _attached
         self._queues: set[Queue] = set()
@@ -121,11 +123,6 @@ class Device:
         return self._id
 
     @property
-    def closed(self) -> bool:
-        """True once the device was closed (or, in a fork() child, inherited)."""
-        return self._closed
-
-    @property
     def context(self) -> acl.Context:
         """The device's default context (a handle of the bindings layer)."""
         return self._ctx
@@ -138,12 +135,12 @@ class Device:
 
     def check_open(self) -> None:
         """Raise ClosedError if the device was closed."""
-        if self._closed:
+        if self.closed:
             raise ClosedError(f"device {self._id}", _closed_reason())
 
     def activate(self) -> None:
         """Make this device current on the calling thread (nothing when it already is)."""
-        if self._closed:
+        if self.closed:
             raise ClosedError(f"device {self._id}", _closed_reason())
         acl.use_context(self._ctx)
         _tls.device = self
@@ -174,7 +171,7 @@ class Device:
     def default_stream(self) -> Any:
         """The device's default Stream (CANN's NULL stream), attached by the stream module."""
         s = self._attached.get("default_stream")
-        return s if s is not None and not self._closed else self.attached("default_stream")
+        return s if s is not None and not self.closed else self.attached("default_stream")
 
     def queues(self) -> list[Queue]:
         """The device's streams (their states), open or finishing."""
@@ -229,7 +226,7 @@ class Device:
             # From here on, new work on the device is refused. Each step below may be repeated,
             # so a close interrupted half-way (KeyboardInterrupt) is finished by the next one
             # (at the latest the exit hook's).
-            self._closed = True
+            self.closed = True
             if _lifetime.forked():
                 self._torn_down = True
                 return
@@ -391,7 +388,7 @@ def _after_fork_in_child() -> None:
     for dev in _Process.open_devices.values():
         dev._lock = threading.RLock()
         if dead:
-            dev._closed = True
+            dev.closed = True
             for q in dev._queues:
                 q.after_fork()  # a parent thread may have held its lock: the child never waits on it
     if dead:

@@ -38,8 +38,8 @@ from ._cann.errcheck import check
 from .device import Device, resolve_device
 from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument
 
-__all__ = ["Event", "Fault", "Stream", "StreamState", "active_stream", "check_written", "current_stream",
-           "faults_recorded", "is_fault"]
+__all__ = ["Event", "Fault", "Stream", "StreamState", "active_stream", "any_fault", "check_written",
+           "current_stream", "faults_recorded", "is_fault"]
 
 
 class _Current(threading.local):
@@ -58,13 +58,14 @@ _NOT_FAULTS = frozenset({507046, 507047})  # the wait timed out
 
 
 # Whether a wait ever recorded a fault in this process: until one does, the steady states of
-# the launches skip looking at their inputs' faults (a list read, replaced whole).
-_recorded: list[bool] = [False]
+# the launches skip looking at their inputs' faults. Set once, never cleared; read without a
+# lock (a launch that misses it being set could not have known of the fault anyway).
+any_fault: list[bool] = [False]
 
 
 def faults_recorded() -> bool:
     """Whether any fault was ever recorded in this process."""
-    return _recorded[0]
+    return any_fault[0]
 
 
 def is_fault(exc: BaseException) -> bool:
@@ -125,7 +126,7 @@ class StreamState:
     """
 
     __slots__ = ("device", "context", "handle", "lock", "idle", "ledger", "closing", "closed", "caches", "shut_caches",
-                 "workspace", "epoch", "clean", "faults", "his", "waiting", "owner", "__weakref__")
+                 "workspace", "epoch", "mark", "clean", "faults", "his", "waiting", "owner", "__weakref__")
 
     def __init__(self, device: Device, handle: acl.StreamHandle | None) -> None:
         self.device = device
@@ -140,6 +141,7 @@ class StreamState:
         self.shut_caches: dict[Any, Any] = {}  # the caches once shut, until the stream is destroyed
         self.workspace: Any = None  # the stream's workspace block (pool.workspace_for)
         self.epoch = 1  # writes queued now are stamped with it; a wait that begins ends it
+        self.mark = ((self, 1),)  # what a write queued now stores in its Track.written
         self.clean = 0  # every write stamped <= clean ran, its faults (if any) recorded
         self.faults: list[Fault] = []  # disjoint windows, in order
         self.his: list[int] = []  # each fault's hi, for bisect
@@ -177,9 +179,13 @@ class StreamState:
 
     def stamp(self, tracks: Iterable[Any]) -> None:
         """The memory of ``tracks`` was just written by work queued here (lock held)."""
-        mark = ((self, self.epoch),)
+        mark = self.mark
         for t in tracks:
             t.written = mark
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self.mark = ((self, self.epoch),)
 
     def retire(self, what: Any) -> None:
         """Keep ``what`` until everything queued so far on the stream has run."""
@@ -202,7 +208,7 @@ class StreamState:
                 self.check_open()
             self.waiting += 1
             token = (self.ledger.count, self.epoch, self.clean)
-            self.epoch += 1
+            self._next_epoch()
             return token
 
     def end_wait(self, token: tuple[int, int, int], error: BaseException | None) -> Fault | None:
@@ -226,7 +232,7 @@ class StreamState:
                 fault = Fault(error, lo, self.epoch)
                 self._record(fault)
                 self.clean = max(self.clean, self.epoch)
-                self.epoch += 1
+                self._next_epoch()
             self.idle.notify_all()
         del done  # outside the lock: dropping the last reference may free memory
         return fault
@@ -242,7 +248,7 @@ class StreamState:
         fault.lo, fault.hi, fault.raised = lo, hi, raised
         self.faults.append(fault)
         self.his.append(hi)
-        _recorded[0] = True
+        any_fault[0] = True
 
     def fault_at(self, epoch: int) -> Fault | None:
         """The fault recorded for a write stamped ``epoch``, if any."""

@@ -23,8 +23,7 @@ __all__ = [
     "get_mem_info", "get_version", "has_version_str", "init", "malloc", "memcpy", "memcpy_async", "memset",
     "memset_async",
     "open_device", "query_event", "query_stream", "record_event", "reset_device", "soc_name", "synchronize_device",
-    "synchronize_event", "synchronize_stream", "stream_wait_event", "thread_state", "use_context",
-    "version_str",
+    "synchronize_event", "synchronize_stream", "stream_wait_event", "thread_state", "use_context", "version_str",
 ]
 
 _ffi = declare.ffi
@@ -40,26 +39,9 @@ thread_state = _ThreadState()
 
 _initialized_here = [False]  # aclInit was called in this process (by anyone we saw)
 
-# How many device contexts this process has open. With one, the only context a thread of ours
-# can have current is that one or none (a launch then fails cleanly and is retried after
-# use_context), which lets a launch skip checking the thread's context first.
-contexts_open = 0
-only_context: Context | None = None  # the one open context while contexts_open == 1, else None
-_contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # every Context opened, for fork
-
-
-_watchers: list[Callable[[], None]] = []
-
-
-def watch_contexts(fn: Callable[[], None]) -> None:
-    """Call ``fn`` whenever a context opens while another is open (after contexts_open grew):
-    whoever skipped a thread's context check because one device was open must stop."""
-    _watchers.append(fn)
-
-
-def _counted() -> None:
-    global only_context
-    only_context = next((c for c in list(_contexts) if c.alive), None) if contexts_open == 1 else None
+# Every Context opened, marked dead in a fork() child. ``_contexts_lock`` guards it.
+_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+_contexts_lock = threading.Lock()
 
 
 def _void(address: int) -> Any:
@@ -148,23 +130,16 @@ class Context:
 def open_device(device_id: int) -> Context:
     """aclrtSetDevice on the calling thread (the device's one reference this process takes),
     then its default context, now current on this thread."""
-    global contexts_open
     lib = loader.libs().acl
     ctx = Context(device_id)
     check(lib.aclrtSetDevice(device_id), "aclrtSetDevice")
     ctx.alive = True
-    _contexts.add(ctx)
-    contexts_open += 1
-    _counted()
-    if contexts_open > 1:
-        for fn in _watchers:
-            fn()
+    with _contexts_lock:
+        _contexts.add(ctx)
     try:
         check(lib.aclrtGetCurrentContext(ctx._slot), "aclrtGetCurrentContext")
     except BaseException:
         ctx.alive = False
-        contexts_open -= 1
-        _counted()
         lib.aclrtResetDevice(device_id)
         raise
     thread_state.context = ctx
@@ -173,11 +148,7 @@ def open_device(device_id: int) -> Context:
 
 def reset_device(ctx: Context) -> None:
     """aclrtResetDevice for the reference open_device took; the context dies with it."""
-    global contexts_open
-    if ctx.alive:
-        contexts_open -= 1
     ctx.alive = False
-    _counted()
     if thread_state.context is ctx:
         thread_state.context = None
     check(loader.libs().acl.aclrtResetDevice(ctx.device_id), "aclrtResetDevice")
@@ -381,13 +352,12 @@ def memset_async(ptr: int, max_count: int, value: int, count: int, stream: Strea
 def _after_fork_in_child() -> None:
     # CANN does not survive fork: if this process initialized it, every handle and context the
     # child inherits is dead, and no call of the child may reach them.
-    global contexts_open
+    global _contexts_lock
+    _contexts_lock = threading.Lock()  # a parent thread may have held it
     if _initialized_here[0]:
         handles.mark_process_forked()
         for ctx in list(_contexts):
             ctx.alive = False
-        contexts_open = 0
-        _counted()
     thread_state.__dict__.clear()
 
 

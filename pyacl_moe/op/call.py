@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import _args, _contract
-from ..array import DeviceArray, copy_in_native, empty, host_array
+from ..array import DeviceArray, copy_in_native, host_array, new_empty
 from ..device import Device, current_device
 from ..errors import InvalidArgument
 from ..host import TORCH, host_view, in_family
 from ..pool import workspace_for
 from ..stream import Stream, StreamState, current_stream, resolve_stream, thread_current
 from .executor import check_output_layout, checked_workspace, device_of, first_phase, launch, mark_uses, output_tracks
-from .plan import check_no_overlap, check_workspace_apart, launch_cached
+from .plan import check_no_overlap, check_workspace_apart, launch_cached, relaunch
 from .spec import OpSpec
 
 __all__ = ["OneCall", "Outputs", "run_device", "run_host"]
@@ -39,57 +39,44 @@ __all__ = ["OneCall", "Outputs", "run_device", "run_host"]
 Outputs = dict[str, "tuple[tuple[int, ...], np.dtype] | None"]
 
 
-@dataclass(frozen=True)
-class OneCall:
-    """An operator's one call. ``check(layouts, attrs)``: the contract on the inputs'
-    (shape, dtype), raising InvalidArgument, returning the outputs; ``sizes(arrays, attrs)``:
-    the outputs as the attributes size them, unchecked (validate=False); ``check_values(host
-    inputs, attrs)``: the contract on host input values."""
-
-    spec: OpSpec
-    check: Callable[[Mapping[str, tuple[tuple[int, ...], np.dtype]], Mapping[str, Any]], Outputs]
-    sizes: Callable[[Mapping[str, DeviceArray], Mapping[str, Any]], Outputs]
-    check_values: Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
-
-
 class _Memo:
-    """Layouts that passed the contract, and the outputs they imply: a layout that passed once
-    passes again. Bounded (it starts over when full); ``lock`` guards ``checked``."""
+    """Calls that passed the contract, by the layouts of their arrays (a given output's too)
+    and their attribute values: what to make of each output (its (shape, dtype); None when
+    given or not written). A call that passed once passes again. Bounded (it starts over when
+    full). ``checked`` is published whole: readers take it without a lock and see a complete
+    dict; a writer copies it under ``lock`` (a miss, rare), adds, and publishes the copy."""
 
     SIZE = 256
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.checked: dict[tuple[Any, ...], Outputs] = {}
+        self.checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
-    def outputs(self, op: OneCall, key: tuple[Any, ...], inputs: Mapping[str, DeviceArray],
-                attrs: Mapping[str, Any]) -> Outputs:
+    def put(self, key: tuple[Any, ...], made: tuple[Any, ...]) -> None:
         with self.lock:
-            got = self.checked.get(key)
-        if got is None:
-            got = op.check({n: (a.shape, a.dtype) for n, a in inputs.items()}, attrs)
-            with self.lock:
-                if len(self.checked) >= self.SIZE:
-                    self.checked.clear()
-                self.checked[key] = got
-        return got
+            new = dict(self.checked) if len(self.checked) < self.SIZE else {}
+            new[key] = made
+            self.checked = new
 
 
-_memos: dict[str, _Memo] = {}
-_memos_lock = threading.Lock()  # guards _memos
+@dataclass(frozen=True)
+class OneCall:
+    """An operator's one call. ``attrs(values)``: the attribute values (``spec.attrs`` order)
+    converted to their C types, raising InvalidArgument by name; ``check(layouts, attrs)``: the
+    contract on the inputs' (shape, dtype), raising InvalidArgument, returning the outputs;
+    ``sizes(arrays, attrs)``: the outputs as the attributes size them, unchecked
+    (validate=False); ``check_values(host inputs, attrs)``: the contract on host input values.
+    ``memo``: its calls that passed the contract."""
+
+    spec: OpSpec
+    attrs: Callable[..., dict[str, Any]]
+    check: Callable[[Mapping[str, tuple[tuple[int, ...], np.dtype]], Mapping[str, Any]], Outputs]
+    sizes: Callable[[Mapping[str, DeviceArray], Mapping[str, Any]], Outputs]
+    check_values: Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
+    memo: _Memo = field(default_factory=_Memo, compare=False)
 
 
-def _memo(spec: OpSpec) -> _Memo:
-    with _memos_lock:
-        m = _memos.get(spec.api)
-        if m is None:
-            m = _memos[spec.api] = _Memo()
-        return m
-
-
-def _attr_key(attrs: Mapping[str, Any]) -> tuple[Any, ...]:
-    # The types go in too: True and 1 must not share an entry.
-    return tuple((type(v), v) for v in attrs.values())
+_BOOLS = {False: (bool, False), True: (bool, True)}
 
 
 def _fits(name: str, want: tuple[tuple[int, ...], np.dtype] | None, shape: tuple[int, ...], dtype: np.dtype) -> None:
@@ -102,71 +89,131 @@ def _fits(name: str, want: tuple[tuple[int, ...], np.dtype] | None, shape: tuple
                                     f"got shape {shape} and dtype {what(dtype)}")
 
 
-def _given(spec: OpSpec, wanted: Outputs, given: Mapping[str, DeviceArray]) -> None:
-    """Given outputs must be what the contract says, writable the way the release writes."""
-    for name, a in given.items():
-        _fits(name, wanted[name], a.shape, a.dtype)
-        check_output_layout(name, a)
-
-
-def _ranges_meet(arrays: list[DeviceArray | None], outputs: tuple[int, ...]) -> bool:
-    for i in outputs:
-        o = arrays[i]
-        if o is None:
-            continue
-        olo, ohi = o.span
-        for j, a in enumerate(arrays):
-            if j != i and a is not None and a.span[0] <= ohi and olo <= a.span[1]:
-                return True
-    return False
-
-
-def run_device(op: OneCall, inputs: Mapping[str, DeviceArray], given: Mapping[str, DeviceArray],
-               attrs: Mapping[str, Any], stream: Stream | None, workspace: DeviceArray | None,
-               validate: bool) -> dict[str, DeviceArray | None]:
-    """The one call on DeviceArrays (see the module docstring): the outputs, given or made,
-    by name (None: not written in this scenario)."""
+def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A memo miss: the contract on the inputs and attributes, given outputs fit it; what to
+    make of each output."""
     spec = op.spec
-    every = {**inputs, **given}
-    dev = device_of({**every, "workspace": workspace} if workspace is not None else every)
+    attrs = op.attrs(*values)
+    n_in = len(spec.inputs)
+    layouts = {}
+    for name, a in zip(spec.inputs, arrays):
+        assert a is not None  # the op module passes every input
+        layouts[name] = (a.shape, a.dtype)
+    wanted = op.check(layouts, attrs)
+    made = []
+    for name, a in zip(spec.outputs, arrays[n_in:]):
+        if a is None:
+            made.append(wanted[name])
+        else:
+            _fits(name, wanted[name], a.shape, a.dtype)
+            check_output_layout(name, a)
+            made.append(None)
+    return tuple(made)
+
+
+def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], stream: Stream | None,
+               workspace: DeviceArray | None, validate: bool) -> list[DeviceArray | None]:
+    """The one call on DeviceArrays (see the module docstring). ``arrays``: every tensor in
+    ``spec.tensors`` order, an output None to be made (or passed as a null pointer where the
+    scenario writes none); ``values``: the attributes in ``spec.attrs`` order. Returns the
+    outputs in ``spec.outputs`` order. The list is the caller's to give away: it is filled in."""
+    spec = op.spec
+    dev = None
+    key: list[Any] = []
+    for a in arrays:
+        if a is None:
+            key.append(-1)
+            continue
+        alloc = a.alloc
+        if alloc is None or dev is not None and alloc.device is not dev:
+            dev = _device_of(spec, arrays, workspace)  # raises, naming the array
+        dev = alloc.device  # type: ignore[union-attr]
+        key.append(a.layout_id)
+    if dev is None or workspace is not None:
+        dev = _device_of(spec, arrays, workspace)
     if stream is None:
         cur = thread_current.stream
         state: StreamState = cur.state if cur is not None and cur.state.device is dev else dev.default_stream.state
     else:
-        state = resolve_stream(stream, dev)
+        state = stream.state
+        if state.device is not dev:
+            resolve_stream(stream, dev)  # raises, naming the devices
     if not validate:
-        return _run_unchecked(op, inputs, given, attrs, state, workspace, dev)
-    key = (*(a.layout_id for a in inputs.values()), _attr_key(attrs))
-    wanted = _memo(spec).outputs(op, key, inputs, attrs)
-    if given:
-        _given(spec, wanted, given)
-    outs = {n: given[n] if n in given else None if w is None else empty(w[0], w[1], dev) for n, w in wanted.items()}
-    arrays = [inputs[n] if n in inputs else outs[n] for n in spec.tensors]
-    if given and _ranges_meet(arrays, spec.output_positions):
-        check_no_overlap(spec, dict(zip(spec.tensors, arrays)))  # the exact check, where two byte ranges meet
+        return _run_unchecked(op, arrays, values, state, workspace, dev)
+    for v in values:  # the key tells True from 1: a bool goes in as (bool, v)
+        t = type(v)
+        if t is int:
+            key.append(v)
+        elif t is bool:
+            key.append(_BOOLS[v])
+        else:  # NumPy integers, or what the checks refuse: every value goes in with its type
+            del key[len(arrays):]
+            key += [(type(v), v) for v in values]
+            break
+    made = op.memo.checked.get(tuple(key))
+    if made is None:
+        made = _checked(op, arrays, values)
+        op.memo.put(tuple(key), made)
+    given = []  # the given outputs' byte ranges
+    for i, want in zip(spec.output_positions, made):
+        if want is not None:
+            new = arrays[i] = new_empty(want[0], want[1], dev, state)
+            key[i] = new.layout_id
+        elif arrays[i] is not None:
+            given.append(arrays[i].span)  # type: ignore[union-attr]
+    allocs = []
+    firsts = []
+    spans = []
+    keep = []  # what the launch holds until it has run: foreign memory's owners (see relaunch)
+    for a in arrays:
+        if a is None:
+            allocs.append(None)
+            firsts.append(0)
+        else:
+            alloc = a.alloc
+            allocs.append(alloc)
+            if not alloc.owned:  # type: ignore[union-attr]
+                keep.append(alloc)
+            span = a.span
+            firsts.append(span[0])
+            spans.append(span)
+    for lo, hi in given:  # a given output whose bytes meet another array's: the exact check
+        meets = 0
+        for a, b in spans:
+            if a <= hi and lo <= b:
+                meets += 1
+        if meets > 1:  # (it meets itself)
+            check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
+            break
     if workspace is not None:
         check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
-    cache_key = (*(-1 if a is None else a.layout_id for a in arrays), key[-1])
-    launch_cached(spec, cache_key, arrays, tuple(None if a is None else a.allocation(n) for n, a in
-                                                 zip(spec.tensors, arrays)),
-                  tuple(0 if a is None else a.span[0] for a in arrays), tuple(attrs.values()), state, workspace)
-    return outs
+    cache_key = tuple(key)
+    if workspace is not None or not relaunch(spec, cache_key, firsts, allocs, keep, state):
+        launch_cached(spec, cache_key, arrays, tuple(allocs), tuple(firsts), values, state, workspace)
+    return arrays[len(spec.inputs):]
 
 
-def _run_unchecked(op: OneCall, inputs: Mapping[str, DeviceArray], given: Mapping[str, DeviceArray],
-                   attrs: Mapping[str, Any], state: StreamState, workspace: DeviceArray | None,
-                   dev: Device) -> dict[str, DeviceArray | None]:
+def _device_of(spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray | None) -> Device:
+    every: dict[str, Any] = {n: a for n, a in zip(spec.tensors, arrays) if a is not None}
+    if workspace is not None:
+        every["workspace"] = workspace
+    return device_of(every)
+
+
+def _run_unchecked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
+                   workspace: DeviceArray | None, dev: Device) -> list[DeviceArray | None]:
     """validate=False: CANN judges everything, through the vendor's first phase each call."""
-    outs: dict[str, DeviceArray | None] = {}
-    for name, want in op.sizes(inputs, attrs).items():
-        if name in given:
-            outs[name] = given[name]
-        elif want is not None:
+    spec = op.spec
+    attrs = op.attrs(*values)
+    n_in = len(spec.inputs)
+    sizes = op.sizes(dict(zip(spec.inputs, arrays)), attrs)  # type: ignore[arg-type]
+    for i, name in zip(spec.output_positions, spec.outputs):
+        want = sizes[name]
+        if arrays[i] is None and want is not None:
             _args.nbytes(name, want[0], want[1].itemsize)  # what the attributes size must be addressable
-            outs[name] = empty(want[0], want[1], dev)
-        else:
-            outs[name] = None
-    size, executor = first_phase(op.spec, {**inputs, **outs}, attrs, dev)
+            arrays[i] = new_empty(want[0], want[1], dev)
+    named = dict(zip(spec.tensors, arrays))
+    size, executor = first_phase(spec, named, attrs, dev)
     try:
         core = executor.core()
         if workspace is not None:
@@ -176,23 +223,26 @@ def _run_unchecked(op: OneCall, inputs: Mapping[str, DeviceArray], given: Mappin
             block = workspace_for(state, size) if size else None
             ws = block.ptr if block is not None else 0
         mark_uses(core, state)
-        held = (block, *(a.allocation(n) for n, a in {**inputs, **outs}.items() if a is not None))
+        held = (block, *(a.allocation(n) for n, a in named.items() if a is not None))
         launch(core, state, ws, size, held, output_tracks(core))
     finally:
         executor.close()
-    return outs
+    return arrays[n_in:]
 
 
-def run_host(op: OneCall, inputs: Mapping[str, Any], attrs: Mapping[str, Any], out: Mapping[str, Any] | None,
-             stream: Stream | None, workspace: DeviceArray | None, validate: bool) -> dict[str, Any]:
-    """The one call on host arrays: the outputs by name, in the family of the first input (or
-    the arrays given in ``out``, written in place)."""
+def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], stream: Stream | None,
+             workspace: DeviceArray | None, validate: bool) -> list[Any]:
+    """The one call on host arrays (``inputs`` in ``spec.inputs`` order, ``out`` in
+    ``spec.outputs`` order, None for an output to make): the outputs, new arrays in the family
+    of the first input, or the host arrays given in ``out``, written in place."""
+    spec = op.spec
+    attrs = op.attrs(*values)
     raw, family = {}, None
-    for name, value in inputs.items():
+    for name, value in zip(spec.inputs, inputs):
         raw[name], fam = host_view(value, name)
         family = family or fam
     given: dict[str, np.ndarray] = {}
-    for name, value in (out or {}).items():
+    for name, value in zip(spec.outputs, out):
         if value is not None:
             if not isinstance(value, np.ndarray) and family is not TORCH:
                 raise InvalidArgument(name, f"must be a NumPy array when the inputs are host arrays, got "
@@ -210,17 +260,17 @@ def run_host(op: OneCall, inputs: Mapping[str, Any], attrs: Mapping[str, Any], o
     dev = stream.device if stream is not None else current_device()
     s = stream if stream is not None else current_stream(dev)
     state = resolve_stream(s, dev)
-    device_inputs = {n: copy_in_native(v, dev, state) for n, v in views.items()}
-    outs = run_device(op, device_inputs, {}, attrs, s, workspace, validate)
-    result: dict[str, Any] = {}
-    for name, dout in outs.items():
+    arrays: list[DeviceArray | None] = [copy_in_native(views[n], dev, state) for n in spec.inputs]
+    arrays += [None] * len(spec.outputs)
+    result: list[Any] = []
+    for name, dout, mine in zip(spec.outputs, run_device(op, arrays, values, s, workspace, validate), out):
         if dout is None:
-            result[name] = None
+            result.append(None)
             continue
         host = dout.to_host(s)
         if name in given:
             given[name][...] = host
-            result[name] = out[name]  # type: ignore[index]
+            result.append(mine)
         else:
-            result[name] = in_family(host, family)  # type: ignore[arg-type]
+            result.append(in_family(host, family))  # type: ignore[arg-type]
     return result

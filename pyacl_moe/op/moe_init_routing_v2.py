@@ -283,7 +283,7 @@ def _one_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> No
                                attrs["expert_tokens_count_or_cumsum_flag"])
 
 
-ONE_CALL = OneCall(SPEC, _one_check, _one_sizes, _one_values)
+ONE_CALL = OneCall(SPEC, _attrs, _one_check, _one_sizes, _one_values)
 
 
 def moe_init_routing_v2(
@@ -321,8 +321,12 @@ def moe_init_routing_v2(
     nothing. ``workspace``: a DeviceArray of at least the op's workspace size (default: the
     stream's).
     """
-    attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
-                   expert_tokens_before_capacity_flag)
+    values = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
+              expert_tokens_before_capacity_flag)
+    if type(x) is DeviceArray and type(expert_idx) is DeviceArray and (stream is None or type(stream) is Stream) and (
+            workspace is None and validate is True):  # the common device call, checked in one test
+        return RoutingResult(*run_device(ONE_CALL, [x, expert_idx, *_given_outputs(out, True)], values, stream, None,
+                                         True))
     validate = _args.boolean("validate", validate)
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
@@ -332,29 +336,25 @@ def moe_init_routing_v2(
     if on_device != isinstance(expert_idx, DeviceArray):
         raise InvalidArgument("expert_idx", "must be a DeviceArray when x is one, and a host array otherwise")
     given = _given_outputs(out, on_device)
-    inputs = {"x": x, "expert_idx": expert_idx}
     if on_device:
-        outs = run_device(ONE_CALL, inputs, given, attrs, stream, workspace, validate)
-    else:
-        outs = run_host(ONE_CALL, inputs, attrs, given, stream, workspace, validate)
-    return RoutingResult(*(outs[n] for n in _OUTPUTS))
+        return RoutingResult(*run_device(ONE_CALL, [x, expert_idx, *given], values, stream, workspace, validate))
+    return RoutingResult(*run_host(ONE_CALL, [x, expert_idx], values, given, stream, workspace, validate))
 
 
-def _given_outputs(out: Any, on_device: bool) -> dict[str, Any]:
-    """The outputs a caller gave, by name (checked to be DeviceArrays for device inputs)."""
+def _given_outputs(out: Any, on_device: bool) -> list[Any]:
+    """The outputs a caller gave, in ``SPEC.outputs`` order (checked to be DeviceArrays for
+    device inputs, host arrays for host inputs)."""
     if out is None:
-        return {}
-    if not isinstance(out, tuple) or len(out) != len(_OUTPUTS):
+        return [None] * len(_OUTPUTS)
+    if type(out) is not RoutingResult and (not isinstance(out, tuple) or len(out) != len(_OUTPUTS)):
         raise InvalidArgument("out", f"must be a RoutingResult (or a tuple of {len(_OUTPUTS)}) of arrays or None, "
                                      f"got {type(out).__name__}")
-    given: dict[str, Any] = {}
     for name, a in zip(_OUTPUTS, out):
-        if a is None:
+        if a is None or type(a) is DeviceArray and on_device:
             continue
         if on_device:
             _args.instance(f"out.{name}", a, DeviceArray, "a DeviceArray or None")
         elif isinstance(a, DeviceArray):
             raise InvalidArgument(f"out.{name}", "must be a host array or None when the inputs are host arrays, "
                                                  "got a DeviceArray")
-        given[name] = a
-    return given
+    return list(out)

@@ -92,7 +92,7 @@ def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> 
     _contract.check_indices(idx, geo, attrs["top_k"], attrs["active_num"])
 
 
-ONE_CALL = OneCall(SPEC, _check, _sizes, _check_values)
+ONE_CALL = OneCall(SPEC, _attrs, _check, _sizes, _check_values)
 
 
 # ---------------------------------------------------------------------------- the prepared plan
@@ -225,21 +225,23 @@ def moe_init_routing_v2_grad(
     torch tensor for torch inputs, else NumPy). DeviceArray in: returns a DeviceArray at once,
     the kernel queued on the stream.
     """
-    attrs = _attrs(top_k, drop_pad_mode, active_num)
+    values = (top_k, drop_pad_mode, active_num)
+    if type(grad_expanded_x) is DeviceArray and type(expanded_row_idx) is DeviceArray and (
+            out is None or type(out) is DeviceArray) and (stream is None or type(stream) is Stream) and (
+            workspace is None and validate is True):  # the common device call, checked in one test
+        return run_device(ONE_CALL, [grad_expanded_x, expanded_row_idx, out], values, stream, None, True)[0]
     on_device = isinstance(grad_expanded_x, DeviceArray)
     if on_device != isinstance(expanded_row_idx, DeviceArray):
         raise InvalidArgument(
             "expanded_row_idx", "must be a DeviceArray when grad_expanded_x is one, and a host array otherwise"
         )
-    if stream is not None and type(stream) is not Stream:
+    if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
     if workspace is not None:
         _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
-    if validate is not True:
-        validate = _args.boolean("validate", validate)
-    inputs = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx}
+    validate = _args.boolean("validate", validate)
     if on_device:
-        given = {} if out is None else {"out": _args.instance("out", out, DeviceArray, "a DeviceArray when the "
-                                                              "inputs are, or None")}
-        return run_device(ONE_CALL, inputs, given, attrs, stream, workspace, validate)["out"]
-    return run_host(ONE_CALL, inputs, attrs, {"out": out}, stream, workspace, validate)["out"]
+        if out is not None:
+            _args.instance("out", out, DeviceArray, "a DeviceArray when the inputs are, or None")
+        return run_device(ONE_CALL, [grad_expanded_x, expanded_row_idx, out], values, stream, workspace, validate)[0]
+    return run_host(ONE_CALL, [grad_expanded_x, expanded_row_idx], values, [out], stream, workspace, validate)[0]

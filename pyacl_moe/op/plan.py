@@ -20,6 +20,7 @@ Lock order: a plan's lock, an executor's lock, a stream's lock.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -31,7 +32,7 @@ from ..array import Allocation, DeviceArray, may_overlap
 from ..device import Device
 from ..errors import ClosedError, InvalidArgument
 from ..pool import workspace_for
-from ..stream import Stream, StreamState, check_written, faults_recorded, resolve_stream, thread_current
+from ..stream import Stream, StreamState, any_fault, check_written, resolve_stream, thread_current
 from ..tensor import AclTensor, TensorCore
 from .executor import Executor, build, checked_workspace, launch, mark_uses
 from .spec import OpSpec
@@ -47,12 +48,13 @@ class _Slot:
     (``keep``), the tracks it reads and writes, and what the plan returns. ``live`` is guarded
     by the stream's lock."""
 
-    __slots__ = ("state", "fn", "args", "keep", "reads", "writes", "result", "live")
+    __slots__ = ("state", "fn", "args", "call", "keep", "reads", "writes", "result", "live")
 
     def __init__(self, state: StreamState, call: tuple[Any, tuple[Any, ...]], keep: tuple[Any, ...],
                  reads: tuple[Any, ...], writes: tuple[Any, ...], result: Any) -> None:
         self.state = state
         self.fn, self.args = call
+        self.call = functools.partial(self.fn, *self.args)
         self.keep = keep
         self.reads, self.writes = reads, writes
         self.result = result
@@ -168,15 +170,17 @@ class Plan:
             if cur is not None and cur.state.device is self._device:
                 stream = cur
         s, slot = self._now
-        if s is stream and workspace is None and not faults_recorded():
+        if s is stream and workspace is None and not any_fault[0]:
             state = slot.state
             with state.lock:
                 if slot.live and not state.closing:
                     if _thread.context is not state.context:
                         acl.use_context(state.context)
-                    st = slot.fn(*slot.args)
+                    st = slot.call()
                     if not st:
-                        state.stamp(slot.writes)
+                        mark = state.mark
+                        for t in slot.writes:
+                            t.written = mark
                         return slot.result
                     check(st, self._spec.api)
         return self._launch(stream, workspace)
@@ -226,7 +230,7 @@ class Plan:
                 state.check_open()
                 if _thread.context is not state.context:
                     state.device.activate()
-                check(slot.fn(*slot.args), self._spec.api)
+                check(slot.call(), self._spec.api)
                 state.stamp(slot.writes)
             self._now = (stream, slot)
             return slot.result
@@ -393,13 +397,13 @@ class _Cached:
         self.core = core
         self.size = core.workspace_size
         self.offsets = [0 if a is None else a.offset * a.itemsize for a in arrays]
-        self.bound = tuple(0 if a is None else a.span[0] for a in arrays)  # first-element addresses bound now
+        self.bound = [0 if a is None else a.span[0] for a in arrays]  # first-element addresses bound now
         # What ``bound`` is while a rebind is under way: no address (a null pointer's stays 0).
-        self.unknown = tuple(0 if a is None else -1 for a in arrays)
+        self.unknown = [0 if a is None else -1 for a in arrays]
         self.call: Any = None
         self.call_ws: Any = None
 
-    def rebind(self, spec: OpSpec, firsts: tuple[int, ...]) -> None:
+    def rebind(self, spec: OpSpec, firsts: Sequence[int]) -> None:
         """Point the executor at views whose first elements are at ``firsts`` (the stream's
         lock held). Until every address is set the entry claims none, so that an interrupt
         half-way leaves the next call to set them all."""
@@ -412,7 +416,7 @@ class _Cached:
                 tensor = self.tensors[i]
                 assert tensor is not None  # a null pointer's first address is always 0
                 setter(self.core.handle, index, tensor.handle, addr - self.offsets[i])
-        self.bound = firsts
+        self.bound = list(firsts)
 
     def bind(self, spec: OpSpec, block: Allocation | None, state: StreamState) -> Any:
         """The launch with every argument bound, for the workspace ``block``."""
@@ -440,32 +444,49 @@ class _ExecutorCache:
         return []
 
 
-def relaunch(spec: OpSpec, key: Any, firsts: tuple[int, ...], allocs: tuple[Allocation | None, ...],
-             state: StreamState) -> bool:
-    """The steady state of :func:`launch_cached` (same arguments): launch the stream's cached
+def relaunch(spec: OpSpec, key: Any, firsts: Sequence[int], allocs: Sequence[Allocation | None],
+             keep: list[Allocation], state: StreamState) -> bool:
+    """The steady state of :func:`launch_cached` (its arguments, and ``keep``): launch the stream's cached
     executor for ``key`` with one bound foreign call and return True; False, launching
     nothing, when the stream has none for ``key`` yet (or a fault was recorded anywhere: the
     inputs are checked the long way). A key is cached only once its layout was validated, so
-    a caller may check the layout only when this returns False."""
-    if state.device.closed or faults_recorded():
+    a caller may check the layout only when this returns False.
+
+    The launch holds only ``keep`` (the allocations of foreign memory, whose owners must
+    outlive it): the binding's own memory, once its arrays are gone, goes back to the block
+    cache at once, reusable by later work on this stream only until this launch has run
+    (:func:`~.allocator.allocate`)."""
+    if state.device.closed or any_fault[0]:
         return False  # before the lock: in a fork() child a parent thread may have held it
-    outs = spec.output_positions
-    for i, a in enumerate(allocs):
-        if a is not None:
-            a.used_on(state, i in outs)
+    n_in = len(spec.inputs)
     with state.lock:
         cache = state.caches.get(spec.api)  # a closing stream has none
         entry = cache.entries.get(key) if cache is not None else None
         if entry is None or entry.call is None or state.closing:
             return False
+        # The stream uses the inputs and writes the outputs (Allocation.used_on, only when new),
+        # and the outputs' latest write is this launch (StreamState.stamp): a launch that then
+        # fails leaves a mark no fault can be recorded for.
+        for a in allocs[:n_in]:
+            if a is not None and state not in a.track.users:
+                a.used_on(state, False)
+        mark = state.mark
+        for a in allocs[n_in:]:
+            if a is not None:
+                t = a.track
+                if state not in t.writers:
+                    a.used_on(state, True)
+                t.written = mark
         if _thread.context is not state.context:
             state.device.activate()
         if firsts != entry.bound:
             entry.rebind(spec, firsts)
         ledger = state.ledger
-        ledger.hold((entry.call_ws, allocs))
-        check(entry.call(), spec.api)
-        state.stamp(a.track for i, a in enumerate(allocs) if a is not None and i in outs)
+        ledger.count += 1  # Ledger.hold, inline
+        ledger.holds.append((ledger.count, entry.call_ws, keep))
+        st = entry.call()
+        if st:
+            check(st, spec.api)
         done = ledger.after_enqueue() if ledger.count >= ledger.next_fence else None
     del done  # outside the lock: dropping the last reference may free memory
     return True
@@ -478,9 +499,7 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
     addresses of their first elements, checked by the caller; None and 0 for an optional
     tensor passed as a null pointer) through the stream's cached executor for ``key`` (layout,
     which tensors are present, and attribute values, in ``spec.attrs`` order), made on a
-    miss."""
-    if workspace is None and relaunch(spec, key, firsts, allocs, state):
-        return
+    miss (the caller tried :func:`relaunch` first)."""
     state.check_open()
     for i, a in enumerate(allocs):
         if a is not None and i not in spec.output_positions:
@@ -522,7 +541,7 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
                 continue  # another thread's entry needs more workspace than was fetched
             if _thread.context is not state.context:
                 state.device.activate()
-            if firsts != entry.bound:
+            if list(firsts) != entry.bound:
                 entry.rebind(spec, firsts)
             state.ledger.hold((block, allocs))
             if workspace is None:
