@@ -11,12 +11,13 @@ The public API, re-exported here; see docs/ARCHITECTURE.md for the layers behind
 
 from __future__ import annotations
 
-from . import emulator, reference, release, routing
+from typing import Any
+
+from . import reference, release, routing
 from ._cann.loader import LibraryInfo, library_info, load, loaded_info
 from .allocator import pinned_empty, set_caching
 from .array import DeviceArray, bfloat16, empty, from_pointer, from_torch, to_device, zeros
 from .device import Device, acl_version, current_device, device_count, soc_name
-from .emulator import use_emulator
 from .errors import (
     AclError,
     AclnnError,
@@ -36,6 +37,23 @@ from .stream import Event, Stream, current_stream
 from .tensor import AclTensor
 
 __version__ = "0.2.0"
+
+
+def use_emulator() -> None:
+    """Bind this process to the bundled emulator (see :func:`pyacl_moe.emulator.use_emulator`)."""
+    from . import emulator  # imported only when asked for: its declarations join the FFI then
+
+    emulator.use_emulator()
+
+
+def __getattr__(name: str) -> Any:
+    # ``pm.emulator`` imports the emulator package on first use (PEP 562): importing pyacl_moe
+    # itself neither builds it nor declares its extras.
+    if name == "emulator":
+        import importlib
+
+        return importlib.import_module(".emulator", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "AclError",

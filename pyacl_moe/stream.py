@@ -100,6 +100,8 @@ def check_written(track: Any, waiting: bool = True) -> None:
     for state, epoch in track.written:
         if waiting and not state.confirmed(epoch) and not (state.closing or state.device.closed):
             state.wait(report=False)
+            if state.fault_at(epoch) is None and not state.confirmed(epoch):
+                state.drain_waits()  # one of them may have been told of the write's fault
         fault = state.fault_at(epoch)
         if fault is not None:
             raise _reported(fault, state.device)
@@ -120,20 +122,20 @@ class StreamState:
 
     ``lock`` guards every field below but ``device``, ``context`` and ``handle``: the ledger,
     ``caches`` (per-stream objects of the layers above, each with ``release(idle) -> list``),
-    ``workspace``, ``closing``/``closed``, the epochs and faults, ``waiting`` (threads inside a
-    wait, which ``idle`` is notified of). Never call :func:`~pyacl_moe._lifetime.collect` while
-    holding it.
+    ``workspace``, ``closing``/``closed``, the epochs and faults, ``inside`` (a lock held by
+    each thread inside a CANN call on the handle, a wait or a query: the destroy waits for
+    each, and since a ``with`` block releases a lock whatever interrupts it, a call cut short
+    holds nothing up). Never call :func:`~pyacl_moe._lifetime.collect` while holding it.
     """
 
-    __slots__ = ("device", "context", "handle", "lock", "idle", "ledger", "closing", "closed", "caches", "shut_caches",
-                 "workspace", "epoch", "mark", "clean", "faults", "his", "waiting", "owner", "__weakref__")
+    __slots__ = ("device", "context", "handle", "lock", "ledger", "closing", "closed", "caches", "shut_caches",
+                 "workspace", "epoch", "mark", "clean", "ripe", "faults", "his", "inside", "owner", "__weakref__")
 
     def __init__(self, device: Device, handle: acl.StreamHandle | None) -> None:
         self.device = device
         self.context = device.context
         self.handle = handle  # None: the device's default stream
         self.lock = threading.Lock()
-        self.idle = threading.Condition(self.lock)
         self.ledger = _lifetime.Ledger(device.context, handle)
         self.closing = False  # no new work
         self.closed = False  # the handle is gone
@@ -143,9 +145,13 @@ class StreamState:
         self.epoch = 1  # writes queued now are stamped with it; a wait that begins ends it
         self.mark = ((self, 1),)  # what a write queued now stores in its Track.written
         self.clean = 0  # every write stamped <= clean ran, its faults (if any) recorded
+        # How far the clean waits that ended reached: CANN reports a fault to one wait only, so
+        # a clean wait proves nothing while another that may have been told is still to record
+        # it; clean moves up to ripe when no wait is in progress (``inside``).
+        self.ripe = 0
         self.faults: list[Fault] = []  # disjoint windows, in order
         self.his: list[int] = []  # each fault's hi, for bisect
-        self.waiting = 0
+        self.inside: dict[threading.Lock, None] = {}
         self.owner: Any = None  # what keeps a borrowed stream alive (Stream.from_handle)
 
     # -- use
@@ -200,18 +206,20 @@ class StreamState:
 
     # -- waiting, and what it learns of faults
 
-    def begin_wait(self, closing: bool = False) -> tuple[int, int, int]:
-        """Before a wait covering this stream: (ledger count, epoch ending, clean so far). A
-        close's own wait (``closing``) begins on a stream already refusing work."""
+    def begin_wait(self, inside: threading.Lock, closing: bool = False) -> tuple[int, int, int]:
+        """Before a wait covering this stream, with ``inside`` held by the caller until it has
+        ended: (ledger count, epoch ending, clean so far). A close's own wait (``closing``)
+        begins on a stream already refusing work."""
         with self.lock:
             if not closing:
                 self.check_open()
-            self.waiting += 1
+            self.inside[inside] = None
             token = (self.ledger.count, self.epoch, self.clean)
             self._next_epoch()
             return token
 
-    def end_wait(self, token: tuple[int, int, int], error: BaseException | None) -> Fault | None:
+    def end_wait(self, token: tuple[int, int, int], error: BaseException | None, inside: threading.Lock
+                 ) -> Fault | None:
         """After the wait: a clean wait knows what it covered complete (its holds go); a fault
         CANN reported to it is recorded, and what it covered stays held (CANN reports a
         fault from a completed wait, but nothing here can tell that wait from one that
@@ -220,9 +228,9 @@ class StreamState:
         done: list[Any] = []
         fault = None
         with self.lock:
-            self.waiting -= 1
+            self.inside.pop(inside, None)
             if error is None:
-                self.clean = max(self.clean, ended)
+                self.ripe = max(self.ripe, ended)
                 done = self.ledger.synchronized(mark)
             elif is_fault(error):
                 assert isinstance(error, AclError)
@@ -231,11 +239,28 @@ class StreamState:
                 # need wait for them), and later writes get a new epoch.
                 fault = Fault(error, lo, self.epoch)
                 self._record(fault)
-                self.clean = max(self.clean, self.epoch)
+                self.ripe = max(self.ripe, self.epoch)
                 self._next_epoch()
-            self.idle.notify_all()
+            for lk in [lk for lk in self.inside if not lk.locked()]:
+                del self.inside[lk]  # a wait an interrupt cut short
+            if not self.inside:
+                self.clean = max(self.clean, self.ripe)
         del done  # outside the lock: dropping the last reference may free memory
         return fault
+
+    def _synchronize(self, timeout_ms: int | None, closing: bool = False) -> tuple[BaseException | None, Fault | None]:
+        """aclrtSynchronizeStream with the bookkeeping: (CANN's error, the fault recorded)."""
+        error: BaseException | None = None
+        inside = threading.Lock()
+        with inside:
+            token = self.begin_wait(inside, closing)
+            try:
+                acl.use_context(self.context)
+                acl.synchronize_stream(self.handle, timeout_ms)
+            except AclError as exc:
+                error = exc
+            fault = self.end_wait(token, error, inside)
+        return error, fault
 
     def _record(self, fault: Fault) -> None:
         # Windows are kept disjoint and in order (merged where they meet), so a lookup is a
@@ -278,6 +303,14 @@ class StreamState:
                 if f.error is error:
                     f.raised = True
 
+    def drain_waits(self) -> None:
+        """Return once every wait in progress now has ended (recording what CANN told it)."""
+        with self.lock:
+            inside = list(self.inside)
+        for lk in inside:
+            with lk:
+                pass
+
     def confirmed(self, epoch: int) -> bool:
         """Whether writes stamped ``epoch`` are known complete (their faults recorded)."""
         return epoch <= self.clean
@@ -286,15 +319,7 @@ class StreamState:
         """Wait for everything queued on the stream (aclrtSynchronizeStream). With ``report``
         (a synchronize), raise the fault CANN reported to this wait, or else one an earlier
         wait recorded and no synchronize raised yet; without (a read's wait), only record."""
-        token = self.begin_wait()
-        error: BaseException | None = None
-        try:
-            acl.use_context(self.context)
-            acl.synchronize_stream(self.handle, timeout_ms)
-        except AclError as exc:
-            error = exc
-        finally:
-            fault = self.end_wait(token, error)
+        error, fault = self._synchronize(timeout_ms)
         _lifetime.collect()
         if error is not None and fault is None:
             raise error  # not a fault: a timeout, a closed stream
@@ -314,19 +339,17 @@ class StreamState:
     def query(self) -> bool:
         """aclrtStreamQuery: True once everything queued has run (never waits, never reports
         a fault)."""
-        with self.lock:
-            self.check_open()
-            mark = self.ledger.count
-            self.waiting += 1
-        idle = False
-        try:
+        inside = threading.Lock()
+        with inside:
+            with self.lock:
+                self.check_open()
+                mark = self.ledger.count
+                self.inside[inside] = None
             acl.use_context(self.context)
             idle = acl.query_stream(self.handle)
-        finally:
             with self.lock:
-                self.waiting -= 1
+                self.inside.pop(inside, None)
                 done = self.ledger.synchronized(mark) if idle else self.ledger.poll()
-                self.idle.notify_all()
         del done
         return idle
 
@@ -378,9 +401,11 @@ class StreamState:
         for cache in list(caches.values()):
             cache.release(True)
         with self.lock:
-            while self.waiting:
-                self.idle.wait()
             self.closed = True
+            inside, self.inside = list(self.inside), {}
+        for lk in inside:  # each call on the handle in progress ends first (one cut short is over)
+            with lk:
+                pass
         self.device.remove_queue(self)
         # aclrtDestroyStream waits for what is still queued (a fault's wait left it held):
         # what the ledger holds goes after it. A handle is released once.
@@ -401,15 +426,7 @@ class StreamState:
             check(self.destroy(self.shut()), "aclrtDestroyStream")
             return
         caches = self.shut()
-        token = self.begin_wait(closing=True)
-        error: BaseException | None = None
-        try:
-            acl.use_context(self.context)
-            acl.synchronize_stream(self.handle)
-        except AclError as exc:
-            error = exc
-        finally:
-            fault = self.end_wait(token, error)
+        error, fault = self._synchronize(None, closing=True)
         if error is not None and fault is None:
             _lifetime.retiring(_Retiring(self, caches))  # its work may not have run: later
             raise error
@@ -440,7 +457,7 @@ class StreamState:
         """In a fork() child: a new lock (a parent thread may have held the old one), and no
         work ever again."""
         self.lock = threading.Lock()
-        self.idle = threading.Condition(self.lock)
+        self.inside = {}
         self.closing = True
 
 
@@ -733,17 +750,26 @@ def synchronize_device(device: Device, closing: bool = False) -> None:
     is recorded on each of them (CANN does not say which stream's it was), and it raises the
     oldest fault of its streams no synchronize raised yet (one fault recorded on several streams
     is raised once)."""
-    states = [q for q in device.queues() if isinstance(q, StreamState) and (closing or not q.closing)]
-    tokens = [(s, s.begin_wait(closing)) for s in states]
+    # It uses no stream handle, so a stream may close meanwhile: those closing are skipped. A
+    # wait an interrupt cuts short learns nothing (like one that timed out).
+    tokens = []
     error: BaseException | None = None
-    try:
-        acl.use_context(device.context)
-        acl.synchronize_device()
-    except AclError as exc:
-        error = exc
-    finally:
+    inside = threading.Lock()
+    with inside:
+        for q in device.queues():
+            if isinstance(q, StreamState):
+                try:
+                    tokens.append((q, q.begin_wait(inside, closing)))
+                except ClosedError:
+                    pass
+        try:
+            acl.use_context(device.context)
+            acl.synchronize_device()
+        except AclError as exc:
+            error = exc
         for s, token in tokens:
-            s.end_wait(token, error)
+            s.end_wait(token, error, inside)
+    states = [s for s, _ in tokens]
     _lifetime.collect()
     if error is not None and not is_fault(error):
         raise error

@@ -165,7 +165,8 @@ assert pm.loaded_info() is None and loader.loaded_libraries() is None
 maps = open('/proc/self/maps').read()
 assert 'libascendcl' not in maps and 'libopapi' not in maps, 'a CANN library was mapped at import'
 assert not declare._texts, 'the headers were given to cdef at import'
-assert loader.EMULATOR in loader._providers, 'the emulator did not register itself as a provider'
+assert loader.EMULATOR not in loader._providers and 'pyacl_moe.emulator' not in sys.modules, \
+    'the emulator was imported with the package'
 calls = []
 orig = loader._load_plan
 def counting(*a, **k):

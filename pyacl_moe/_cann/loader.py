@@ -22,6 +22,7 @@ extras.
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from collections.abc import Callable
@@ -322,6 +323,11 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
     if emulator is not None and not isinstance(emulator, bool):
         raise errors.InvalidArgument("emulator", f"must be a bool or None, got {type(emulator).__name__}")
     home_arg = os.fspath(ascend_home) if ascend_home is not None else None
+    if emulator or (emulator is None and _env_wants_emulator()):
+        # The bundled emulator registers itself when imported: asked for (the environment,
+        # load(emulator=True)), it is imported here, and only then (before the lock: its
+        # registration takes it).
+        importlib.import_module("pyacl_moe.emulator")
     with _lock:
         provider = _selected
         if emulator or (emulator is None and provider is None and _env_wants_emulator()):
@@ -339,7 +345,7 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
         if provider is not None:
             p = _providers.get(provider)
             if p is None:
-                raise RuntimeError(f"no provider named {provider!r} is registered; import pyacl_moe first")
+                raise RuntimeError(f"no provider named {provider!r} is registered")
             libs = _load_home(f"provider {provider!r}", p.home(), provider)
             _selected = provider
         else:
