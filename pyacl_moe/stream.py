@@ -388,8 +388,10 @@ class Stream:
     # -- waiting and ordering
 
     def synchronize(self, timeout_ms: int | None = None) -> None:
-        """Block until every task queued on the stream has run. Raises AclRuntimeError for a
-        device-side failure (e.g. 507015 for a kernel fault) or a timeout (507046)."""
+        """Block until every task queued on the stream has run. ``timeout_ms``: -1 (no limit)
+        or a positive number of ms; CANN refuses 0 (107000). Raises AclRuntimeError for a
+        device-side failure (e.g. 507015 for a kernel fault; the stream's latest one, reported
+        once) or a timeout (507046, which leaves a fault for the next synchronize)."""
         if timeout_ms is not None:
             timeout_ms = _args.int32("timeout_ms", timeout_ms, lo=-1)
         self.state.synchronize(timeout_ms)
@@ -400,7 +402,9 @@ class Stream:
         return self.state.query()
 
     def wait_event(self, event: Event) -> None:
-        """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent)."""
+        """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent).
+        ``event`` must have been recorded: CANN refuses a wait on an event never recorded
+        (AclRuntimeError 107000)."""
         ev = _args.instance("event", event, Event, "an Event")
         core = ev.core("event")
         if core.device is not self.state.device:
@@ -541,20 +545,24 @@ class Event(_lifetime.Owner):
         return self
 
     def synchronize(self) -> None:
-        """Block until the work recorded before the event has run."""
+        """Block until the work recorded before the event has run (at once for an event never
+        recorded). It reports no device fault of that work: the stream's synchronize (or the
+        device's) does."""
         core = self.core()
         core.device.activate()
         acl.synchronize_event(core.handle)
 
     def query(self) -> bool:
         """True when the work recorded before the event has run (aclrtQueryEventStatus); an
-        event never recorded counts as complete. Never waits."""
+        event never recorded is not complete (CANN reports NOT_READY for it). Never waits."""
         core = self.core()
         core.device.activate()
         return acl.query_event(core.handle)
 
     def elapsed_ms(self, end: Event) -> float:
-        """Milliseconds from this event to ``end`` (both recorded and complete)."""
+        """Milliseconds from this event to ``end`` (both recorded and complete: 507000 when one
+        was never recorded, 107006 while one has not completed; negative if ``end`` completed
+        first)."""
         other = _args.instance("end", end, Event, "an Event")
         core = self.core()
         core.device.activate()
