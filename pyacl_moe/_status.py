@@ -86,7 +86,7 @@ TABLE: dict[int, tuple[str, str]] = {
     107003: ("ACL_ERROR_RT_STREAM_CONTEXT", "the stream does not belong to the current device"),
     107004: ("ACL_ERROR_RT_MODEL_CONTEXT", "the model does not belong to the current context"),
     107005: ("ACL_ERROR_RT_STREAM_MODEL", "the stream is not in the model"),
-    107006: ("ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID", "the event has no timestamp (never recorded)"),
+    107006: ("ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID", "the event has no timestamp (its record has not completed)"),
     107007: ("ACL_ERROR_RT_EVENT_TIMESTAMP_REVERSAL", "the end event completed before the start event"),
     107008: ("ACL_ERROR_RT_ADDR_UNALIGNED", "address not aligned"),
     107009: ("ACL_ERROR_RT_FILE_OPEN", "opening a file failed"),

@@ -611,7 +611,6 @@ def _order_after(alloc: Allocation, state: StreamState | None, writers_only: boo
                 ev = Event(other.device)
                 core = ev.core()
                 other.enqueue(core, acl.record_event, core.handle)
-                core.recorded = True
                 state.enqueue(core, acl.stream_wait_event, core.handle)
         except ClosedError:
             if state is not None and (state.closing or state.device.closed):

@@ -7,8 +7,8 @@ reference count alone however often threads switch devices.
 
 :meth:`Device.close` (and interpreter exit) releases in the order CANN asks for: it waits for
 the device, then closes its streams, events and memory, then resets the device. aclFinalize
-comes only at exit, since CANN allows one aclInit per process. Objects of a closed device raise
-:class:`~pyacl_moe.errors.ClosedError` on use; closing them does nothing.
+comes only at exit, since CANN 8.1.RC1 allows one aclInit per process. Objects of a closed
+device raise :class:`~pyacl_moe.errors.ClosedError` on use; closing them does nothing.
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ def acl_version() -> tuple[int, int, int]:
 
 def soc_name() -> str | None:
     """The SoC name CANN reports (aclrtGetSocName), e.g. 'Ascend910B3'; opens device 0 if no
-    device is open yet, since CANN answers only once initialized."""
+    device is open yet (which loads and initializes CANN; the call itself needs neither)."""
     current_device()
     return acl.soc_name()
 

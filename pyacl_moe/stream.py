@@ -575,9 +575,10 @@ class Stream:
         return f"<Stream {kind} on device {self.device.device_id}{' closed' if self.closed else ''}>"
 
     def synchronize(self, timeout_ms: int | None = None) -> None:
-        """Block until every task queued on the stream has run. Raises AclRuntimeError for a
-        device fault of its work (e.g. 507015), once, whichever thread's wait CANN reported it
-        to, or for a timeout (507046; -1 waits for ever, 0 is not a timeout CANN takes)."""
+        """Block until every task queued on the stream has run. ``timeout_ms``: -1 (no limit)
+        or a positive number of ms; CANN refuses 0 (107000). Raises AclRuntimeError for a
+        device fault of its work (e.g. 507015; CANN's latest one), once, whichever thread's wait
+        CANN reported it to, or for a timeout (507046, which leaves a fault for the next wait)."""
         if timeout_ms is not None:
             timeout_ms = _args.int32("timeout_ms", timeout_ms, lo=-1)
         self.state.wait(timeout_ms)
@@ -589,14 +590,14 @@ class Stream:
 
     def wait_event(self, event: Event) -> None:
         """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent).
-        An event never recorded is nothing to wait for (CANN refuses one: 107000)."""
+        ``event`` must have been recorded: CANN refuses a wait on an event never recorded
+        (AclRuntimeError 107000)."""
         ev = _args.instance("event", event, Event, "an Event")
         core = ev.core("event")
         if core.device is not self.state.device:
             raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
                                            f"{self.state.device.device_id}")
-        if core.recorded:
-            self.state.enqueue(core, acl.stream_wait_event, core.handle)
+        self.state.enqueue(core, acl.stream_wait_event, core.handle)
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) on this stream and return it."""
@@ -657,15 +658,14 @@ def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") 
 
 class _EventCore:
     """What an Event owns: the handle, released once neither the Event nor queued work (a
-    record, a wait) needs it. ``recorded`` turns True at its first record."""
+    record, a wait) needs it."""
 
-    __slots__ = ("device", "handle", "token", "recorded", "__weakref__")
+    __slots__ = ("device", "handle", "token", "__weakref__")
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.handle = acl.EventHandle(device.context)
         self.token = _lifetime.track(self, self.handle)
-        self.recorded = False
         acl.create_event(self.handle)
 
 
@@ -716,25 +716,27 @@ class Event(_lifetime.Owner):
         core = self.core()
         state = resolve_stream(stream, core.device)
         state.enqueue(core, acl.record_event, core.handle)
-        core.recorded = True
         return self
 
     def synchronize(self) -> None:
         """Block until the work recorded before the event has run (at once for an event never
-        recorded)."""
+        recorded). It reports no device fault of that work: the stream's synchronize (or the
+        device's) does."""
         core = self.core()
         core.device.activate()
         acl.synchronize_event(core.handle)
 
     def query(self) -> bool:
         """True when the work recorded before the event has run (aclrtQueryEventStatus); an
-        event never recorded is not complete, as CANN has it. Never waits."""
+        event never recorded is not complete (CANN reports NOT_READY for it). Never waits."""
         core = self.core()
         core.device.activate()
         return acl.query_event(core.handle)
 
     def elapsed_ms(self, end: Event) -> float:
-        """Milliseconds from this event to ``end`` (both recorded and complete)."""
+        """Milliseconds from this event to ``end`` (both recorded and complete: 507000 when one
+        was never recorded, 107006 while one has not completed; negative if ``end`` completed
+        first)."""
         other = _args.instance("end", end, Event, "an Event")
         core = self.core()
         core.device.activate()

@@ -16,13 +16,14 @@ import pytest
 
 from .test_emulator import (  # noqa: F401  (res and lazy are fixtures)
     ACL_ERROR_INVALID_PARAM,
-    ACL_ERROR_UNINITIALIZE,
+    ACL_ERROR_REPEAT_INITIALIZE,
     ACL_FLOAT,
     ACLNN_ERR_INNER,
     ACLNN_ERR_PARAM_INVALID,
     RT_AICORE_EXCEPTION,
     RT_CONTEXT_NULL,
     RT_INVALID_HANDLE,
+    RT_PARAM_INVALID,
     _simple,
     assert_matches,
     launch,
@@ -85,7 +86,7 @@ def test_queries_in_lazy_mode_run_nothing(emu, res, lazy):
     s, ev, never = res.stream(), res.event(), res.event()
     assert stream_status(emu, s) == COMPLETE_STREAM          # nothing queued
     assert stream_status(emu, emu.NULL) == COMPLETE_STREAM   # NULL: the default stream
-    assert event_status(emu, never) == COMPLETE_EVENT        # never recorded: complete
+    assert event_status(emu, never) == NOT_READY_EVENT       # never recorded: not ready (CANN)
     launch(emu, res, xt, it, 2, 0, 0, ot, stream=s, sync=False)
     emu.ok(emu.acl.aclrtRecordEvent(ev, s))
     for _ in range(3):  # a query never runs work itself
@@ -280,14 +281,15 @@ def test_lazy_mode_has_no_bound(isolated):
 
 
 def test_finalize_stops_the_engine(isolated):
-    # One round: aclInit after aclFinalize is refused (100002, test_emulator_nnopbase.py).
+    # Two rounds (aclInit after aclFinalize is allowed on the default 9.0.0 profile). aclFinalize
+    # releases nothing, so work queued after it, without a new aclInit, still runs: on an engine
+    # thread started anew.
     r = fresh(isolated, """
         def threads():
             return len(os.listdir("/proc/self/task"))
         base = threads()
         out = {}
-        for round_ in range(1):
-            assert acl.aclInit(ffi.NULL) == 0 and acl.aclrtSetDevice(0) == 0
+        def run_some():
             s, ev = new("aclrtStream"), new("aclrtEvent")
             buf = malloc(1 << 20)[1]
             assert acl.aclrtMemsetAsync(buf, 1 << 20, 3, 1 << 20, s) == 0
@@ -295,13 +297,20 @@ def test_finalize_stops_the_engine(isolated):
             end = time.monotonic() + 10
             while ev_status(ev) != 1 and time.monotonic() < end:
                 time.sleep(0.001)
-            out[f"ran{round_}"] = ev_status(ev) == 1
+            return ev_status(ev) == 1
+        for round_ in range(2):
+            assert acl.aclInit(ffi.NULL) == 0 and acl.aclrtSetDevice(0) == 0
+            out[f"ran{round_}"] = run_some()
             out[f"threads_running{round_}"] = threads() - base
             assert acl.aclFinalize() == 0
             out[f"threads_after{round_}"] = threads() - base
+        out["ran_after_finalize"] = run_some()
+        out["threads_after_finalize"] = threads() - base
         print(json.dumps(out))
     """)
-    assert r == {"ran0": True, "threads_running0": 1, "threads_after0": 0}
+    assert r == {"ran0": True, "threads_running0": 1, "threads_after0": 0,
+                 "ran1": True, "threads_running1": 1, "threads_after1": 0,
+                 "ran_after_finalize": True, "threads_after_finalize": 1}
 
 
 # ============================================================================ handles
@@ -312,6 +321,7 @@ def test_stale_runtime_handles_never_alias_new_objects(emu):
     s, e = ffi.new("aclrtStream *"), ffi.new("aclrtEvent *")
     emu.ok(acl.aclrtCreateStream(s))
     emu.ok(acl.aclrtCreateEvent(e))
+    buf = emu.malloc(64)
     old_s, old_e = s[0], e[0]
     emu.ok(acl.aclrtDestroyStream(old_s))
     emu.ok(acl.aclrtDestroyEvent(old_e))
@@ -326,12 +336,13 @@ def test_stale_runtime_handles_never_alias_new_objects(emu):
         # The stale handle reaches nothing, while the new one works.
         assert acl.aclrtSynchronizeStream(old_s) == RT_INVALID_HANDLE
         assert acl.aclrtRecordEvent(old_e, s[0]) == RT_INVALID_HANDLE
-        assert acl.aclrtMemsetAsync(emu.NULL, 0, 0, 0, old_s) == RT_INVALID_HANDLE
+        assert acl.aclrtMemsetAsync(buf, 64, 0, 64, old_s) == RT_INVALID_HANDLE
         emu.ok(acl.aclrtRecordEvent(e[0], s[0]))
         emu.ok(acl.aclrtSynchronizeStream(s[0]))
         emu.ok(acl.aclrtDestroyEvent(e[0]))
         emu.ok(acl.aclrtDestroyStream(s[0]))
         old_s, old_e = s[0], e[0]
+    emu.ok(acl.aclrtFree(buf))
     # Handles are not host addresses: the emulator never hands out a dereferenceable pointer.
     assert all(h >> 56 for h in seen_streams | seen_events)
 
@@ -392,7 +403,8 @@ def test_current_context_set_and_get(emu):
     assert c[0] != emu.NULL
     assert acl.aclrtGetCurrentContext(emu.NULL) == ACL_ERROR_INVALID_PARAM
     assert acl.aclrtSetCurrentContext(emu.NULL) == ACL_ERROR_INVALID_PARAM
-    assert acl.aclrtSetCurrentContext(ffi.cast("void *", 0x1234)) == RT_INVALID_HANDLE
+    # Not a live context: RT_ERROR_INVALID_VALUE (ApiErrorDecorator::ContextSetCurrent), 107000.
+    assert acl.aclrtSetCurrentContext(ffi.cast("void *", 0x1234)) == RT_PARAM_INVALID
     sets = emu.stats()["devices_set"]
     seen = {}
 
@@ -435,12 +447,20 @@ def test_contexts_switch_devices_without_references_and_die_with_the_device(isol
         out["seconds"] = time.perf_counter() - t0
         out["bad"] = bad
         out["sets_after"] = stats()["devices_set"]
-        # Streams follow the current context's device.
+        # Streams follow the current context's device. Synchronizing one of another device
+        # switches to its context (ApiImpl::StreamSynchronize); queueing work on it is 107003.
         assert acl.aclrtSetCurrentContext(c1[0]) == 0
         s = ffi.new("aclrtStream *")
         assert acl.aclrtCreateStream(s) == 0
         assert acl.aclrtSetCurrentContext(c0[0]) == 0
         out["foreign_stream"] = acl.aclrtSynchronizeStream(s[0])
+        sst = ffi.new("aclrtStreamStatus *")
+        out["foreign_query"] = acl.aclrtStreamQuery(s[0], sst)
+        ev = ffi.new("aclrtEvent *")
+        assert acl.aclrtCreateEvent(ev) == 0
+        out["foreign_record"] = acl.aclrtRecordEvent(ev[0], s[0])
+        out["foreign_destroy"] = acl.aclrtDestroyStream(s[0])
+        assert acl.aclrtDestroyEvent(ev[0]) == 0
         assert acl.aclrtSetCurrentContext(c1[0]) == 0
         assert acl.aclrtDestroyStream(s[0]) == 0
         # Device 1's last reset destroys its context, for every thread.
@@ -458,10 +478,11 @@ def test_contexts_switch_devices_without_references_and_die_with_the_device(isol
     """, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r["distinct"] and r["bad"] == 0
     assert r["sets_before"] == 2 and r["sets_after"] == 2  # flat over 100k switches
-    assert r["foreign_stream"] == RT_STREAM_CONTEXT
+    assert r["foreign_stream"] == 0 and r["foreign_query"] == 0
+    assert r["foreign_record"] == RT_STREAM_CONTEXT and r["foreign_destroy"] == RT_STREAM_CONTEXT
     assert r["get_dead"] == RT_CONTEXT_NULL and r["getdev_dead"] == RT_CONTEXT_NULL
-    assert r["set_dead"] == RT_INVALID_HANDLE and "not a live context" in r["set_dead_msg"]
-    assert r["new_ctx_differs"] and r["set_dead_again"] == RT_INVALID_HANDLE
+    assert r["set_dead"] == RT_PARAM_INVALID and "not a live context" in r["set_dead_msg"]
+    assert r["new_ctx_differs"] and r["set_dead_again"] == RT_PARAM_INVALID
     assert r["set_c0"] == 0
     assert r["seconds"] < 10
 
@@ -470,7 +491,7 @@ def test_contexts_switch_devices_without_references_and_die_with_the_device(isol
 
 FORK_CHILD = '''
 def child_report(parent):
-    """Runs in the forked child: every call must return promptly, with CANN uninitialized."""
+    """Runs in the forked child: every call must return promptly; no device is set there."""
     d = ffi.new("int32_t *")
     st = ffi.new("aclrtEventRecordedStatus *")
     r = {"getdev": acl.aclrtGetDevice(d),
@@ -539,10 +560,11 @@ def fork_and_check(parent, timeout=20.0):
 
 
 @pytest.mark.parametrize("mode", ["lazy", "async"])
-def test_fork_child_never_hangs_and_starts_uninitialized(isolated, mode):
+def test_fork_child_never_hangs_and_starts_without_devices(isolated, mode):
     # A parent thread is inside the emulator at fork time: in lazy mode it runs a slow kernel
     # while synchronizing, in async mode the engine runs it; either way a second thread waits
-    # for the stream. The child must get errors and an uninitialized CANN, promptly.
+    # for the stream. The child must get errors promptly: no device is set there, the parent's
+    # handles are stale, aclInit's flags are inherited (nothing checks them).
     r = fresh(isolated, prelude=FORK_CHILD, body=f"""
         acl.aclInit(ffi.NULL); acl.aclrtSetDevice(0)
         assert acl.aclemuSetStreamMode(b"{mode}") == 0
@@ -578,16 +600,16 @@ def test_fork_child_never_hangs_and_starts_uninitialized(isolated, mode):
     assert r["kernel_started"] and r["busy_at_fork"], r
     c = r["child"]
     assert not c.get("hung"), "the fork child hung on the emulator's locks"
-    assert c["getdev"] == ACL_ERROR_UNINITIALIZE and c["create_stream"] == ACL_ERROR_UNINITIALIZE
-    assert c["sync_parent_stream"] == ACL_ERROR_UNINITIALIZE
-    assert c["query_parent_event"] == ACL_ERROR_UNINITIALIZE
-    assert c["initialized"] == 0 and c["streams"] == 0
+    assert c["getdev"] == RT_CONTEXT_NULL and c["create_stream"] == RT_CONTEXT_NULL
+    assert c["sync_parent_stream"] == RT_INVALID_HANDLE  # the handle is checked first
+    assert c["query_parent_event"] == RT_INVALID_HANDLE
+    assert c["initialized"] == 1 and c["streams"] == 0
     assert c["mode"] == mode
-    assert c["init"] == 0 and c["set"] == 0
+    assert c["init"] == ACL_ERROR_REPEAT_INITIALIZE and c["set"] == 0
     assert c["parent_stream_after_init"] == RT_INVALID_HANDLE
     assert c["parent_event_after_init"] == RT_INVALID_HANDLE
     assert c["parent_tensor"] == ACLNN_ERR_PARAM_INVALID
-    assert c["free_parent_block"] == 207002
+    assert c["free_parent_block"] == RT_PARAM_INVALID
     assert c["ran"] and c["new_stream_not_parent"]
     assert c["launch"] == 0 and c["sync"] == 0 and c["finalize"] == 0
     assert r["parent_syncs"] == {"a": 0, "b": 0} and r["parent_still_works"] == 0
@@ -640,7 +662,7 @@ def test_fork_while_threads_hammer_the_locks(isolated):
             th.join()
         print(json.dumps({"children": results}))
     """)
-    want = [ACL_ERROR_UNINITIALIZE, ACLNN_ERR_PARAM_INVALID, 0, 0, 0, 0]
+    want = [RT_CONTEXT_NULL, ACLNN_ERR_PARAM_INVALID, ACL_ERROR_REPEAT_INITIALIZE, 0, 0, 0]
     assert r["children"] == [want] * 20, r
 
 

@@ -18,7 +18,6 @@ import pyacl_moe as pm
 from .test_emulator import (  # noqa: F401  (res and shapes are fixtures)
     ACL_BF16,
     ACL_DOUBLE,
-    ACL_ERROR_REPEAT_INITIALIZE,
     ACL_FLOAT,
     ACL_FLOAT16,
     ACL_INT32,
@@ -37,7 +36,6 @@ from .test_emulator import (  # noqa: F401  (res and shapes are fixtures)
     phase1_status,
     reference,
     res,
-    run_fresh,
     shapes,
 )
 
@@ -272,23 +270,6 @@ def test_negative_index_in_active_mode_is_read_not_skipped(emu, res):
     launch(emu, res, xt, it, 2, 0, 3, ot, sync=False)
     assert emu.acl.aclrtSynchronizeStream(emu.NULL) == RT_AICORE_EXCEPTION
     assert "expandedRowIdx[1] = -1" in emu.msg()
-
-
-# ============================================================================ 7. aclInit after aclFinalize
-
-def test_aclinit_after_aclfinalize_is_refused(isolated):
-    r = run_fresh(isolated, """
-        out = {"init": acl.aclInit(ffi.NULL), "fin": acl.aclFinalize()}
-        out["reinit"] = acl.aclInit(ffi.NULL)
-        out["msg"] = msg()
-        out["set"] = acl.aclrtSetDevice(0)
-        out["initialized"] = stats()["initialized"]
-        print(json.dumps(out))
-    """)
-    assert r["init"] == 0 and r["fin"] == 0
-    assert r["reinit"] == ACL_ERROR_REPEAT_INITIALIZE
-    assert "aclFinalize was already called" in r["msg"]
-    assert r["set"] == 100001 and r["initialized"] == 0  # nothing works after aclFinalize
 
 
 # ============================================================================ 8. contiguous-copy scratch

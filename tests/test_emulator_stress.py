@@ -87,6 +87,9 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
         s, e = ffi.new("aclrtStream *"), ffi.new("aclrtEvent *")
         emu.ok(acl.aclrtCreateStream(s))
         emu.ok(acl.aclrtCreateEvent(e))
+        # Recorded once up front: waiting on an event never recorded is 107000 (CANN's
+        # Event::Wait), and the threads wait on these from the start.
+        emu.ok(acl.aclrtRecordEvent(e[0], s[0]))
         shared_streams.append(s[0])
         shared_events.append(e[0])
     errors: list[str] = []

@@ -54,12 +54,27 @@ def test_query_and_synchronize_follow_queued_work(device, lazy_streams, no_leaks
         out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=s)
         assert not s.query()  # queued, not run (a query runs nothing)
         with pytest.raises(pm.AclRuntimeError) as info:
-            s.synchronize(timeout_ms=0)
-        assert info.value.status == 507046 and info.value.api == "aclrtSynchronizeStreamWithTimeout"
+            s.synchronize(timeout_ms=0)  # CANN takes -1 or a positive timeout only
+        assert info.value.status == 107000 and info.value.api == "aclrtSynchronizeStreamWithTimeout"
+        assert not s.query()  # refused: nothing ran
         s.synchronize(timeout_ms=-1)  # -1: no limit
         assert s.query() and pm.emulator.stats()["pending_tasks"] == 0
         np.testing.assert_array_equal(out.to_host(s), np.full((256, 64), 4.0, np.float32))
         del x, idx, out
+
+
+def test_a_synchronize_that_times_out_raises_507046(device, lazy_streams, no_leaks):
+    # Lazy streams: the synchronize runs the first copy itself (tens of MiB: longer than 1 ms),
+    # then finds its deadline passed with the second still queued.
+    with closing(pm.Stream(device)) as s:
+        host = np.ones(8 << 20, np.float32)
+        a, b = pm.to_device(host, stream=s), pm.to_device(host, stream=s)
+        with pytest.raises(pm.AclRuntimeError) as info:
+            s.synchronize(timeout_ms=1)
+        assert info.value.status == 507046 and info.value.api == "aclrtSynchronizeStreamWithTimeout"
+        assert not s.query()
+        s.synchronize()
+        del a, b
 
 
 @pytest.mark.parametrize("timeout", [-2, 2**31, 2**40, 1.5, "10", True])
@@ -73,14 +88,14 @@ def test_events_time_work_on_a_stream(device, lazy_streams, no_leaks):
         x = pm.to_device(np.ones((4096, 256), np.float32), stream=s)
         idx = pm.to_device(np.arange(4096, dtype=np.int32), stream=s)
         start, end = pm.Event(device), pm.Event(device)
-        assert start.query()  # never recorded: complete
+        assert not start.query()  # never recorded: not ready, as CANN reports it
         start.record(s)
         out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=s)
         assert s.record(end) is end
         assert not end.query()  # queued, not run
         with pytest.raises(pm.AclRuntimeError) as info:
-            start.elapsed_ms(end)  # not yet run
-        assert info.value.status == 507006
+            start.elapsed_ms(end)  # not yet run: no timestamp yet
+        assert info.value.status == 107006
         end.synchronize()
         assert end.query() and start.query()
         assert start.elapsed_ms(end) >= 0.0

@@ -32,6 +32,11 @@
 #define ACLNN_ERR_INNER_TILING_ERROR 561002
 #define ACLNN_ERR_INNER_NULLPTR 561103
 
+/* Runtime codes headers/acl_base.h does not declare (the binding has no use for their names);
+ * the values are CANN's (include/external/acl/error_codes/rt_error_codes.h). */
+#define ACL_ERROR_RT_INVALID_MEMORY_TYPE 107016
+#define ACL_ERROR_RT_CONTEXT_RELEASE_ERROR 507007
+
 #define EMU_MAX_DIMS 64    /* what aclCreateTensor accepts */
 /* nnopbase puts no rank limit of its own on an operator's tensors: the op's tiling judges the
  * ranks it cares about, so a descriptor holds every dimension aclCreateTensor accepts. */
@@ -98,8 +103,8 @@ EMU_API int aclemuFaultPoint(const char *api, int default_status);
     do {                                                 \
         if (aclemuFaultPoint(api, (default_status))) return NULL; \
     } while (0)
-/* 0 when aclInit was called and the calling thread has a current device (stored in *device);
- * otherwise the CANN status and a message. */
+/* 0 when the calling thread has a current device (stored in *device); otherwise the CANN status
+ * and a message. aclInit is not required (CANN's runtime checks it nowhere). */
 EMU_API int aclemuRequireDevice(const char *api, int32_t *device);
 EMU_API void aclemuCountAdd(int slot, int64_t delta);
 /* The second phase's runtime part, under one lock: the calling thread must have `device`

@@ -16,7 +16,7 @@
 #include "rt_internal.h"
 
 int device_active_locked(int32_t d) {
-    return g_initialized && d >= 0 && d < g_device_count && g_devices[d].refcount > 0;
+    return d >= 0 && d < g_device_count && g_devices[d].refcount > 0;
 }
 
 int32_t current_device_locked(void) {
@@ -24,13 +24,12 @@ int32_t current_device_locked(void) {
     return c && device_active_locked(c->device) ? c->device : -1;
 }
 
+/* CANN's ApiImpl entries take the thread's current context (CurrentContext, api_impl.cc) and
+ * refuse none with RT_ERROR_CONTEXT_NULL (107002); no default device is configured here
+ * (aclInit's json is not read), so there is no implicit aclrtSetDevice. */
 int require_device_locked(const char *api, int32_t *device) {
     int st = config_error_locked(api);
     if (st) return st;
-    if (!g_initialized) {
-        aclemuSetErrMsg(api, ACL_ERROR_UNINITIALIZE, "aclInit has not been called");
-        return ACL_ERROR_UNINITIALIZE;
-    }
     int32_t d = current_device_locked();
     if (d < 0) {
         aclemuSetErrMsg(api, ACL_ERROR_RT_CONTEXT_NULL,
@@ -113,7 +112,7 @@ EMU_API aclError aclrtSetDevice(int32_t deviceId) {
     pthread_mutex_lock(&g_lock);
     int st;
     for (;;) { /* a device being released by its last reset is opened only once that is done */
-        st = require_init_locked(api);
+        st = config_error_locked(api);
         if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
             st = ACL_ERROR_RT_INVALID_DEVICEID;
             aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId,
@@ -134,6 +133,8 @@ EMU_API aclError aclrtSetDevice(int32_t deviceId) {
     return st;
 }
 
+/* No current context is 107002 returned silently (api_impl.cc ApiImpl::GetDevice,
+ * COND_RETURN_WITH_NOLOG): no message is recorded for aclGetRecentErrMsg. */
 EMU_API aclError aclrtGetDevice(int32_t *deviceId) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     if (!deviceId) {
@@ -141,7 +142,10 @@ EMU_API aclError aclrtGetDevice(int32_t *deviceId) {
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int st = require_device_locked(api, deviceId);
+    int st = config_error_locked(api);
+    int32_t d = st ? -1 : current_device_locked();
+    if (!st && d < 0) st = ACL_ERROR_RT_CONTEXT_NULL;
+    if (!st) *deviceId = d;
     pthread_mutex_unlock(&g_lock);
     return st;
 }
@@ -149,12 +153,13 @@ EMU_API aclError aclrtGetDevice(int32_t *deviceId) {
 EMU_API aclError aclrtResetDevice(int32_t deviceId) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
+    int st = config_error_locked(api);
     if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
         st = ACL_ERROR_RT_INVALID_DEVICEID;
         aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId, g_device_count);
     } else if (!st && g_devices[deviceId].refcount == 0) {
-        st = ACL_ERROR_RT_PARAM_INVALID;
+        /* Runtime::PrimaryContextRelease: TryDecRef fails at count 0, RT_ERROR_CONTEXT_DEL. */
+        st = ACL_ERROR_RT_CONTEXT_RELEASE_ERROR;
         aclemuSetErrMsg(api, st, "device %d is not set (more resets than aclrtSetDevice calls)",
                         (int)deviceId);
     }
@@ -166,25 +171,32 @@ EMU_API aclError aclrtResetDevice(int32_t deviceId) {
     return st;
 }
 
+/* Context::Synchronize (context.cc): every stream of the context, in its list's order (the
+ * order they were created), then the default stream; in continue-on-failure mode each stream's
+ * synchronize reports and clears its fault, and the call returns the first. The message names
+ * each stream's fault, the first one's first. */
 EMU_API aclError aclrtSynchronizeDevice(void) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
     int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
     int st = require_device_locked(api, &d);
     if (!st) {
-        /* Every stream of the device is observed: each one's faults are reported, the oldest
-         * stream's status first, and none is left for a later call. */
         char msg[EMU_MSG_LEN], one[EMU_MSG_LEN];
+        msg[0] = 0;
         emu_stream *def = g_devices[d].default_stream;
         def->refs++;
         drain_device_locked(d);
-        st = take_pending_locked(def, msg, sizeof msg);
-        for (uint32_t i = 0; i < g_streams.n; i++) {
-            emu_stream *s = emu_ht_at(&g_streams, i);
-            if (!s || s->device != d) continue;
-            int sst = take_pending_locked(s, one, sizeof one);
-            if (!sst) continue;
-            size_t used = st ? strlen(msg) : 0;
+        for (;;) { /* the stream created first among those with a fault, then the default one */
+            emu_stream *next = NULL;
+            for (uint32_t i = 0; i < g_streams.n; i++) {
+                emu_stream *s = emu_ht_at(&g_streams, i);
+                if (s && s->device == d && s->pending_status && (!next || s->created < next->created))
+                    next = s;
+            }
+            if (!next && def->pending_status) next = def;
+            if (!next) break;
+            int sst = take_pending_locked(next, one, sizeof one);
+            size_t used = strlen(msg);
             if (!st) st = sst;
             if (used + 4 < sizeof msg)
                 snprintf(msg + used, sizeof msg - used, "%s%s", used ? " | " : "", one);
@@ -205,16 +217,25 @@ EMU_API aclError aclrtSetCurrentContext(aclrtContext context) {
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
+    int st = config_error_locked(api);
     const emu_context *c = NULL;
     if (!st && !(c = emu_ht_get(&g_contexts, context))) {
-        st = ACL_ERROR_RT_INVALID_HANDLE;
-        aclemuSetErrMsg(api, st,
-                        "context %p is not a live context (its device was reset, or it never "
-                        "existed)",
-                        context);
+        if (aclemuRelease() >= 90000) {
+            /* ApiErrorDecorator::ContextSetCurrent (from v9.0.0): not in the live set,
+             * RT_ERROR_INVALID_VALUE. */
+            st = ACL_ERROR_RT_PARAM_INVALID;
+            aclemuSetErrMsg(api, st,
+                            "context %p is not a live context (its device was reset, or it never "
+                            "existed)",
+                            context);
+        } else {
+            /* v8.5.0 has no such check: the pointer becomes current, and the calls that need
+             * a context then find none (107002). */
+            tls_ctx = (uintptr_t)context;
+        }
+    } else if (!st) {
+        tls_ctx = c->handle; /* no reference count changes: that is the point */
     }
-    if (!st) tls_ctx = c->handle; /* no reference count changes: that is the point */
     pthread_mutex_unlock(&g_lock);
     return st;
 }
@@ -226,14 +247,11 @@ EMU_API aclError aclrtGetCurrentContext(aclrtContext *context) {
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
+    int st = config_error_locked(api);
     const emu_context *c = NULL;
-    if (!st && !(c = emu_ht_get(&g_contexts, (const void *)tls_ctx))) {
-        st = ACL_ERROR_RT_CONTEXT_NULL;
-        aclemuSetErrMsg(api, st,
-                        "this thread has no current context: call aclrtSetDevice or "
-                        "aclrtSetCurrentContext first");
-    }
+    /* None is 107002, returned silently (ApiImpl::ContextGetCurrent, COND_RETURN_WITH_NOLOG): no
+     * message. A context that died with its device counts as none here. */
+    if (!st && !(c = emu_ht_get(&g_contexts, (const void *)tls_ctx))) st = ACL_ERROR_RT_CONTEXT_NULL;
     if (!st) *context = (aclrtContext)c->handle;
     pthread_mutex_unlock(&g_lock);
     return st;

@@ -52,8 +52,10 @@ typedef struct emu_stream {
     int running;       /* a thread (the engine or a helper) is running the head task */
     int in_ready;      /* on the engine's ready list */
     struct emu_stream *ready_next;
-    /* Device faults latched since a synchronize last reported them (sticky until observed):
-     * the oldest one's status, how many, and their messages joined, oldest first. */
+    uint64_t created;  /* creation order: aclrtSynchronizeDevice reports in stream-list order */
+    /* The device fault latched since a synchronize of the stream last reported one. As CANN's
+     * Stream::SetErrCode, a later fault overwrites an earlier one: the latest task's status and
+     * message are kept, and how many faulted since the last report. */
     int pending_status;
     int64_t pending_faults;
     char pending_msg[EMU_MSG_LEN];
@@ -109,7 +111,7 @@ extern pthread_cond_t g_cond;        /* a task finished (broadcast only when g_w
 extern pthread_cond_t g_engine_cond; /* the engine has something to do */
 extern int g_waiters;                /* threads waiting on g_cond */
 extern int64_t g_counters[EMU_C_COUNT];
-extern int g_initialized;
+extern int g_initialized; /* aclInit's reference count is above 0 (nothing else checks it) */
 extern int g_device_count;
 extern size_t g_capacity;
 extern char g_soc[64];
@@ -141,16 +143,19 @@ double now_ms(void);
 int grow(void **arr, size_t *cap, size_t need, size_t elem);
 /* Read the environment once (device count, capacity, SoC name, mutation, stream mode, queue
  * depth, and the kernel thread count's form). 0, or ACL_ERROR_INVALID_PARAM while a variable is
- * malformed; config_error_locked also sets the calling thread's message saying which. */
+ * malformed; config_error_locked also sets the calling thread's message saying which. No call
+ * checks aclInit (CANN's runtime does not): the environment is read at the first call that
+ * needs it, whichever that is. */
 int config_locked(void);
 int config_error_locked(const char *api);
-int require_init_locked(const char *api);
 
 /* ------------------------------------------------------------------ devices (rt_device.c) */
 
 /* The calling thread's current device, or -1 (no context, or its device was reset). */
 int32_t current_device_locked(void);
 int device_active_locked(int32_t d);
+/* 0 with the current device in *device; else the configuration's status, or 107002 (no current
+ * context) with a message. */
 int require_device_locked(const char *api, int32_t *device);
 /* Release everything device d holds (after running its queued work). */
 void device_teardown_locked(int32_t d);
@@ -159,7 +164,14 @@ void device_teardown_locked(int32_t d);
 
 emu_stream *stream_new_locked(int32_t device, int is_default);
 void stream_unref_locked(emu_stream *s);
+/* Resolve a stream for use on `device` (NULL: its default stream): 107017 for a handle that is
+ * not a live stream, 107003 for another device's stream. */
 int resolve_stream_locked(const char *api, aclrtStream h, int32_t device, emu_stream **out);
+/* A stream argument in CANN's order: a non-NULL handle must be a live stream (107017), then the
+ * thread needs a current device (107002, stored in *device); NULL is that device's default
+ * stream; with `same_device`, a stream of another device is 107003 (calls that queue work), else
+ * it is used as it is (synchronize and query switch to the stream's context). */
+int stream_arg_locked(const char *api, aclrtStream h, int same_device, int32_t *device, emu_stream **out);
 /* Queue a task; in async mode a full stream first waits for room (the lock is released
  * meanwhile). 0, or -1 when out of memory. */
 int enqueue_locked(emu_stream *s, emu_task_run run, emu_task_release release, void *payload);
@@ -169,10 +181,11 @@ int drain_locked(emu_stream *s, uint64_t upto, double deadline_ms);
  * the stream was destroyed while the caller waited for room. */
 int enqueue_status(const char *api, int r);
 void drain_device_locked(int32_t d);
-/* Report (and clear) s's latched faults: their status (0: none) and a message naming each. */
+/* Report (and clear) s's latched fault: the latest's status (0: none) and its message. */
 int take_pending_locked(emu_stream *s, char *msg, size_t len);
-/* Stop the engine (aclFinalize): called with the lock held, returns with it held. */
-void engine_stop_locked(void);
+/* aclFinalize: run every queued task of every device, then stop the engine thread (a later
+ * enqueue starts another). Called with the lock held, returns with it held. */
+void engine_finalize_locked(void);
 /* After fork, in the child: forget the engine thread and the ready list. */
 void engine_forget_after_fork(void);
 void event_release_all_of_device_locked(int32_t d);
@@ -184,7 +197,6 @@ emu_block *find_block_locked(uintptr_t addr, size_t *index);
 void block_release_locked(emu_block *b);
 int reserve_va_locked(emu_device *dev);
 void release_device_blocks_locked(int32_t d);
-void release_host_blocks_locked(void);
 
 #pragma GCC visibility pop
 

@@ -201,11 +201,19 @@ EMU_API int aclemuCorruptGuard(void *devPtr) {
     return b ? 0 : -1;
 }
 
-/* ------------------------------------------------------------------ memory */
+/* ------------------------------------------------------------------ memory
+ *
+ * Each entry follows hicann/runtime v9.1.0 (src/acl/aclrt_impl/memory.cpp, then api_c.cc,
+ * api_error.cc and api_impl.cc) and, where the runtime hands over, hicann/driver's svm code. */
 
+/* devPtr NULL, then size 0: 100000 (aclMallocMemInner); the policy is not judged (a value CANN
+ * does not name is its default; every policy is served from the same emulated HBM); no current
+ * device 107002; more than is free 207001. A block is the size rounded up to 32 bytes plus 32
+ * (CANN's rounding and padding: GetAlignedAndPaddingSize, padding 32 by default), and starts at
+ * a multiple of 512 (CANN documents 64). */
 EMU_API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy) {
     EMU_ENTRY(ACL_ERROR_RT_MEMORY_ALLOCATION);
-    (void)policy; /* every policy is served from the same emulated HBM */
+    (void)policy;
     if (!devPtr) {
         aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
         return ACL_ERROR_INVALID_PARAM;
@@ -217,9 +225,8 @@ EMU_API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy po
     pthread_mutex_lock(&g_lock);
     int32_t d = -1;
     int st = require_device_locked(api, &d);
-    /* CANN rounds every block up to 32 bytes and adds 32 more. */
     size_t padded = ((size + 31) & ~(size_t)31) + 32;
-    /* No device state is looked at before there is a device (before aclInit, d is not one). */
+    /* No device state is looked at before there is a device (without one, d is not one). */
     emu_device *dev = st ? NULL : &g_devices[d];
     uintptr_t addr = 0;
     emu_block *b = NULL;
@@ -266,19 +273,41 @@ EMU_API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy po
     return st;
 }
 
+/* Whether the driver's heap exists: it is made when a device is first opened in the process. */
+static int heap_ready_locked(void) {
+    for (int d = 0; d < EMU_MAX_DEVICES; d++)
+        if (g_devices[d].va_base) return 1;
+    return 0;
+}
+
+/* NULL 100000 (memory.cpp); no current device needed (ApiImpl::DevFree falls back to the
+ * driver); then the driver's halMemFree (hicann/driver src/ascend_hal/svm/v2/devmm/devmm_svm.c,
+ * devmm_free_managed_nomal): no heap yet (no device ever opened) DRV_ERROR_INVALID_HANDLE, 107017;
+ * an address that is not a live allocation (never allocated, freed already, released by the
+ * device's reset, or not a block's start) DRV_ERROR_INVALID_VALUE, 107000 (svm v3's
+ * svm_mem_free answers the same). A block whose guard bytes were overwritten is freed and 507053:
+ * the emulator's own check. */
 EMU_API aclError aclrtFree(void *devPtr) {
-    EMU_ENTRY(ACL_ERROR_RT_MEMORY_FREE);
+    EMU_ENTRY(ACL_ERROR_RT_PARAM_INVALID);
+    if (!devPtr) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
+    int st = config_error_locked(api);
     size_t idx = 0;
     emu_block *b = NULL;
-    if (!st) {
+    if (!st && !heap_ready_locked()) {
+        st = ACL_ERROR_RT_INVALID_HANDLE;
+        aclemuSetErrMsg(api, st, "no device was ever opened in this process: there is no device heap to free %p from",
+                        devPtr);
+    } else if (!st) {
         b = find_block_locked((uintptr_t)devPtr, &idx);
         if (!b || b->addr != (uintptr_t)devPtr) {
-            st = ACL_ERROR_RT_MEMORY_FREE;
+            st = ACL_ERROR_RT_PARAM_INVALID;
             aclemuSetErrMsg(api, st,
                             "%p is not the start of a live device allocation (never allocated, "
-                            "already freed, or freed by aclrtResetDevice/aclFinalize)",
+                            "already freed, or freed by aclrtResetDevice)",
                             devPtr);
             b = NULL;
         }
@@ -302,6 +331,8 @@ EMU_API aclError aclrtFree(void *devPtr) {
     return st;
 }
 
+/* hostPtr NULL, then size 0: 100000; no current device 107002 (ApiImpl::HostMalloc); the size
+ * is rounded up to 32 bytes, as CANN rounds it (the counters show the size asked for). */
 EMU_API aclError aclrtMallocHost(void **hostPtr, size_t size) {
     EMU_ENTRY(ACL_ERROR_RT_MEMORY_ALLOCATION);
     if (!hostPtr || size == 0) {
@@ -309,9 +340,10 @@ EMU_API aclError aclrtMallocHost(void **hostPtr, size_t size) {
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
+    int st = require_device_locked(api, NULL);
+    size_t rounded = (size + 31) & ~(size_t)31;
     void *p = NULL;
-    if (!st && (posix_memalign(&p, 64, size) ||
+    if (!st && (rounded < size || posix_memalign(&p, 64, rounded) ||
                 grow((void **)&g_host, &g_cap_host, g_nhost + 1, sizeof *g_host))) {
         free(p);
         st = ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -328,15 +360,25 @@ EMU_API aclError aclrtMallocHost(void **hostPtr, size_t size) {
     return st;
 }
 
+/* NULL 100000; no current device needed; device memory 107000 (ApiImpl::HostFree: the location
+ * must be host); anything else that is not a live block of aclrtMallocHost (never allocated,
+ * freed already) 107000, the driver's answer for an address it did not allocate. */
 EMU_API aclError aclrtFreeHost(void *hostPtr) {
-    EMU_ENTRY(ACL_ERROR_RT_MEMORY_FREE);
+    EMU_ENTRY(ACL_ERROR_RT_PARAM_INVALID);
+    if (!hostPtr) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "hostPtr is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
-    if (!st) {
+    int st = config_error_locked(api);
+    if (!st && in_device_va_locked((uintptr_t)hostPtr)) {
+        st = ACL_ERROR_RT_PARAM_INVALID;
+        aclemuSetErrMsg(api, st, "%p is device memory, not host memory", hostPtr);
+    } else if (!st) {
         size_t i = 0;
         while (i < g_nhost && g_host[i].ptr != hostPtr) i++;
         if (i == g_nhost) {
-            st = ACL_ERROR_RT_MEMORY_FREE;
+            st = ACL_ERROR_RT_PARAM_INVALID;
             aclemuSetErrMsg(api, st, "%p was not returned by aclrtMallocHost or is already freed",
                             hostPtr);
         } else {
@@ -350,13 +392,55 @@ EMU_API aclError aclrtFreeHost(void *hostPtr) {
     return st;
 }
 
+/* ------------------------------------------------------------------ copies and memsets */
+
+/* count 0 is success before any other check from 9.1 (commit 93f9f113d, first in v9.1.0.pre:
+ * memory.cpp and api_c.cc return at once); up to 9.0 it reaches the runtime's checks, 107000. */
+static int count_zero_is_success(void) { return aclemuRelease() >= 90100; }
+
+#define COPY_DONE (-1) /* the checks found nothing to do: success */
+
 /* Where a copy goes: each side is checked against the kind and against live allocations. */
 typedef struct copy_plan {
     int dst_dev, src_dev;
 } copy_plan;
 
-static const char *const g_kind_names[] = {"HOST_TO_HOST", "HOST_TO_DEVICE", "DEVICE_TO_HOST",
-                                           "DEVICE_TO_DEVICE", "DEFAULT"};
+/* The ACL layer's checks of aclrtMemcpy and aclrtMemcpyAsync (memory.cpp): count 0 (9.1), dst,
+ * src, then the kind (MemcpyKindTranslate: the four directions, DEFAULT and
+ * HOST_TO_BUF_TO_DEVICE; INNER/INTER_DEVICE_TO_DEVICE and anything else 100000). */
+static int copy_acl_checks(const char *api, void *dst, const void *src, size_t count, aclrtMemcpyKind kind) {
+    if (count == 0 && count_zero_is_success()) return COPY_DONE;
+    if (!dst || !src) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "%s is NULL", dst ? "src" : "dst");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    if ((int)kind < ACL_MEMCPY_HOST_TO_HOST || (int)kind > ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "copy kind %d is not supported", (int)kind);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    return 0;
+}
+
+/* The runtime's count checks (ApiErrorDecorator::MemCopySync, MemcpyAsync): for the synchronous
+ * copy destMax 0, then count 0 (reached before 9.1 only), then count above destMax, all 107000,
+ * then dst == src: success without a copy; the asynchronous one checks count 0 and count above
+ * destMax (dst == src comes later, after the current device and the addresses). */
+static int copy_count_checks(const char *api, int sync, void *dst, size_t destMax, const void *src, size_t count) {
+    if (sync && destMax == 0) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID, "destMax is 0");
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    if (count == 0) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID, "count is 0 (this release refuses an empty copy)");
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    if (count > destMax) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID, "count %zu exceeds destMax %zu", count, destMax);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    if (sync && dst == src) return COPY_DONE;
+    return 0;
+}
 
 static int check_side_locked(const char *api, const char *what, uintptr_t p, size_t count,
                              int want_dev) {
@@ -382,33 +466,22 @@ static int check_side_locked(const char *api, const char *what, uintptr_t p, siz
     return 0;
 }
 
-static int plan_copy_locked(const char *api, void *dst, size_t destMax, const void *src,
-                            size_t count, aclrtMemcpyKind kind, copy_plan *plan) {
-    if (!dst || !src) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "%s is NULL", dst ? "src" : "dst");
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    if (count > destMax) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "count %zu exceeds destMax %zu", count,
-                        destMax);
-        return ACL_ERROR_INVALID_PARAM;
-    }
+/* The emulator's checks of the addresses (CANN's driver does the copy and answers for them):
+ * each side must be what the kind says, device memory inside one live block, host memory
+ * mapped; 107000 otherwise. DEFAULT takes each side from its address. */
+static int plan_copy_locked(const char *api, void *dst, const void *src, size_t count,
+                            aclrtMemcpyKind kind, copy_plan *plan) {
     switch (kind) {
     case ACL_MEMCPY_HOST_TO_HOST: plan->dst_dev = 0; plan->src_dev = 0; break;
-    case ACL_MEMCPY_HOST_TO_DEVICE: plan->dst_dev = 1; plan->src_dev = 0; break;
+    case ACL_MEMCPY_HOST_TO_DEVICE:
+    case ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE: plan->dst_dev = 1; plan->src_dev = 0; break;
     case ACL_MEMCPY_DEVICE_TO_HOST: plan->dst_dev = 0; plan->src_dev = 1; break;
     case ACL_MEMCPY_DEVICE_TO_DEVICE: plan->dst_dev = 1; plan->src_dev = 1; break;
-    case ACL_MEMCPY_DEFAULT:
+    default: /* ACL_MEMCPY_DEFAULT (copy_acl_checks refused the rest) */
         plan->dst_dev = in_device_va_locked((uintptr_t)dst);
         plan->src_dev = in_device_va_locked((uintptr_t)src);
         break;
-    default:
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "copy kind %d is not supported",
-                        (int)kind);
-        return ACL_ERROR_INVALID_PARAM;
     }
-    (void)g_kind_names;
-    if (count == 0) return 0;
     int st = check_side_locked(api, "dst", (uintptr_t)dst, count, plan->dst_dev);
     if (!st) st = check_side_locked(api, "src", (uintptr_t)src, count, plan->src_dev);
     return st;
@@ -434,24 +507,32 @@ static int pin_copy_locked(uintptr_t dst, uintptr_t src, size_t count, const cop
     return 0;
 }
 
+/* count 0 (9.1: success); dst, src NULL, bad kind 100000; destMax 0, count 0 (before 9.1),
+ * count above destMax 107000; dst == src: success, nothing copied; no current device 107002;
+ * then the addresses (107000). Waits for no stream. */
 EMU_API aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
                              aclrtMemcpyKind kind) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    int st = copy_acl_checks(api, dst, src, count, kind);
+    if (st) return st == COPY_DONE ? 0 : st;
     pthread_mutex_lock(&g_lock);
     copy_plan plan;
-    int st = require_init_locked(api);
-    if (!st) st = plan_copy_locked(api, dst, destMax, src, count, kind, &plan);
+    st = config_error_locked(api);
+    if (!st) st = copy_count_checks(api, 1, dst, destMax, src, count);
+    int done = st == COPY_DONE;
+    if (done) st = 0;
+    if (!st && !done) st = require_device_locked(api, NULL);
+    if (!st && !done) st = plan_copy_locked(api, dst, src, count, kind, &plan);
     emu_pin pd, ps;
     void *hd;
     const void *hs;
-    if (!st && count && pin_copy_locked((uintptr_t)dst, (uintptr_t)src, count, &plan, &pd, &ps,
-                                        &hd, &hs)) {
+    if (!st && !done && pin_copy_locked((uintptr_t)dst, (uintptr_t)src, count, &plan, &pd, &ps, &hd, &hs)) {
         st = ACL_ERROR_RT_PARAM_INVALID;
         aclemuSetErrMsg(api, st, "device memory vanished during the copy");
     }
     pthread_mutex_unlock(&g_lock);
     /* A synchronous copy waits for no stream, as on hardware: it sees memory as it is now. */
-    if (!st && count) {
+    if (!st && !done) {
         memmove(hd, hs, count);
         pthread_mutex_lock(&g_lock);
         unpin_locked(&pd);
@@ -510,17 +591,35 @@ static int copy_run(void *p, char *msg, size_t len) {
 
 static void copy_release(void *p) { free(p); }
 
+/* A stream handle that is not a live stream: 107017 (validated before the runtime's checks). */
+static int stream_handle_locked(const char *api, aclrtStream stream) {
+    if (!stream || emu_ht_get(&g_streams, stream)) return 0;
+    aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_HANDLE,
+                    "stream %p is not a live stream (destroyed, or never created)", stream);
+    return ACL_ERROR_RT_INVALID_HANDLE;
+}
+
+/* count 0 (9.1: success); dst, src NULL, bad kind 100000; the stream not live 107017; count 0
+ * (before 9.1), count above destMax 107000; no current device 107002; the addresses 107000;
+ * dst == src: success, nothing queued; another device's stream 107003 (NULL: the default
+ * stream). Host memory is read or written when the stream runs the task (CANN's copy from
+ * pageable memory, done at once after a stream synchronize, is not modelled). */
 EMU_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count,
                                   aclrtMemcpyKind kind, aclrtStream stream) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    int st = copy_acl_checks(api, dst, src, count, kind);
+    if (st) return st == COPY_DONE ? 0 : st;
     pthread_mutex_lock(&g_lock);
-    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
+    int32_t d = 0;
     copy_plan plan;
     emu_stream *s = NULL;
-    int st = require_device_locked(api, &d);
-    if (!st) st = resolve_stream_locked(api, stream, d, &s);
-    if (!st) st = plan_copy_locked(api, dst, destMax, src, count, kind, &plan);
-    if (!st) {
+    st = config_error_locked(api);
+    if (!st) st = stream_handle_locked(api, stream);
+    if (!st) st = copy_count_checks(api, 0, dst, destMax, src, count);
+    if (!st) st = stream_arg_locked(api, stream, 0, &d, &s);
+    if (!st) st = plan_copy_locked(api, dst, src, count, kind, &plan);
+    if (!st && dst != src && s->device != d) st = resolve_stream_locked(api, stream, d, &s); /* 107003 */
+    if (!st && dst != src) {
         copy_payload *c = calloc(1, sizeof *c);
         if (c) { /* host memory is read or written when the stream runs, not now */
             c->dst = (uintptr_t)dst;
@@ -535,22 +634,12 @@ EMU_API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, si
     return st;
 }
 
-static int plan_set_locked(const char *api, void *devPtr, size_t maxCount, size_t count,
-                           copy_plan *plan) {
-    if (!devPtr) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    if (count > maxCount) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "count %zu exceeds maxCount %zu", count,
-                        maxCount);
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    /* The runtime decides host or device from the address. Host memory must be a block of
-     * aclrtMallocHost: any other address is refused, as a made-up one would crash the host. */
+/* The emulator's checks of a memset's address. The runtime decides host or device from the
+ * address; host memory must be a block of aclrtMallocHost here: any other address is refused
+ * (107000), as a made-up one would crash the host. */
+static int plan_set_locked(const char *api, void *devPtr, size_t count, copy_plan *plan) {
     plan->dst_dev = in_device_va_locked((uintptr_t)devPtr);
     plan->src_dev = 0;
-    if (count == 0) return 0;
     if (!plan->dst_dev && !find_host_block_locked((uintptr_t)devPtr, count)) {
         aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID,
                         "devPtr [%p, +%zu) is not device memory (nor host memory from "
@@ -561,14 +650,38 @@ static int plan_set_locked(const char *api, void *devPtr, size_t maxCount, size_
     return check_side_locked(api, "devPtr", (uintptr_t)devPtr, count, plan->dst_dev);
 }
 
+static int set_count_checks(const char *api, size_t maxCount, size_t count, int check_max) {
+    if (count == 0) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID, "count is 0 (this release refuses an empty memset)");
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    if (check_max && count > maxCount) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID, "count %zu exceeds maxCount %zu", count, maxCount);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    return 0;
+}
+
+/* count 0 (9.1: success); devPtr NULL 100000; count 0 (before 9.1) 107000; no current device
+ * 107002; then the driver (drvMemsetD8, hicann/driver svm v2 devmm_svm.c and v3 svm_set.c):
+ * count above maxCount DRV_ERROR_INVALID_VALUE, 107000; the address 107000. The value is
+ * truncated to a byte. */
 EMU_API aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (count == 0 && count_zero_is_success()) return 0;
+    if (!devPtr) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
     pthread_mutex_lock(&g_lock);
     copy_plan plan;
-    int st = require_init_locked(api);
-    if (!st) st = plan_set_locked(api, devPtr, maxCount, count, &plan);
+    int st = config_error_locked(api);
+    if (!st) st = set_count_checks(api, maxCount, count, 0);
+    if (!st) st = require_device_locked(api, NULL);
+    if (!st) st = set_count_checks(api, maxCount, count, 1);
+    if (!st) st = plan_set_locked(api, devPtr, count, &plan);
     pthread_mutex_unlock(&g_lock);
-    if (!st && count) {
+    if (!st) {
         copy_payload c = {(uintptr_t)devPtr, 0, count, value, 1, plan};
         char msg[EMU_MSG_LEN];
         st = copy_run(&c, msg, sizeof msg);
@@ -577,16 +690,26 @@ EMU_API aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_
     return st;
 }
 
+/* count 0 (9.1: success); devPtr NULL 100000; the stream not live 107017; count 0 (before
+ * 9.1), count above maxCount 107000 (ApiErrorDecorator::MemsetAsync); no current device 107002;
+ * another device's stream 107003 (NULL: the default stream); the address 107000. */
 EMU_API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count,
                                   aclrtStream stream) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (count == 0 && count_zero_is_success()) return 0;
+    if (!devPtr) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
     pthread_mutex_lock(&g_lock);
-    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
+    int32_t d = 0;
     copy_plan plan;
     emu_stream *s = NULL;
-    int st = require_device_locked(api, &d);
-    if (!st) st = resolve_stream_locked(api, stream, d, &s);
-    if (!st) st = plan_set_locked(api, devPtr, maxCount, count, &plan);
+    int st = config_error_locked(api);
+    if (!st) st = stream_handle_locked(api, stream);
+    if (!st) st = set_count_checks(api, maxCount, count, 1);
+    if (!st) st = stream_arg_locked(api, stream, 1, &d, &s);
+    if (!st) st = plan_set_locked(api, devPtr, count, &plan);
     if (!st) {
         copy_payload *c = calloc(1, sizeof *c);
         if (c) {
@@ -603,15 +726,20 @@ EMU_API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, 
     return st;
 }
 
+/* free, then total, NULL 100000; attr outside the runtime's rtMemInfoType range 107016
+ * (ApiErrorDecorator::MemGetInfoEx: [0, 17] from 9.0, whose headers add ACL_MEM_NORMAL to
+ * ACL_MEM_P2P_HUGE1G; [0, 11] up to 8.5); no current device 107002. The emulated chip, like
+ * Atlas A2, has HBM only: DDR attributes report 0, the others the device's HBM. */
 EMU_API aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *total) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     if (!free_bytes || !total) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "an output pointer is NULL");
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "%s is NULL", !free_bytes ? "free" : "total");
         return ACL_ERROR_INVALID_PARAM;
     }
-    if ((int)attr < ACL_DDR_MEM || (int)attr > ACL_HBM_MEM_P2P_HUGE1G) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "attr %d is not an aclrtMemAttr", (int)attr);
-        return ACL_ERROR_INVALID_PARAM;
+    int last = aclemuRelease() >= 90000 ? 17 : ACL_HBM_MEM_P2P_HUGE1G;
+    if ((int)attr < ACL_DDR_MEM || (int)attr > last) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_MEMORY_TYPE, "attr %d is not in [0, %d]", (int)attr, last);
+        return ACL_ERROR_RT_INVALID_MEMORY_TYPE;
     }
     pthread_mutex_lock(&g_lock);
     int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
@@ -619,7 +747,6 @@ EMU_API aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *
     if (!st) {
         int is_ddr = attr == ACL_DDR_MEM || attr == ACL_DDR_MEM_HUGE || attr == ACL_DDR_MEM_NORMAL ||
                      attr == ACL_DDR_MEM_P2P_HUGE || attr == ACL_DDR_MEM_P2P_NORMAL;
-        /* The emulated chip, like Atlas A2, has HBM only. */
         *total = is_ddr ? 0 : g_capacity;
         *free_bytes = is_ddr ? 0 : g_capacity - g_devices[d].used;
     }
@@ -629,7 +756,8 @@ EMU_API aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *
 
 /* ------------------------------------------------------------------ release in bulk */
 
-/* Every block of device d (its last reset, or aclFinalize). */
+/* Every block of device d (its last reset). Host blocks are never released in bulk: neither a
+ * reset nor aclFinalize frees them. */
 void release_device_blocks_locked(int32_t d) {
     size_t keep = 0;
     for (size_t i = 0; i < g_nblocks; i++) {
@@ -638,11 +766,4 @@ void release_device_blocks_locked(int32_t d) {
         else g_blocks[keep++] = b;
     }
     g_nblocks = keep;
-}
-
-void release_host_blocks_locked(void) {
-    for (size_t i = 0; i < g_nhost; i++) free(g_host[i].ptr);
-    count_set(EMU_C_HOST_ALLOCATIONS, 0);
-    count_set(EMU_C_HOST_BYTES, 0);
-    g_nhost = 0;
 }

@@ -82,8 +82,9 @@ int grow(void **arr, size_t *cap, size_t need, size_t elem) {
 
 /* The environment is parsed strictly (pyacl_moe/emulator/_env.py applies the same rules from
  * Python, before the libraries are loaded): a malformed value is an error naming the variable
- * and the accepted forms, never a silent default. Empty means unset. It is read once; while it
- * is malformed every call that needs aclInit fails with ACL_ERROR_INVALID_PARAM and says why. */
+ * and the accepted forms, never a silent default. Empty means unset. It is read once, at the
+ * first call that needs it (aclInit or any runtime call: none of them requires aclInit); while it
+ * is malformed every call that reads it fails with ACL_ERROR_INVALID_PARAM and says why. */
 static int g_config_read;
 static int g_config_status;
 static char g_config_error[EMU_MSG_LEN];
@@ -222,16 +223,6 @@ int config_error_locked(const char *api) {
     return st;
 }
 
-int require_init_locked(const char *api) {
-    int st = config_error_locked(api);
-    if (st) return st;
-    if (!g_initialized) {
-        aclemuSetErrMsg(api, ACL_ERROR_UNINITIALIZE, "aclInit has not been called");
-        return ACL_ERROR_UNINITIALIZE;
-    }
-    return 0;
-}
-
 /* ------------------------------------------------------------------ messages, counters, faults */
 
 EMU_API void aclemuSetErrMsg(const char *api, int status, const char *fmt, ...) {
@@ -345,27 +336,41 @@ EMU_API int aclemuGetStats(aclemuStats *stats) {
 
 /* ------------------------------------------------------------------ acl.h */
 
-/* acl.h allows one aclInit per process and no service after aclFinalize. CANN's acl.cpp of
- * that generation keeps its "initialized" flag set through aclFinalize, so a later aclInit
- * answers as a repeated one (100002); versions that added aclFinalizeReference (after 8.1.RC1)
- * count references and allow it. The emulator follows 8.1.RC1. A fork() child starts over. */
-static int g_finalized;
+/* aclInit and aclFinalize as CANN's acl.cpp has them (hicann/runtime v9.1.0
+ * src/acl/aclrt_impl/acl.cpp, aclInitImpl and aclFinalizeImpl; v8.5.0 is the same): a second
+ * aclInit while initialized counts one more reference and returns 100002 before looking at
+ * anything else; aclFinalize returns 100037 only when it already ran and no aclInit came since
+ * (a flag that starts clear, so the first aclFinalize of a process succeeds even without
+ * aclInit), ignores the reference count, and resets no device, releases nothing: memory,
+ * streams and devices stay usable, since no runtime call checks aclInit. aclInit after
+ * aclFinalize initializes again from 8.5. The 8.0.0 and 8.1.RC1 profiles keep what their acl.h
+ * says ("aclInit can be called only once in a process"): a second successful aclInit in a
+ * process, after aclFinalize, is 100002 there. A fork() child inherits these flags (they are
+ * plain memory to CANN). */
+static int64_t g_init_refs;   /* aclInit's reference count (g_initialized is g_init_refs > 0) */
+static int g_finalize_flag;   /* aclFinalize ran and no aclInit since */
+static int g_ever_initialized; /* an aclInit succeeded in this process */
 
 EMU_API aclError aclInit(const char *configPath) {
     EMU_ENTRY(ACL_ERROR_INTERNAL_ERROR);
     (void)configPath; /* no configuration items are emulated */
     pthread_mutex_lock(&g_lock);
-    int st = config_error_locked(api); /* a malformed PYACL_MOE_EMU_* variable */
-    if (!st && g_initialized) {
+    int st = 0;
+    if (g_init_refs > 0) {
+        g_init_refs++;
         st = ACL_ERROR_REPEAT_INITIALIZE;
-        aclemuSetErrMsg(api, st, "aclInit was already called in this process");
-    } else if (!st && g_finalized) {
+        aclemuSetErrMsg(api, st, "aclInit was already called in this process (and no aclFinalize since)");
+    } else if ((st = config_error_locked(api))) { /* a malformed PYACL_MOE_EMU_* variable */
+    } else if (aclemuRelease() < 80500 && g_ever_initialized) {
         st = ACL_ERROR_REPEAT_INITIALIZE;
         aclemuSetErrMsg(api, st,
-                        "aclFinalize was already called in this process: aclInit can be called "
-                        "only once per process, and CANN cannot be used after aclFinalize");
-    } else if (!st) {
+                        "aclFinalize was already called in this process: this release allows aclInit "
+                        "only once per process");
+    } else {
+        g_init_refs = 1;
         g_initialized = 1;
+        g_finalize_flag = 0;
+        g_ever_initialized = 1;
         count_set(EMU_C_INITIALIZED, 1);
     }
     pthread_mutex_unlock(&g_lock);
@@ -376,24 +381,17 @@ EMU_API aclError aclFinalize(void) {
     EMU_ENTRY(ACL_ERROR_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
     int st = 0;
-    if (!g_initialized) {
+    if (g_finalize_flag) {
         st = ACL_ERROR_REPEAT_FINALIZE;
-        aclemuSetErrMsg(api, st, "aclFinalize without a matching aclInit");
+        aclemuSetErrMsg(api, st, "aclFinalize was already called, and no aclInit since");
     } else {
-        for (int d = 0; d < g_device_count; d++) {
-            if (g_devices[d].refcount > 0) {
-                count_add(EMU_C_DEVICES_SET, -g_devices[d].refcount);
-                g_devices[d].refcount = 0;
-                device_teardown_locked(d);
-            }
-        }
-        release_host_blocks_locked();
+        g_init_refs = 0;
         g_initialized = 0;
-        g_finalized = 1;
+        g_finalize_flag = 1;
         count_set(EMU_C_INITIALIZED, 0);
-        /* Every queue is empty now: the engine has nothing left to do. The next aclInit
-         * starts a new one when work is queued. */
-        engine_stop_locked();
+        /* Nothing is released (CANN resets no device here). The engine thread stops, once it
+         * has run what is queued; the next enqueue starts another. */
+        engine_finalize_locked();
     }
     pthread_mutex_unlock(&g_lock);
     return st;
@@ -412,10 +410,12 @@ EMU_API const char *aclGetRecentErrMsg(void) {
     return tls_msg_out;
 }
 
+/* Needs neither aclInit nor a device (acl_rt_impl_base.cpp, aclrtGetSocNameImpl); NULL only
+ * while the environment is malformed (the emulator's failure of rtGetSocVersion). */
 EMU_API const char *aclrtGetSocName(void) {
     EMU_ENTRY_NULL(1);
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
+    int st = config_error_locked(api);
     pthread_mutex_unlock(&g_lock);
     return st ? NULL : g_soc;
 }
@@ -423,11 +423,13 @@ EMU_API const char *aclrtGetSocName(void) {
 /* ------------------------------------------------------------------ fork */
 
 /* Real CANN does not support use across fork(); the emulator's choice is that a child never
- * hangs on a lock another thread of the parent held, and starts with CANN uninitialized.
- * prepare takes the lock, so the child's copy of the state is consistent; the child then gets
- * fresh locks and condition variables and abandons (leaks, never frees) what the parent had:
- * its streams, events, contexts, memory and executors are gone, their handles stale. The
- * device address ranges are kept, so a parent's device pointer never aliases a child's. */
+ * hangs on a lock another thread of the parent held, and starts with no device set. prepare
+ * takes the lock, so the child's copy of the state is consistent; the child then gets fresh
+ * locks and condition variables and abandons (leaks, never frees) what the parent had: its
+ * streams, events, contexts, memory and executors are gone, their handles stale. aclInit's
+ * flags are inherited, as fork copies them; nothing checks them, so the child may set a device
+ * at once. The device address ranges are kept, so a parent's device pointer never aliases a
+ * child's. */
 static void atfork_prepare(void) { pthread_mutex_lock(&g_lock); }
 
 static void atfork_parent(void) { pthread_mutex_unlock(&g_lock); }
@@ -452,8 +454,6 @@ static void atfork_child(void) {
     init_conds();
     g_waiters = 0;
     engine_forget_after_fork();
-    g_initialized = 0;
-    g_finalized = 0;
     for (int d = 0; d < EMU_MAX_DEVICES; d++) {
         emu_device *dev = &g_devices[d];
         dev->refcount = 0;
@@ -470,7 +470,7 @@ static void atfork_child(void) {
     g_nhost = g_cap_host = 0;
     tls_ctx = 0;
     /* Live counts start from nothing; cumulative figures are the parent's history, kept. */
-    static const int live[] = {EMU_C_INITIALIZED, EMU_C_DEVICES_SET, EMU_C_DEVICE_ALLOCATIONS,
+    static const int live[] = {EMU_C_DEVICES_SET, EMU_C_DEVICE_ALLOCATIONS,
                                EMU_C_DEVICE_BYTES, EMU_C_HOST_ALLOCATIONS, EMU_C_HOST_BYTES,
                                EMU_C_STREAMS, EMU_C_EVENTS, EMU_C_TENSORS, EMU_C_SCALARS,
                                EMU_C_INT_ARRAYS, EMU_C_EXECUTORS, EMU_C_PENDING_TASKS,

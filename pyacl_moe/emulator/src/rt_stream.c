@@ -102,17 +102,16 @@ static void settle_locked(emu_stream *s) {
     engine_kick_locked();
 }
 
-/* Latch a task's fault on its stream. Every fault is kept until a synchronize reports it:
- * an earlier one not yet observed does not hide a later one. */
+/* Latch a task's fault on its stream, as CANN stores a failed task's code on its stream
+ * (Stream::SetErrCode, stream.hpp; davinci_kernel_task.cc, task_manager.cc): unconditionally, so
+ * a later fault overwrites an earlier one not yet reported (the latest wins; the vendor's FAQ,
+ * docs/04_FAQ/如何获取和解读Runtime异步错误码.md, says the same of continue-on-failure mode).
+ * Later tasks still run. How many faulted is kept for the message only. */
 static void latch_fault_locked(emu_stream *s, int status, const char *msg) {
     count_add(EMU_C_DEVICE_FAULTS, 1);
-    size_t used = strlen(s->pending_msg);
-    if (s->pending_faults++ == 0) {
-        s->pending_status = status;
-        snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
-    } else if (used + 4 < sizeof s->pending_msg) {
-        snprintf(s->pending_msg + used, sizeof s->pending_msg - used, " | %s", msg);
-    }
+    s->pending_faults++;
+    s->pending_status = status;
+    snprintf(s->pending_msg, sizeof s->pending_msg, "%s", msg);
 }
 
 /* Run s's head task on this thread. Lock held on entry and exit, released while the task
@@ -263,7 +262,7 @@ static void *engine_main(void *arg) {
     return NULL;
 }
 
-void engine_stop_locked(void) {
+static void engine_stop_locked(void) {
     ready_clear_locked();
     if (!g_engine_started) return;
     pthread_t t = g_engine_thread;
@@ -435,12 +434,25 @@ int take_pending_locked(emu_stream *s, char *msg, size_t len) {
     if (s->pending_faults == 1)
         snprintf(msg, len, "%s", s->pending_msg);
     else if (s->pending_faults > 1)
-        snprintf(msg, len, "%lld tasks faulted since the stream's faults were last reported, oldest "
-                 "first: %s", (long long)s->pending_faults, s->pending_msg);
+        snprintf(msg, len, "%lld tasks faulted since the stream's fault was last reported; the latest "
+                 "overwrote the others: %s", (long long)s->pending_faults, s->pending_msg);
     s->pending_status = 0;
     s->pending_faults = 0;
     s->pending_msg[0] = 0;
     return st;
+}
+
+void engine_finalize_locked(void) {
+    for (int d = 0; d < g_device_count; d++)
+        if (g_devices[d].refcount > 0 && !g_devices[d].closing) drain_device_locked(d);
+    engine_stop_locked();
+    /* Work queued by other threads meanwhile goes to a new engine, not to nobody. */
+    for (int d = 0; d < g_device_count; d++)
+        if (g_devices[d].default_stream) settle_locked(g_devices[d].default_stream);
+    for (uint32_t i = 0; i < g_streams.n; i++) {
+        emu_stream *s = emu_ht_at(&g_streams, i);
+        if (s) settle_locked(s);
+    }
 }
 
 int enqueue_locked(emu_stream *s, emu_task_run run, emu_task_release release, void *payload) {
@@ -489,8 +501,10 @@ int enqueue_status(const char *api, int r) {
 /* ------------------------------------------------------------------ stream objects */
 
 emu_stream *stream_new_locked(int32_t device, int is_default) {
+    static uint64_t created;
     emu_stream *s = calloc(1, sizeof *s);
     if (!s) return NULL;
+    s->created = ++created;
     if (!is_default && emu_ht_add(&g_streams, s, &s->handle)) {
         free(s);
         return NULL;
@@ -538,8 +552,34 @@ int resolve_stream_locked(const char *api, aclrtStream h, int32_t device, emu_st
     return 0;
 }
 
-/* The live event behind a handle, or the status (and message) for a stale one. */
+int stream_arg_locked(const char *api, aclrtStream h, int same_device, int32_t *device, emu_stream **out) {
+    emu_stream *s = NULL;
+    if (h && !(s = emu_ht_get(&g_streams, h))) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_HANDLE,
+                        "stream %p is not a live stream (destroyed, or never created)", h);
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    int st = require_device_locked(api, device);
+    if (st) return st;
+    if (!s) s = g_devices[*device].default_stream;
+    if (same_device && s->device != *device) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_STREAM_CONTEXT,
+                        "stream %p belongs to device %d but the current device is %d", h,
+                        (int)s->device, (int)*device);
+        return ACL_ERROR_RT_STREAM_CONTEXT;
+    }
+    *out = s;
+    return 0;
+}
+
+/* The live event behind a handle: NULL is 100000 (the ACL layer refuses it), a handle that is
+ * not a live event 107017 (RT_VALIDATE_AND_UNWRAP_OBJECT, v9.1.0; the emulator's choice on
+ * every profile, where older releases read freed memory). */
 static int event_locked(const char *api, aclrtEvent h, emu_event **out) {
+    if (!h) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "event is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
     *out = emu_ht_get(&g_events, h);
     if (*out) return 0;
     aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_HANDLE, "event %p is not a live event", h);
@@ -614,10 +654,10 @@ EMU_API int aclemuLaunch(const char *api, int32_t device, aclrtStream stream, ui
     config_locked();
     int st = 0;
     emu_stream *s = NULL;
-    int32_t cur = g_initialized ? current_device_locked() : -1;
+    int32_t cur = current_device_locked();
     if (cur < 0) {
         st = ACLNN_ERR_RUNTIME_ERROR;
-        aclemuSetErrMsg(api, st, "no device context: call aclInit and aclrtSetDevice on this thread first");
+        aclemuSetErrMsg(api, st, "no device context: call aclrtSetDevice on this thread first");
     } else if (cur != device) {
         st = ACLNN_ERR_RUNTIME_ERROR;
         aclemuSetErrMsg(api, st, "the executor was built on device %d but the current device is %d",
@@ -659,7 +699,11 @@ EMU_API int aclemuLaunch(const char *api, int32_t device, aclrtStream stream, ui
     return st;
 }
 
-/* ------------------------------------------------------------------ streams */
+/* ------------------------------------------------------------------ streams
+ *
+ * Each entry follows hicann/runtime v9.1.0: the ACL layer's checks (src/acl/aclrt_impl/
+ * stream.cpp, event.cpp) first, then the runtime's handle validation (api_c_stream.cc, api_c.cc),
+ * then ApiErrorDecorator (api_error.cc), then ApiImpl's current context (api_impl.cc). */
 
 EMU_API aclError aclrtCreateStream(aclrtStream *stream) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
@@ -684,19 +728,25 @@ EMU_API aclError aclrtCreateStream(aclrtStream *stream) {
     return st;
 }
 
+/* NULL 100000 (the default stream is not destroyed this way); not a live stream 107017; no
+ * current device 107002; another device's stream 107003 (ApiImpl::StreamDestroy). Queued work
+ * runs first (Stream::TearDown waits for pending tasks); a fault it latched is dropped with the
+ * stream. */
 EMU_API aclError aclrtDestroyStream(aclrtStream stream) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
-    pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
-    emu_stream *s = NULL;
-    if (!st && !(s = emu_ht_remove(&g_streams, stream))) {
-        st = ACL_ERROR_RT_INVALID_HANDLE;
-        aclemuSetErrMsg(api, st, "stream %p is not a live stream created by aclrtCreateStream",
-                        stream);
+    if (!stream) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "stream is NULL");
+        return ACL_ERROR_INVALID_PARAM;
     }
+    pthread_mutex_lock(&g_lock);
+    int32_t d = 0;
+    emu_stream *s = NULL;
+    int st = config_error_locked(api);
+    if (!st) st = stream_arg_locked(api, stream, 1, &d, &s);
     if (!st) {
         /* The handle is gone, so nothing new can be queued; a caller waiting for room gives
          * up. Tasks still queued run to completion first, as the hardware would finish them. */
+        emu_ht_remove(&g_streams, stream);
         s->dead = 1;
         count_add(EMU_C_STREAMS, -1);
         drain_all_locked(s);
@@ -706,25 +756,37 @@ EMU_API aclError aclrtDestroyStream(aclrtStream stream) {
     return st;
 }
 
+/* After the checks: wait for every task queued so far (timeout -1: no limit). A wait that ends
+ * by its deadline is 507046 and leaves the latched fault for a later synchronize
+ * (Stream::GetSynchronizeError returns the wait's own error first); a wait that completes
+ * reports the latched fault and clears it (Stream::GetError). A stream of another device is
+ * synchronized as it is (ApiImpl::StreamSynchronize switches to its context). */
 static int sync_stream(const char *api, aclrtStream stream, int32_t timeout) {
     pthread_mutex_lock(&g_lock);
-    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
-    int st = require_device_locked(api, &d);
+    int32_t d = 0;
     emu_stream *s = NULL;
-    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    int st = config_error_locked(api);
+    if (!st && stream && !emu_ht_get(&g_streams, stream)) {
+        st = ACL_ERROR_RT_INVALID_HANDLE;
+        aclemuSetErrMsg(api, st, "stream %p is not a live stream (destroyed, or never created)", stream);
+    }
+    if (!st && timeout == 0) { /* ApiErrorDecorator::StreamSynchronize: -1 or above 0 */
+        st = ACL_ERROR_RT_PARAM_INVALID;
+        aclemuSetErrMsg(api, st, "timeout 0 is invalid: use -1 (no limit) or a positive number of ms");
+    }
+    if (!st) st = stream_arg_locked(api, stream, 0, &d, &s);
     if (!st) {
         s->refs++;
-        double deadline = timeout >= 0 ? now_ms() + (double)timeout : 0;
-        if (timeout == 0) deadline = now_ms() + 1e-9;
+        double deadline = timeout > 0 ? now_ms() + (double)timeout : 0;
         int timed_out = drain_locked(s, s->next_seq, deadline);
-        char msg[EMU_MSG_LEN];
-        st = take_pending_locked(s, msg, sizeof msg);
-        if (st) {
-            aclemuSetErrMsg(api, st, "%s", msg);
-        } else if (timed_out) {
+        if (timed_out) {
             st = ACL_ERROR_RT_STREAM_SYNC_TIMEOUT;
             aclemuSetErrMsg(api, st, "%lld task(s) still queued after %d ms",
                             (long long)(s->next_seq - s->done_seq), (int)timeout);
+        } else {
+            char msg[EMU_MSG_LEN];
+            st = take_pending_locked(s, msg, sizeof msg);
+            if (st) aclemuSetErrMsg(api, st, "%s", msg);
         }
         stream_unref_locked(s);
     }
@@ -737,15 +799,21 @@ EMU_API aclError aclrtSynchronizeStream(aclrtStream stream) {
     return sync_stream(api, stream, -1);
 }
 
+/* timeout below -1: 107000 from the ACL layer (stream.cpp), before the handle is looked at; 0:
+ * 107000 from the runtime, after it (the header's "0: check once" is not what the source does). */
 EMU_API aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     if (timeout < -1) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "timeout %d is below -1", (int)timeout);
-        return ACL_ERROR_INVALID_PARAM;
+        aclemuSetErrMsg(api, ACL_ERROR_RT_PARAM_INVALID, "timeout %d is below -1", (int)timeout);
+        return ACL_ERROR_RT_PARAM_INVALID;
     }
     return sync_stream(api, stream, timeout);
 }
 
+/* status NULL 100000; not a live stream 107017; no current device 107002; NULL: the default
+ * stream; another device's stream is queried as it is (ApiImpl::StreamQuery compares no
+ * context). Runs nothing, and neither reports nor clears a latched fault (Stream::Query reads
+ * no error code). */
 EMU_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     if (!status) {
@@ -753,11 +821,10 @@ EMU_API aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
-    int st = require_device_locked(api, &d);
+    int32_t d = 0;
     emu_stream *s = NULL;
-    if (!st) st = resolve_stream_locked(api, stream, d, &s);
-    /* Runs nothing and leaves a latched fault for the next synchronize. */
+    int st = config_error_locked(api);
+    if (!st) st = stream_arg_locked(api, stream, 0, &d, &s);
     int busy = 0;
     if (!st) {
         busy = s->done_seq != s->next_seq;
@@ -774,17 +841,33 @@ static void wait_release(void *p) { /* lock held */
     free(w);
 }
 
+/* event NULL 100000; stream, then event, not live 107017; no current device 107002; NULL: the
+ * default stream; another device's stream 107003; an event never recorded 107000 (Event::Wait:
+ * aclrtCreateEvent makes old-mode events, and "The event has not been recorded"). Otherwise the
+ * stream waits for the event's latest record at the time of the call: nothing to wait for when
+ * that record already ran or is on this same stream. */
 EMU_API aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
+    if (!event) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "event is NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
     pthread_mutex_lock(&g_lock);
-    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
-    int st = require_device_locked(api, &d);
+    int32_t d = 0;
     emu_stream *s = NULL;
     emu_event *e = NULL;
-    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    int st = config_error_locked(api);
+    if (!st && stream && !emu_ht_get(&g_streams, stream)) {
+        st = ACL_ERROR_RT_INVALID_HANDLE;
+        aclemuSetErrMsg(api, st, "stream %p is not a live stream (destroyed, or never created)", stream);
+    }
     if (!st) st = event_locked(api, event, &e);
-    if (!st && e->stream && e->stream != s && e->stream->done_seq < e->seq) {
-        /* Waiting on an unrecorded event, or on a record that already ran, is a no-op. */
+    if (!st) st = stream_arg_locked(api, stream, 1, &d, &s);
+    if (!st && e->records == 0) {
+        st = ACL_ERROR_RT_PARAM_INVALID;
+        aclemuSetErrMsg(api, st, "event %p was never recorded: record it on a stream first", event);
+    }
+    if (!st && e->stream != s && e->stream->done_seq < e->seq) {
         wait_payload *w = malloc(sizeof *w);
         if (w) {
             w->target = e->stream;
@@ -826,11 +909,13 @@ EMU_API aclError aclrtCreateEvent(aclrtEvent *event) {
     return st;
 }
 
+/* NULL 100000; not a live event 107017; needs no current device, and waits for nothing (a
+ * record still queued completes without it). */
 EMU_API aclError aclrtDestroyEvent(aclrtEvent event) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
     emu_event *e = NULL;
+    int st = config_error_locked(api);
     if (!st) st = event_locked(api, event, &e);
     if (!st) {
         emu_ht_remove(&g_events, event);
@@ -867,15 +952,18 @@ static void record_release(void *p) { /* lock held */
     free(r);
 }
 
+/* event NULL 100000; event, then stream, not live 107017; no current device 107002; NULL: the
+ * default stream; another device's stream 107003 (ApiImpl::EventRecord). Recording again moves
+ * the event to the new record. */
 EMU_API aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int32_t d = 0; /* set by require_device_locked; 0 keeps the error paths defined */
-    int st = require_device_locked(api, &d);
+    int32_t d = 0;
     emu_stream *s = NULL;
     emu_event *e = NULL;
+    int st = config_error_locked(api);
     if (!st) st = event_locked(api, event, &e);
-    if (!st) st = resolve_stream_locked(api, stream, d, &s);
+    if (!st) st = stream_arg_locked(api, stream, 1, &d, &s);
     if (!st) {
         record_payload *r = malloc(sizeof *r);
         if (r) {
@@ -900,40 +988,44 @@ EMU_API aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
     return st;
 }
 
+/* NULL 100000; not a live event 107017; needs no current device (the event's own context). An
+ * event never recorded: 0 at once (Event::Synchronize). Otherwise it waits for the latest record
+ * and returns 0: a fault latched on the record's stream is neither reported nor cleared here
+ * (continue-on-failure mode reads no stream error in the event's wait); the stream's next
+ * synchronize, or aclrtSynchronizeDevice, reports it. */
 EMU_API aclError aclrtSynchronizeEvent(aclrtEvent event) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
     emu_event *e = NULL;
+    int st = config_error_locked(api);
     if (!st) st = event_locked(api, event, &e);
     if (!st && e->stream) {
         emu_stream *s = e->stream;
         s->refs++;
         drain_locked(s, e->seq, 0);
-        char msg[EMU_MSG_LEN];
-        st = take_pending_locked(s, msg, sizeof msg);
-        if (st) aclemuSetErrMsg(api, st, "%s", msg);
         stream_unref_locked(s);
     }
     pthread_mutex_unlock(&g_lock);
     return st;
 }
 
+/* event, then status, NULL 100000; not a live event 107017; no current device needed. COMPLETE
+ * once the latest record has run; NOT_READY while it is queued, and for an event never recorded
+ * (Event::QueryEventStatus: an old-mode event, as aclrtCreateEvent makes, is RT_EVENT_INIT until
+ * its first record). Runs nothing, reports no fault. */
 EMU_API aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
-    if (!status) {
+    if (event && !status) {
         aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "status is NULL");
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
     emu_event *e = NULL;
+    int st = config_error_locked(api);
     if (!st) st = event_locked(api, event, &e);
-    /* Runs nothing. An event never recorded is complete, as in CUDA (CANN's answer could not
-     * be verified). */
     int busy = 0;
     if (!st) {
-        busy = e->completed != e->records;
+        busy = e->records == 0 || e->completed != e->records;
         *status = busy ? ACL_EVENT_RECORDED_STATUS_NOT_READY : ACL_EVENT_RECORDED_STATUS_COMPLETE;
     }
     pthread_mutex_unlock(&g_lock);
@@ -941,38 +1033,34 @@ EMU_API aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatu
     return st;
 }
 
+/* ms, start, end NULL 100000; start, then end, not a live event 107017; either never recorded
+ * 507000 (RT_ERROR_EVENT_RECORDER_NULL); either record not yet run 107006 (its timestamp is not
+ * there yet: RT_ERROR_EVENT_TIMESTAMP_INVALID); otherwise end minus start in ms, which is
+ * negative when the end's record ran first (Event::ElapsedTime has no order check). */
 EMU_API aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent) {
     EMU_ENTRY(ACL_ERROR_RT_INTERNAL_ERROR);
-    if (!ms) {
-        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "ms is NULL");
+    if (!ms || !startEvent || !endEvent) {
+        aclemuSetErrMsg(api, ACL_ERROR_INVALID_PARAM, "%s is NULL",
+                        !ms ? "ms" : !startEvent ? "startEvent" : "endEvent");
         return ACL_ERROR_INVALID_PARAM;
     }
     pthread_mutex_lock(&g_lock);
-    int st = require_init_locked(api);
     emu_event *a = NULL, *b = NULL;
-    if (!st && (!(a = emu_ht_get(&g_events, startEvent)) || !(b = emu_ht_get(&g_events, endEvent)))) {
-        st = ACL_ERROR_RT_INVALID_HANDLE;
-        aclemuSetErrMsg(api, st, "%s event is not a live event", a ? "the end" : "the start");
-    }
+    int st = config_error_locked(api);
+    if (!st) st = event_locked(api, startEvent, &a);
+    if (!st) st = event_locked(api, endEvent, &b);
     if (!st && (a->records == 0 || b->records == 0)) {
-        st = ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID;
+        st = ACL_ERROR_RT_INTERNAL_ERROR;
         aclemuSetErrMsg(api, st, "the %s event was never recorded", a->records ? "end" : "start");
     }
     if (!st && (a->completed != a->records || b->completed != b->records)) {
-        st = ACL_ERROR_RT_EVENT_NOT_COMPLETE;
+        st = ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID;
         aclemuSetErrMsg(api, st,
-                        "the %s event has not completed: synchronize its stream or the event first",
+                        "the %s event's record has not run yet (no timestamp): synchronize its "
+                        "stream or the event first",
                         a->completed != a->records ? "start" : "end");
     }
-    if (!st) {
-        double d = b->ts_ms - a->ts_ms;
-        if (d < 0) {
-            st = ACL_ERROR_RT_EVENT_TIMESTAMP_REVERSAL;
-            aclemuSetErrMsg(api, st, "the end event completed %.3f ms before the start event", -d);
-        } else {
-            *ms = (float)d;
-        }
-    }
+    if (!st) *ms = (float)(b->ts_ms - a->ts_ms);
     pthread_mutex_unlock(&g_lock);
     return st;
 }
