@@ -119,7 +119,7 @@ class DeviceArray:
     """
 
     __slots__ = ("alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "_layout", "span",
-                 "layout_id", "__weakref__")
+                 "layout_id", "whole", "__weakref__")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int) -> None:
@@ -138,6 +138,9 @@ class DeviceArray:
         #: a small int naming :attr:`layout` in this process (equal ids, equal layouts): a cheap
         #: key for caches of executors and checks.
         self.layout_id = _layout_id(self._layout)
+        #: whether the view covers its allocation's every byte: a write through it then
+        #: replaces what the binding knows of the memory's latest write (the fault rule)
+        self.whole = self.span[0] == alloc.ptr and self.span[1] - self.span[0] + 1 == alloc.nbytes
 
     # -- for pyacl_moe's own layers
 
@@ -470,7 +473,7 @@ class DeviceArray:
                 dst.used_on(state, write=True)
                 # The copy's memory is as good as its source's latest write: its mark goes on.
                 state.enqueue((alloc, dst), acl.memcpy_async, dst.ptr, n, self.address, n,
-                              "ACL_MEMCPY_DEVICE_TO_DEVICE", writes=(dst.track,))
+                              "ACL_MEMCPY_DEVICE_TO_DEVICE", writes=((dst.track, True),))
                 dst.track.written = dst.track.written + alloc.track.written
             else:
                 _order_after(alloc, None, writers_only=True)
@@ -502,12 +505,13 @@ class DeviceArray:
                 state = resolve_stream(stream, alloc.device)
                 _order_after(alloc, state)
                 alloc.used_on(state, write=True)
-                state.enqueue(alloc, acl.memset_async, self.address, n, 0, n, writes=(alloc.track,))
+                state.enqueue(alloc, acl.memset_async, self.address, n, 0, n, writes=((alloc.track, self.whole),))
             else:
                 _order_after(alloc, None)
                 alloc.device.activate()
                 acl.memset(self.address, n, 0, n)
-                alloc.track.written = ()
+                if self.whole:  # written now, by the host: whatever faulted before is gone
+                    alloc.track.written = ()
             return
         self.copy_from_host(np.full(self._shape, v, self._dtype), stream)
 
@@ -529,7 +533,7 @@ class DeviceArray:
         if stream is None:
             stream = active_stream(alloc.device)
         state = resolve_stream(stream, alloc.device) if stream is not None else None
-        _copy_in(alloc, self.address, host, state)
+        _copy_in(alloc, self.address, host, state, self.whole)
 
     def close(self) -> None:
         """Drop this array's hold on the memory; it is freed once no array views it and no
@@ -618,7 +622,7 @@ def _order_after(alloc: Allocation, state: StreamState | None, writers_only: boo
             track.forget(other)
 
 
-def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None) -> None:
+def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None, whole: bool) -> None:
     n = host.nbytes
     if n == 0:
         return
@@ -633,11 +637,12 @@ def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState |
             host = stage
         alloc.used_on(state, write=True)
         state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE",
-                      writes=(alloc.track,))
+                      writes=((alloc.track, whole),))
     else:
         alloc.device.activate()
         acl.memcpy(dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
-        alloc.track.written = ()  # written now, by the host: whatever faulted before is gone
+        if whole:  # written now, by the host: whatever faulted before is gone (a part: the rest stays)
+            alloc.track.written = ()
 
 
 def empty(shape: Any, dtype: Any, device: Device | int | None = None) -> DeviceArray:
@@ -681,7 +686,7 @@ def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: St
         if stream is not None:
             state = resolve_stream(stream, alloc.device)
             alloc.used_on(state, write=True)
-            state.enqueue(alloc, acl.memset_async, alloc.ptr, n, 0, n, writes=(alloc.track,))
+            state.enqueue(alloc, acl.memset_async, alloc.ptr, n, 0, n, writes=((alloc.track, True),))
         else:
             acl.memset(alloc.ptr, n, 0, n)
     return arr
@@ -711,7 +716,7 @@ def copy_in_native(host: np.ndarray, device: Device, state: StreamState | None) 
     on the stream ``state`` (None: now)."""
     alloc = allocate(device, host.nbytes)
     arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
-    _copy_in(alloc, alloc.ptr, host, state)
+    _copy_in(alloc, alloc.ptr, host, state, True)
     return arr
 
 

@@ -107,6 +107,17 @@ def check_written(track: Any, waiting: bool = True) -> None:
             raise _reported(fault, state.device)
 
 
+def _partly(written: tuple[Any, ...], mark: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``written`` and a write of part of the memory. Writes known to have run without a fault
+    are dropped once there are many (while no fault was ever recorded, the only case where that
+    is known without the writer's lock)."""
+    if mark[0] in written:
+        return written
+    if len(written) >= 32 and not any_fault[0]:
+        written = tuple(m for m in written if not m[0].confirmed(m[1]))
+    return written + mark
+
+
 def _reported(fault: Fault, device: Device) -> AclError:
     """The exception to raise for ``fault``, now marked raised on every stream that recorded it
     (a device synchronize records one error on each): no synchronize raises it again."""
@@ -166,9 +177,10 @@ class StreamState:
                 " (or this is a fork() child)" if _lifetime.forked() else "")
         return "it was closed"
 
-    def enqueue(self, hold: Any, call: Callable[..., None], *args: Any, writes: Iterable[Any] = ()) -> int:
+    def enqueue(self, hold: Any, call: Callable[..., None], *args: Any, writes: Iterable[tuple[Any, bool]] = ()
+                ) -> int:
         """Queue a task: ``call(*args, stream_handle)``, with ``hold`` kept until it has run and
-        the tracks of ``writes`` (memory it writes) stamped. Returns the task's epoch (for
+        ``writes`` (the memory it writes: (Track, whole) pairs, see :meth:`stamp`) stamped. Returns the task's epoch (for
         :meth:`wait_for`). The hold is taken first: an interrupted call leaves it held, never
         freed."""
         with self.lock:
@@ -183,11 +195,13 @@ class StreamState:
         _lifetime.collect()
         return epoch
 
-    def stamp(self, tracks: Iterable[Any]) -> None:
-        """The memory of ``tracks`` was just written by work queued here (lock held)."""
+    def stamp(self, writes: Iterable[tuple[Any, bool]]) -> None:
+        """Memory was just written by work queued here (lock held): for each (Track, whole),
+        the write is its latest (whole: all of its bytes, so it replaces what came before; a
+        part adds to it, since the rest may still hold a faulted write)."""
         mark = self.mark
-        for t in tracks:
-            t.written = mark
+        for t, whole in writes:
+            t.written = mark if whole else _partly(t.written, mark)
 
     def _next_epoch(self) -> None:
         self.epoch += 1

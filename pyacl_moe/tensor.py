@@ -20,12 +20,13 @@ class TensorCore:
     """What an AclTensor owns: the handle, and the allocation it points into (kept alive as
     long as the handle is). Executors built from the tensor hold the core too."""
 
-    __slots__ = ("handle", "token", "alloc", "device", "__weakref__")
+    __slots__ = ("handle", "token", "alloc", "whole", "device", "__weakref__")
 
     def __init__(self, array: DeviceArray, fmt: int) -> None:
         alloc = array.allocation()
         self.device = alloc.device
         self.alloc: Allocation | None = alloc  # None when the owner keeps the memory alive itself
+        self.whole = array.whole  # the view covers all of it (DeviceArray.whole)
         self.handle = aclnn.TensorHandle()
         self.token = _lifetime.track(self, self.handle)
         aclnn.create_tensor(self.handle, array.tensor_desc(), alloc.ptr, fmt)
@@ -113,6 +114,8 @@ class AclTensor(_lifetime.Owner):
         """Point the wrapper at ``array`` after CANN was told its new address (a plan's
         rebind)."""
         self._array = array
+        if self._core is not None:
+            self._core.whole = array.whole
 
 
     def __repr__(self) -> str:

@@ -118,3 +118,29 @@ def test_a_faulted_result_is_never_returned_without_an_error(device, no_leaks):
         device.synchronize()
     except pm.AclRuntimeError:
         pass
+
+
+def test_a_write_of_part_of_faulted_memory_leaves_the_rest_faulted(device, no_leaks):
+    """A write through a view of part of the memory leaves the rest as it was: still faulted,
+    however the view is written (from the host, a memset, on a stream or not); a write of all
+    of it (or a launch that writes all of it) is the end of the fault."""
+    x, bad, good = pm.to_device(X), pm.to_device(BAD), pm.to_device(GOOD)
+    s = pm.Stream(device)
+    for write_part in (lambda v: v.copy_from_host(np.zeros(v.shape, np.float32)),
+                       lambda v: v.fill(0),
+                       lambda v: v.copy_from_host(np.ones(v.shape, np.float32), stream=s)):
+        out = pm.moe_init_routing_v2_grad(x, bad, K, validate=False)
+        with pytest.raises(pm.AclRuntimeError, match="507015"):
+            out.to_host()
+        write_part(out[:2])
+        with pytest.raises(pm.AclRuntimeError, match="507015"):
+            out[2:].to_host()
+        out.copy_from_host(WANT)
+        np.testing.assert_array_equal(out.to_host(), WANT)
+        # The same output rewritten by a launch that writes all of it.
+        pm.moe_init_routing_v2_grad(x, bad, K, out=out, validate=False)
+        with pytest.raises(pm.AclRuntimeError, match="507015"):
+            out.to_host(s)
+        pm.moe_init_routing_v2_grad(x, good, K, out=out)
+        np.testing.assert_array_equal(out.to_host(), WANT)
+    s.close()

@@ -161,11 +161,13 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             key[i] = new.layout_id
         elif arrays[i] is not None:
             given.append(arrays[i].span)  # type: ignore[union-attr]
+    n_in = len(spec.inputs)
     allocs = []
     firsts = []
     spans = []
     keep = []  # what the launch holds until it has run: foreign memory's owners (see relaunch)
-    for a in arrays:
+    parts = []  # the tracks of outputs that are part of their memory
+    for i, a in enumerate(arrays):
         if a is None:
             allocs.append(None)
             firsts.append(0)
@@ -174,6 +176,8 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             allocs.append(alloc)
             if not alloc.owned:  # type: ignore[union-attr]
                 keep.append(alloc)
+            if not a.whole and i >= n_in:
+                parts.append(alloc.track)  # type: ignore[union-attr]
             span = a.span
             firsts.append(span[0])
             spans.append(span)
@@ -188,9 +192,9 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     if workspace is not None:
         check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
     cache_key = tuple(key)
-    if workspace is not None or not relaunch(spec, cache_key, firsts, allocs, keep, state):
+    if workspace is not None or not relaunch(spec, cache_key, firsts, allocs, keep, state, parts):
         launch_cached(spec, cache_key, arrays, tuple(allocs), tuple(firsts), values, state, workspace)
-    return arrays[len(spec.inputs):]
+    return arrays[n_in:]
 
 
 def _device_of(spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray | None) -> Device:

@@ -178,9 +178,9 @@ def _allocations(core: ExecutorCore) -> tuple[Allocation, ...]:
     return tuple(t.alloc for t in core.tensors.values() if t is not None and t.alloc is not None)
 
 
-def output_tracks(core: ExecutorCore) -> tuple[Any, ...]:
-    """The tracks of the memory the executor's outputs point at."""
-    return tuple(t.alloc.track for n, t in core.tensors.items()
+def output_tracks(core: ExecutorCore) -> tuple[tuple[Any, bool], ...]:
+    """(Track, whole) of the memory the executor's outputs point at (StreamState.stamp)."""
+    return tuple((t.alloc.track, t.whole) for n, t in core.tensors.items()
                  if t is not None and t.alloc is not None and n in core.spec.outputs)
 
 

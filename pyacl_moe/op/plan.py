@@ -45,18 +45,20 @@ _thread = acl.thread_state  # the calling thread's current context (read only)
 
 class _Slot:
     """A plan's launch on one stream: the bound second phase, what its arguments point at
-    (``keep``), the tracks it reads and writes, and what the plan returns. ``live`` is guarded
+    (``keep``), what it writes, and what the plan returns. ``live`` is guarded
     by the stream's lock."""
 
-    __slots__ = ("state", "fn", "args", "call", "keep", "reads", "writes", "result", "live")
+    __slots__ = ("state", "fn", "args", "call", "keep", "writes", "whole", "result", "live")
 
     def __init__(self, state: StreamState, call: tuple[Any, tuple[Any, ...]], keep: tuple[Any, ...],
-                 reads: tuple[Any, ...], writes: tuple[Any, ...], result: Any) -> None:
+                 writes: tuple[tuple[Any, bool], ...], result: Any) -> None:
         self.state = state
         self.fn, self.args = call
         self.call = functools.partial(self.fn, *self.args)
         self.keep = keep
-        self.reads, self.writes = reads, writes
+        self.writes = writes  # (Track, whole) of each output (StreamState.stamp)
+        # The outputs' tracks when each output is all of its memory (the steady state's case).
+        self.whole = tuple(t for t, w in writes) if all(w for _, w in writes) else None
         self.result = result
         self.live = True
 
@@ -178,9 +180,13 @@ class Plan:
                         acl.use_context(state.context)
                     st = slot.call()
                     if not st:
-                        mark = state.mark
-                        for t in slot.writes:
-                            t.written = mark
+                        whole = slot.whole
+                        if whole is None:
+                            state.stamp(slot.writes)
+                        else:
+                            mark = state.mark
+                            for t in whole:
+                                t.written = mark
                         return slot.result
                     check(st, self._spec.api)
         return self._launch(stream, workspace)
@@ -222,8 +228,7 @@ class Plan:
                 allocs = tuple(a.allocation(n) for n, a in self._arrays.items())
                 call = aclnn.bound_call(self._spec.api, block.ptr if block is not None else 0, size,
                                         self._core.handle, state.handle)
-                slot = _Slot(state, call, (block, *allocs), self._tracks(self._spec.inputs),
-                             self._tracks(self._spec.outputs), self._result())
+                slot = _Slot(state, call, (block, *allocs), self._writes(), self._result())
                 mark_uses(self._core, state)
                 self._slots[state] = slot
             with state.lock:
@@ -235,8 +240,9 @@ class Plan:
             self._now = (stream, slot)
             return slot.result
 
-    def _tracks(self, names: Sequence[str]) -> tuple[Any, ...]:
-        return tuple(self._arrays[n].allocation(n).track for n in names if n in self._arrays)
+    def _writes(self) -> tuple[tuple[Any, bool], ...]:
+        """(Track, whole) of each output the plan writes (StreamState.stamp)."""
+        return tuple((a.allocation(n).track, a.whole) for n, a in self._arrays.items() if n in self._spec.outputs)
 
     def _launch_held(self, state: StreamState, ws: int, size: int, ws_alloc: Any) -> Any:
         """A launch that holds what it uses on the stream (a user's workspace, a one-shot
@@ -251,7 +257,7 @@ class Plan:
                 self._spent = True
             allocs = tuple(a.allocation(n) for n, a in self._arrays.items())
             result = self._result()
-            launch(core, state, ws, size, (ws_alloc, *allocs), self._tracks(self._spec.outputs))
+            launch(core, state, ws, size, (ws_alloc, *allocs), self._writes())
         return result
 
     def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
@@ -445,14 +451,15 @@ class _ExecutorCache:
 
 
 def relaunch(spec: OpSpec, key: Any, firsts: Sequence[int], allocs: Sequence[Allocation | None],
-             keep: list[Allocation], state: StreamState) -> bool:
+             keep: list[Allocation], state: StreamState, parts: Sequence[Any] = ()) -> bool:
     """The steady state of :func:`launch_cached` (its arguments, and ``keep``): launch the stream's cached
     executor for ``key`` with one bound foreign call and return True; False, launching
     nothing, when the stream has none for ``key`` yet (or a fault was recorded anywhere: the
     inputs are checked the long way). A key is cached only once its layout was validated, so
     a caller may check the layout only when this returns False.
 
-    The launch holds only ``keep`` (the allocations of foreign memory, whose owners must
+    ``parts``: the tracks of outputs that are part of their memory (StreamState.stamp). The
+    launch holds only ``keep`` (the allocations of foreign memory, whose owners must
     outlive it): the binding's own memory, once its arrays are gone, goes back to the block
     cache at once, reusable by later work on this stream only until this launch has run
     (:func:`~.allocator.allocate`)."""
@@ -476,7 +483,10 @@ def relaunch(spec: OpSpec, key: Any, firsts: Sequence[int], allocs: Sequence[All
                 t = a.track
                 if state not in t.writers:
                     a.used_on(state, True)
-                t.written = mark
+                if not parts or t not in parts:
+                    t.written = mark
+        if parts:
+            state.stamp((t, False) for t in parts)
         if _thread.context is not state.context:
             state.device.activate()
         if firsts != entry.bound:
@@ -548,7 +558,8 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
                 check(entry.bind(spec, block, state)(), spec.api)
             else:
                 aclnn.launch(spec.api, workspace.address, entry.size, entry.core.handle, state.handle, False)
-            state.stamp(a.track for i, a in enumerate(allocs) if a is not None and i in outs)
+            state.stamp((a.track, arrays[i].whole) for i, a in enumerate(allocs)  # type: ignore[union-attr]
+                        if a is not None and i in outs)
             done = state.ledger.after_enqueue()
         del done
         if built is not None and built is not entry:
