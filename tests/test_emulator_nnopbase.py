@@ -8,6 +8,7 @@ wrapped extents (out-of-bounds host reads under AddressSanitizer, signed overflo
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 
 import pyacl_moe as pm
 
+from .emu_raw import Emu
 from .test_emulator import (  # noqa: F401  (res and shapes are fixtures)
     ACL_BF16,
     ACL_DOUBLE,
@@ -276,15 +278,19 @@ def test_negative_index_in_active_mode_is_read_not_skipped(emu, res):
 
 # ============================================================================ 7. aclInit after aclFinalize
 
+def child_aclinit_after_aclfinalize() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    out = {"init": acl.aclInit(ffi.NULL), "fin": acl.aclFinalize()}
+    out["reinit"] = acl.aclInit(ffi.NULL)
+    out["msg"] = emu.msg()
+    out["set"] = acl.aclrtSetDevice(0)
+    out["initialized"] = emu.stats()["initialized"]
+    print(json.dumps(out))
+
+
 def test_aclinit_after_aclfinalize_is_refused(isolated):
-    r = run_fresh(isolated, """
-        out = {"init": acl.aclInit(ffi.NULL), "fin": acl.aclFinalize()}
-        out["reinit"] = acl.aclInit(ffi.NULL)
-        out["msg"] = msg()
-        out["set"] = acl.aclrtSetDevice(0)
-        out["initialized"] = stats()["initialized"]
-        print(json.dumps(out))
-    """)
+    r = run_fresh(isolated, child_aclinit_after_aclfinalize)
     assert r["init"] == 0 and r["fin"] == 0
     assert r["reinit"] == ACL_ERROR_REPEAT_INITIALIZE
     assert "aclFinalize was already called" in r["msg"]

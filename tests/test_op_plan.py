@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from contextlib import closing
 
@@ -319,57 +320,61 @@ def test_a_dropped_plan_keeps_its_arrays_until_its_launches_ran(device, lazy_str
         settle()
 
 
+def child_a_second_device_makes_plan_launches_check_the_thread_context() -> None:
+    pm.use_emulator()
+    d0 = pm.Device(0)
+    s0 = pm.Stream(d0)
+    x = pm.to_device(np.ones((4, 2), np.float32), stream=s0)
+    i = pm.to_device(np.arange(4, dtype=np.int32), stream=s0)
+    plan = pm.MoeInitRoutingV2Grad(x, i, 2)
+    plan(s0)
+    plan(s0)  # published: the steady state
+    d1 = pm.Device(1)  # this thread's context is now device 1's
+    assert pm.current_device() is d1
+    pm.emulator.inject_fault("aclnnMoeInitRoutingV2Grad", nth=2)
+    out = plan(s0)
+    print(out.to_host(s0).tolist())
+    try:
+        plan(s0)
+        print("no fault")
+    except pm.AclnnError as e:
+        print("fault", e.api)
+    pm.emulator.clear_faults()
+
+
 def test_a_second_device_makes_plan_launches_check_the_thread_context(isolated):
     # With one device open a plan's launch skips checking the thread's context; opening a
     # second must end that, or a thread current on the other device would launch on a stream
     # that is not in its context. The fault counts calls: the first plan call must make one
     # launch (after making device 0's context current), so the second is the failing one.
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-d0 = pm.Device(0)
-s0 = pm.Stream(d0)
-x = pm.to_device(np.ones((4, 2), np.float32), stream=s0)
-i = pm.to_device(np.arange(4, dtype=np.int32), stream=s0)
-plan = pm.MoeInitRoutingV2Grad(x, i, 2)
-plan(s0); plan(s0)                     # published: the steady state
-d1 = pm.Device(1)                      # this thread's context is now device 1's
-assert pm.current_device() is d1
-pm.emulator.inject_fault("aclnnMoeInitRoutingV2Grad", nth=2)
-out = plan(s0)
-print(out.to_host(s0).tolist())
-try:
-    plan(s0)
-    print('no fault')
-except pm.AclnnError as e:
-    print('fault', e.api)
-pm.emulator.clear_faults()
-""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = isolated(child_a_second_device_makes_plan_launches_check_the_thread_context, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:2] == ["[[2.0, 2.0], [2.0, 2.0]]", "fault aclnnMoeInitRoutingV2Grad"]
 
 
+def child_a_published_plan_reaches_no_cann_in_a_fork_child() -> None:
+    pm.use_emulator()
+    _dev = pm.Device(0)
+    x = pm.to_device(np.ones((4, 2), np.float32))
+    i = pm.to_device(np.arange(4, dtype=np.int32))
+    plan = pm.MoeInitRoutingV2Grad(x, i, 2)
+    plan()
+    plan()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            plan()
+            code = 3  # launched with handles the child does not own
+        except pm.ClosedError:
+            code = 0
+        except BaseException:
+            code = 4
+        os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    print(plan().to_host().tolist())
+
+
 def test_a_published_plan_reaches_no_cann_in_a_fork_child(isolated):
-    r = isolated("""
-import os, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-dev = pm.Device(0)
-x = pm.to_device(np.ones((4, 2), np.float32))
-i = pm.to_device(np.arange(4, dtype=np.int32))
-plan = pm.MoeInitRoutingV2Grad(x, i, 2)
-plan(); plan()
-pid = os.fork()
-if pid == 0:
-    try:
-        plan()
-        code = 3                       # launched with handles the child does not own
-    except pm.ClosedError:
-        code = 0
-    except BaseException:
-        code = 4
-    os._exit(code)
-print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-print(plan().to_host().tolist())
-""")
+    r = isolated(child_a_published_plan_reaches_no_cann_in_a_fork_child)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0", "[[2.0,", "2.0],", "[2.0,", "2.0]]"]

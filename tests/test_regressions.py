@@ -6,7 +6,12 @@ test_threads.py."""
 
 from __future__ import annotations
 
+import _thread
+import atexit
 import gc
+import os
+import random
+import signal
 import sys
 import threading
 import time
@@ -19,6 +24,8 @@ import pyacl_moe as pm
 from pyacl_moe.tools.cases import make_case
 
 from .conftest import LIVE, settle
+from .emu_raw import Emu
+from .stress import ITERATIONS, Progress, hammer
 
 # Older code has no ClosedError: a class nothing raises makes the test fail there.
 ClosedError = getattr(pm, "ClosedError", type("NeverRaised", (Exception,), {}))
@@ -37,33 +44,6 @@ def lazy():
     _lazy(False)
 
 
-def _hammer(workers, seconds: float) -> list[BaseException]:
-    """Run each worker(stop) in its own thread for ``seconds``; the errors they raised. The
-    interpreter switches threads every microsecond meanwhile, so races show up."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-
-    def run(fn):
-        try:
-            fn(stop)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(seconds)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-        sys.setswitchinterval(interval)
-    return errors
-
-
 # ------------------------------------------------------------------------------------------- 1
 
 @pytest.mark.parametrize("mode", ["async", "lazy"])
@@ -79,19 +59,19 @@ def test_01_synchronize_on_one_thread_never_frees_what_another_thread_queued(dev
         expected = [pm.moe_init_routing_v2_grad(c.grad_expanded_x, c.expanded_row_idx, 4) for c in cases]
         wrong = []
 
-        def caller(i):
-            def run(stop):
-                while not stop.is_set():
-                    got = pm.moe_init_routing_v2_grad(xs[i], cases[i].expanded_row_idx, 4)
-                    if not np.array_equal(got, expected[i]):
-                        wrong.append(1)
-            return run
+        calls = Progress()
 
-        def syncer(stop):
-            while not stop.is_set():
+        def caller(i, steps):
+            for _ in calls.steps(steps):
+                got = pm.moe_init_routing_v2_grad(xs[i], cases[i].expanded_row_idx, 4)
+                if not np.array_equal(got, expected[i]):
+                    wrong.append(1)
+
+        def syncer(i, steps):
+            while calls.running:
                 device.default_stream.synchronize()
 
-        errors = _hammer([caller(0), caller(1), syncer, syncer], 1.0)
+        errors = hammer([calls.counted(caller), calls.counted(caller), syncer, syncer], 4 * ITERATIONS)
         assert not errors, errors[0]
         assert not wrong, f"{len(wrong)} wrong results"
     finally:
@@ -104,57 +84,71 @@ def test_02_empty_cache_never_frees_a_workspace_a_queued_kernel_uses(device):
     case = make_case(64, 4, 128, "float32", "dropless", seed=12)
     expected = pm.moe_init_routing_v2_grad(*case.args())  # the kernel is deterministic: bit-exact
 
-    def launcher(stop):
+    launches = Progress()
+
+    def launcher(i, steps):
         with closing(pm.Stream(device)) as s:
             x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
-            while not stop.is_set():
+            for _ in launches.steps(steps):
                 outs = [pm.moe_init_routing_v2_grad(x, idx, 4, stream=s) for _ in range(4)]
                 for o in outs:
                     assert np.array_equal(o.to_host(s), expected)
 
-    def emptier(stop):
-        while not stop.is_set():
+    def emptier(i, steps):
+        while launches.running:
             pm.empty_cache()
 
     faults = pm.emulator.stats()["device_faults"]
-    errors = _hammer([launcher, launcher, emptier], 1.0)
+    errors = hammer([launches.counted(launcher), launches.counted(launcher), emptier], 4 * ITERATIONS)
     assert not errors, errors[0]
     assert pm.emulator.stats()["device_faults"] == faults
 
 
 # ------------------------------------------------------------------------------------------- 3
 
-def test_03_closing_a_plan_while_another_thread_launches_it_is_safe(isolated):
-    r = isolated("""
-import threading, time, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-dev = pm.Device(0)
-Closed = getattr(pm, 'ClosedError', pm.InvalidArgument)
-s = pm.Stream(dev)
-x = pm.to_device(np.ones((8, 4), np.float32), stream=s); idx = pm.to_device(np.arange(8, dtype=np.int32), stream=s)
-unexpected = []
-for round_ in range(200):
-    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+def child_close_a_plan_while_threads_launch_it() -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    closed = getattr(pm, "ClosedError", pm.InvalidArgument)
+    s = pm.Stream(dev)
+    x = pm.to_device(np.ones((8, 4), np.float32), stream=s)
+    idx = pm.to_device(np.arange(8, dtype=np.int32), stream=s)
+    unexpected = []
+    for _ in range(200):
+        _close_while_launched(pm.MoeInitRoutingV2Grad(x, idx, 2), s, closed, unexpected)
+    s.synchronize()
+    print("unexpected", unexpected[:3])
+    assert not unexpected
+    print("ok")
+
+
+def _close_while_launched(plan, s, closed, unexpected: list) -> None:
+    """Three threads launch ``plan`` on ``s`` until it is closed, 1 ms in."""
     plan(s)
     stop = threading.Event()
+
     def launch():
         while not stop.is_set():
             try:
                 plan(s)
-            except (Closed, pm.InvalidArgument):
+            except (closed, pm.InvalidArgument):
                 return
             except BaseException as e:
-                unexpected.append(repr(e)); return
+                unexpected.append(repr(e))
+                return
+
     ts = [threading.Thread(target=launch) for _ in range(3)]
-    [t.start() for t in ts]
+    for t in ts:
+        t.start()
     time.sleep(0.001)
     plan.close()
-    stop.set(); [t.join() for t in ts]
-s.synchronize()
-print('unexpected', unexpected[:3])
-assert not unexpected
-print('ok')
-""", timeout=120)
+    stop.set()
+    for t in ts:
+        t.join()
+
+
+def test_03_closing_a_plan_while_another_thread_launches_it_is_safe(isolated):
+    r = isolated(child_close_a_plan_while_threads_launch_it, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok")
 
@@ -167,14 +161,12 @@ def test_04_the_executor_cache_never_destroys_an_executor_in_use(device):
     arrays = [(pm.to_device(c.grad_expanded_x), pm.to_device(c.expanded_row_idx),
                pm.moe_init_routing_v2_grad(*c.args())) for c in cases]
 
-    def worker(stop):
-        i = 0
-        while not stop.is_set():
+    def worker(w, steps):
+        for i in range(steps):
             x, idx, expected = arrays[i % len(arrays)]
             assert np.array_equal(pm.moe_init_routing_v2_grad(x, idx, 2).to_host(), expected)
-            i += 1
 
-    errors = _hammer([worker] * 6, 1.0)
+    errors = hammer([worker] * 6, 4 * ITERATIONS)
     assert not errors, errors[0]
 
 
@@ -189,14 +181,12 @@ def test_05_the_pool_keeps_count_of_every_block_under_threads(device):
     arrays = [(pm.to_device(c.grad_expanded_x, stream=shared), pm.to_device(c.expanded_row_idx, stream=shared),
                pm.empty((16, c.grad_expanded_x.shape[1]), np.float32)) for c in cases]
 
-    def worker(i):
-        def run(stop):
-            x, idx, out = arrays[i]
-            while not stop.is_set():
-                pm.moe_init_routing_v2_grad(x, idx, 2, out=out, stream=shared)
-        return run
+    def worker(i, steps):
+        x, idx, out = arrays[i]
+        for _ in range(steps):
+            pm.moe_init_routing_v2_grad(x, idx, 2, out=out, stream=shared)
 
-    errors = _hammer([worker(i) for i in range(6)], 1.0)
+    errors = hammer([worker] * 6, 4 * ITERATIONS)
     shared.close()
     arrays.clear()
     assert not errors, errors[0]
@@ -244,110 +234,131 @@ def test_07_an_asynchronous_call_never_blocks_and_a_fault_keeps_its_own_error(de
 
 # ------------------------------------------------------------------------------------------- 8
 
-def _interrupter(seed: int) -> str:
-    """Script text: a thread that interrupts the main thread every 0.2 to 3 ms until ``stop``
-    is set (``t`` is that thread). The interrupts land only while ``armed[0]`` is true (the
-    handler runs on the main thread and reads the flag there), so none escapes the script's
-    own bookkeeping around the loop body."""
-    return f"""stop = threading.Event()
-def interrupter():
-    rnd = random.Random({seed})
-    while not stop.is_set():
-        time.sleep(rnd.uniform(0.0002, 0.003))
-        _thread.interrupt_main()
-armed = [False]
-def on_sigint(signum, frame):
-    if armed[0]:
-        raise KeyboardInterrupt
-signal.signal(signal.SIGINT, on_sigint)
-t = threading.Thread(target=interrupter, daemon=True); t.start()
-"""
+class Interrupter:
+    """A thread that interrupts the main thread every 0.2 to 3 ms until stopped. The interrupts
+    land only while ``armed`` is true (the handler runs on the main thread and reads the flag
+    there), so none escapes the soak's own bookkeeping around the loop body."""
+
+    def __init__(self, seed: int) -> None:
+        self.armed = False
+        self._stop = threading.Event()
+        signal.signal(signal.SIGINT, self._on_sigint)
+        self._thread = threading.Thread(target=self._interrupt, args=(seed,), daemon=True)
+        self._thread.start()
+
+    def _interrupt(self, seed: int) -> None:
+        rnd = random.Random(seed)
+        while not self._stop.is_set():
+            time.sleep(rnd.uniform(0.0002, 0.003))
+            _thread.interrupt_main()
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.armed:
+            raise KeyboardInterrupt
+
+    def stop(self) -> None:
+        """Stop the interrupter and let its last interrupt land outside the cleanup."""
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self._thread.join(0.1)
+            except KeyboardInterrupt:
+                pass
+        for _ in range(3):
+            try:
+                time.sleep(0.02)
+            except KeyboardInterrupt:
+                pass
 
 
-# Script text: stop the interrupter and let its last interrupt land outside the cleanup.
-_INTERRUPTER_STOP = """stop.set()
-while t.is_alive():
-    try:
-        t.join(0.1)
-    except KeyboardInterrupt:
-        pass
-for _ in range(3):
-    try:
-        time.sleep(0.02)
-    except KeyboardInterrupt:
-        pass
-"""
+def _interrupt_soak(seed: int, iterations: int, attempt, switch_interval: float | None = None) -> int:
+    """Run ``attempt()`` ``iterations`` times, interrupted at random (Interrupter), the
+    interpreter switching threads every ``switch_interval`` seconds if given: how many attempts
+    were interrupted. Nothing an attempt made outlives it but what it leaks."""
+    interrupter = Interrupter(seed)
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    interrupts = 0
+    for _ in range(iterations):
+        try:
+            interrupter.armed = True
+            attempt()
+            interrupter.armed = False
+        except KeyboardInterrupt:
+            interrupter.armed = False
+            interrupts += 1
+    interrupter.stop()
+    return interrupts
 
 
-def _soak_verdict(names: tuple[str, ...], min_interrupts: int) -> str:
-    """Script text after an interrupt soak (``before``, ``faults``, ``interrupts`` and
-    ``wrong`` set by it): drop the loop's objects, let everything finish, then require that
-    the soak was interrupted more than ``min_interrupts`` times, that every result that
-    completed was right, and that no live object, device fault or corrupt guard is left."""
-    return f"""for name in {names!r}:
-    globals().pop(name, None)
-gc.collect(); dev.synchronize(); pm.empty_cache()
-after = pm.emulator.stats()
-leaked = {{k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}}
-print('interrupts', interrupts, 'wrong', wrong, 'leaked', leaked, 'faults', after['device_faults'] - faults,
-      'guards', pm.emulator.check_guards())
-assert interrupts > {min_interrupts}, interrupts
-assert not wrong and not leaked and after['device_faults'] == faults and pm.emulator.check_guards() == 0
-print('ok')
-"""
+def _soak_verdict(dev, before: dict, interrupts: int, wrong, min_interrupts: int) -> None:
+    """After an interrupt soak begun at ``before``: let everything finish, then require that it
+    was interrupted more than ``min_interrupts`` times, that every result that completed was
+    right, and that no live object, device fault or corrupt guard is left."""
+    faults = before["device_faults"]
+    gc.collect()
+    dev.synchronize()
+    pm.empty_cache()
+    after = pm.emulator.stats()
+    leaked = {k: (before[k], after[k]) for k in LIVE if before[k] != after[k]}
+    print("interrupts", interrupts, "wrong", wrong, "leaked", leaked, "faults", after["device_faults"] - faults,
+          "guards", pm.emulator.check_guards())
+    assert interrupts > min_interrupts, interrupts
+    assert not wrong and not leaked and after["device_faults"] == faults and pm.emulator.check_guards() == 0
+    print("ok")
 
 
-# Script text: wait_child(pid, seconds), a fork() child's exit code, or None when it had to be
-# killed after ``seconds`` (it hung).
-_WAIT_CHILD = """
-def wait_child(pid, seconds):
-    import os, time
+def wait_child(pid: int, seconds: float) -> int | None:
+    """A fork() child's exit code, or None when it had to be killed after ``seconds`` (it hung)."""
     deadline = time.time() + seconds
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
         if time.time() > deadline:
-            os.kill(pid, 9); os.waitpid(pid, 0)
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
             return None
         time.sleep(0.005)
-"""
+
+
+def child_keyboard_interrupt_anywhere(iterations: int) -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    idx = np.random.default_rng(1).permutation(64).astype(np.int32)
+    expected = pm.moe_init_routing_v2_grad(x, idx, 4)  # the kernel is deterministic: bit-exact
+    dev.synchronize()
+    pm.empty_cache()
+    before = pm.emulator.stats()
+    wrong = 0
+
+    def attempt():
+        nonlocal wrong
+        got = pm.moe_init_routing_v2_grad(x, idx, 4)
+        if not np.array_equal(got, expected):
+            wrong += 1
+        with closing(pm.Stream(dev)) as s:
+            dx = pm.to_device(x, stream=s)
+            di = pm.to_device(idx, stream=s)
+            ev = pm.Event(dev)
+            ev.record(s)
+            with pm.MoeInitRoutingV2Grad(dx, di, 4) as plan:
+                plan(s)
+                plan(s)
+            out = pm.moe_init_routing_v2_grad(dx, di, 4, stream=s)
+            t_ = pm.AclTensor(out)
+            if not np.array_equal(out.to_host(s), expected):
+                wrong += 1
+            ev.close()
+            t_.close()
+
+    interrupts = _interrupt_soak(3, iterations, attempt)
+    _soak_verdict(dev, before, interrupts, wrong, 100)
 
 
 def test_08_keyboard_interrupt_anywhere_leaks_nothing_and_frees_nothing_early(isolated):
-    r = isolated(f"""
-import _thread, random, signal, threading, time, gc, numpy as np, pyacl_moe as pm
-from contextlib import closing
-pm.use_emulator()
-LIVE = {LIVE!r}
-dev = pm.Device(0)
-x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
-idx = np.random.default_rng(1).permutation(64).astype(np.int32)
-expected = pm.moe_init_routing_v2_grad(x, idx, 4)   # the kernel is deterministic: bit-exact
-dev.synchronize(); pm.empty_cache()
-before = pm.emulator.stats()
-faults = before['device_faults']
-{_interrupter(3)}interrupts = wrong = 0
-deadline = time.time() + 2
-while time.time() < deadline:
-    try:
-        armed[0] = True
-        got = pm.moe_init_routing_v2_grad(x, idx, 4)
-        if not np.array_equal(got, expected): wrong += 1
-        with closing(pm.Stream(dev)) as s:
-            dx = pm.to_device(x, stream=s); di = pm.to_device(idx, stream=s)
-            ev = pm.Event(dev); ev.record(s)
-            with pm.MoeInitRoutingV2Grad(dx, di, 4) as plan:
-                plan(s); plan(s)
-            out = pm.moe_init_routing_v2_grad(dx, di, 4, stream=s)
-            t_ = pm.AclTensor(out)
-            if not np.array_equal(out.to_host(s), expected): wrong += 1
-            ev.close(); t_.close()
-        armed[0] = False
-    except KeyboardInterrupt:
-        armed[0] = False
-        interrupts += 1
-{_INTERRUPTER_STOP}{_soak_verdict(('got', 'dx', 'di', 'out', 'plan', 's', 'ev', 't_'), 100)}""", timeout=120)
+    r = isolated(child_keyboard_interrupt_anywhere, 2000, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
     print(r.stdout)
@@ -355,32 +366,34 @@ while time.time() < deadline:
 
 # ------------------------------------------------------------------------------------------- 9
 
-def test_09_device_close_and_exit_wait_for_the_default_stream(isolated):
-    r = isolated("""
-import atexit, numpy as np
-from tests.emu_raw import Emu
-emu = Emu()
-def check_at_exit():   # registered first, so it runs after pyacl_moe's exit hook
-    print('faults at exit', emu.stats()['device_faults'])
-atexit.register(check_at_exit)
-import pyacl_moe as pm
-pm.use_emulator()
-if hasattr(pm.emulator, 'set_stream_mode'):
-    pm.emulator.set_stream_mode('lazy')
-dev = pm.Device(0)
-for _ in range(3):
+def child_device_close_and_exit_wait_for_the_default_stream():
+    emu = Emu()
+
+    def check_at_exit():  # registered after pyacl_moe's exit hook (imported with tests/emu_raw.py)
+        print("faults at exit", emu.stats()["device_faults"])
+
+    atexit.register(check_at_exit)
+    pm.use_emulator()
+    if hasattr(pm.emulator, "set_stream_mode"):
+        pm.emulator.set_stream_mode("lazy")
+    dev = pm.Device(0)
+    for _ in range(3):
+        x = pm.to_device(np.ones((64, 8), np.float32), stream=dev.default_stream)
+        idx = pm.to_device(np.arange(64, dtype=np.int32), stream=dev.default_stream)
+        out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=dev.default_stream)
+        del x, idx
+    dev.close()
+    print("faults after close", pm.emulator.stats()["device_faults"])
+    dev = pm.Device(0)
     x = pm.to_device(np.ones((64, 8), np.float32), stream=dev.default_stream)
     idx = pm.to_device(np.arange(64, dtype=np.int32), stream=dev.default_stream)
     out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=dev.default_stream)
-    del x, idx
-dev.close()
-print('faults after close', pm.emulator.stats()['device_faults'])
-dev = pm.Device(0)
-x = pm.to_device(np.ones((64, 8), np.float32), stream=dev.default_stream)
-idx = pm.to_device(np.arange(64, dtype=np.int32), stream=dev.default_stream)
-out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=dev.default_stream)
-del x, idx   # exit with the work still queued
-""")
+    del x, idx  # exit with the work still queued
+    return [dev, out]  # (tests/child.py keeps them alive until exit)
+
+
+def test_09_device_close_and_exit_wait_for_the_default_stream(isolated):
+    r = isolated(child_device_close_and_exit_wait_for_the_default_stream)
     assert r.returncode == 0, r.stderr
     assert "faults after close 0" in r.stdout, r.stdout + r.stderr
     assert "faults at exit 0" in r.stdout, r.stdout + r.stderr
@@ -403,16 +416,18 @@ def test_10_a_dropped_stream_is_released_without_any_synchronize(device):
     assert pm.emulator.stats()["streams"] == streams
 
 
+def child_switch_devices() -> None:
+    pm.use_emulator()
+    d0, d1 = pm.Device(0), pm.Device(1)
+    base = pm.emulator.stats()["devices_set"]
+    for _ in range(2000):  # a reference per switch would show at once
+        d0.set_current()
+        d1.set_current()
+    print(base, pm.emulator.stats()["devices_set"])
+
+
 def test_10_switching_devices_does_not_grow_aclrtsetdevice_references(isolated):
-    r = isolated("""
-import pyacl_moe as pm
-pm.use_emulator()
-d0, d1 = pm.Device(0), pm.Device(1)
-base = pm.emulator.stats()['devices_set']
-for _ in range(2000):  # a reference per switch would show at once
-    d0.set_current(); d1.set_current()
-print(base, pm.emulator.stats()['devices_set'])
-""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = isolated(child_switch_devices, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     base, after = r.stdout.split()
     assert base == after == "2"
@@ -420,48 +435,56 @@ print(base, pm.emulator.stats()['devices_set'])
 
 # ------------------------------------------------------------------------------------------ 11
 
-def test_11_fork_while_another_thread_is_inside_never_hangs_the_child(isolated):
-    r = isolated(_WAIT_CHILD + """
-import os, sys, threading, numpy as np, pyacl_moe as pm
-from contextlib import closing
-pm.use_emulator()
-Closed = getattr(pm, 'ClosedError', None)
-dev = pm.Device(0)
-s = pm.Stream(dev)
-x = np.ones((256, 64), np.float32); idx = np.arange(256, dtype=np.int32)
-stop = threading.Event()
-def busy():
-    while not stop.is_set():
-        pm.moe_init_routing_v2_grad(x, idx, 4)
-        with closing(pm.Stream(dev)) as t:
-            pm.to_device(x, stream=t).to_host(t)
-        pm.empty_cache()
-ts = [threading.Thread(target=busy) for _ in range(2)]
-[t.start() for t in ts]
-hung = bad = 0
-for i in range(30):
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            s.synchronize()
-        except Exception as e:
-            code = 0 if Closed is not None and isinstance(e, Closed) else 4
-        if code == 0:
+def child_fork_while_another_thread_is_inside() -> None:
+    pm.use_emulator()
+    closed = getattr(pm, "ClosedError", None)
+    dev = pm.Device(0)
+    s = pm.Stream(dev)
+    x = np.ones((256, 64), np.float32)
+    idx = np.arange(256, dtype=np.int32)
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            pm.moe_init_routing_v2_grad(x, idx, 4)
+            with closing(pm.Stream(dev)) as t:
+                pm.to_device(x, stream=t).to_host(t)
+            pm.empty_cache()
+
+    ts = [threading.Thread(target=busy) for _ in range(2)]
+    for t in ts:
+        t.start()
+    hung = bad = 0
+    for _ in range(30):
+        pid = os.fork()
+        if pid == 0:
+            code = 3
             try:
-                pm.Device(0)
-                code = 5
+                s.synchronize()
             except Exception as e:
-                code = 0 if isinstance(e, Closed) else 6
-        os._exit(code)
-    code = wait_child(pid, 10)
-    if code is None: hung += 1
-    elif code != 0: bad += 1
-stop.set(); [t.join() for t in ts]
-print('hung', hung, 'bad', bad)
-assert hung == 0 and bad == 0
-print('ok')
-""", timeout=400)
+                code = 0 if closed is not None and isinstance(e, closed) else 4
+            if code == 0:
+                try:
+                    pm.Device(0)
+                    code = 5
+                except Exception as e:
+                    code = 0 if isinstance(e, closed) else 6
+            os._exit(code)
+        code = wait_child(pid, 10)
+        if code is None:
+            hung += 1
+        elif code != 0:
+            bad += 1
+    stop.set()
+    for t in ts:
+        t.join()
+    print("hung", hung, "bad", bad)
+    assert hung == 0 and bad == 0
+    print("ok")
+
+
+def test_11_fork_while_another_thread_is_inside_never_hangs_the_child(isolated):
+    r = isolated(child_fork_while_another_thread_is_inside, timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
 
@@ -759,232 +782,251 @@ def test_18_two_rebinds_at_once_never_make_two_outputs_share_memory(device, monk
 
 # ------------------------------------------------------------------------------------------ 19
 
+def child_fork_while_a_thread_holds_the_plans_locks() -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    s = pm.Stream(dev)
+    x = np.ones((8, 4), np.float32)
+    ids = pm.routing.random_top_k(8, 2, 4, seed=0)
+    dx, di = pm.to_device(x, stream=s), pm.to_device(ids, stream=s)
+    plan = pm.MoeInitRoutingV2(dx, di, expert_num=4)
+    plan(s)
+    dropped = pm.MoeInitRoutingV2(dx, di)
+    dropped(s)
+    held, release = threading.Event(), threading.Event()
+
+    def inside():  # a parent thread inside the plan, its executor and its stream at fork
+        with plan._lock, plan._core.lock, s.state.lock:
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=inside)
+    t.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        for use in (plan, lambda: plan(s), lambda: plan.rebind(), lambda: plan.rebind(x=dx),
+                    lambda: pm.moe_init_routing_v2(dx, di, stream=s), lambda: pm.routing.dropless(di, 4)):
+            try:
+                use()
+                code = code or 3
+            except pm.ClosedError:
+                pass
+            except BaseException as e:
+                print(type(e).__name__, e, flush=True)
+                code = code or 4
+        try:
+            plan.close()
+        except BaseException as e:
+            print("close:", type(e).__name__, e, flush=True)
+            code = code or 5
+        del dropped
+        gc.collect()
+        try:
+            pm.empty_cache()  # a safe point: releases what was dropped
+        except BaseException as e:
+            print("empty_cache:", type(e).__name__, e, flush=True)
+            code = code or 6
+        os._exit(code)
+    release.set()
+    t.join()
+    code = wait_child(pid, 20)
+    print("child hung" if code is None else f"child {code}")
+
+
 def test_19_a_fork_child_never_waits_for_a_lock_a_parent_thread_held(isolated):
     """In a fork() child, closing, rebinding or dropping an inherited plan took the plan's,
     its executor's and its stream's locks, which a parent thread may have held at fork (the
     child then hung), and called CANN (AclRuntimeError 100001 instead of nothing)."""
-    r = isolated(_WAIT_CHILD + """
-import gc, os, threading, time, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-dev = pm.Device(0)
-s = pm.Stream(dev)
-x = np.ones((8, 4), np.float32); ids = pm.routing.random_top_k(8, 2, 4, seed=0)
-dx, di = pm.to_device(x, stream=s), pm.to_device(ids, stream=s)
-plan = pm.MoeInitRoutingV2(dx, di, expert_num=4)
-plan(s)
-dropped = pm.MoeInitRoutingV2(dx, di)
-dropped(s)
-held, release = threading.Event(), threading.Event()
-def inside():   # a parent thread inside the plan, its executor and its stream at fork
-    with plan._lock, plan._core.lock, s.state.lock:
-        held.set()
-        release.wait()
-t = threading.Thread(target=inside); t.start(); held.wait()
-pid = os.fork()
-if pid == 0:
-    code = 0
-    for use in (plan, lambda: plan(s), lambda: plan.rebind(), lambda: plan.rebind(x=dx),
-                lambda: pm.moe_init_routing_v2(dx, di, stream=s), lambda: pm.routing.dropless(di, 4)):
-        try:
-            use()
-            code = code or 3
-        except pm.ClosedError:
-            pass
-        except BaseException as e:
-            print(type(e).__name__, e, flush=True)
-            code = code or 4
-    try:
-        plan.close()
-    except BaseException as e:
-        print('close:', type(e).__name__, e, flush=True)
-        code = code or 5
-    del dropped
-    gc.collect()
-    try:
-        pm.empty_cache()   # a safe point: releases what was dropped
-    except BaseException as e:
-        print('empty_cache:', type(e).__name__, e, flush=True)
-        code = code or 6
-    os._exit(code)
-release.set(); t.join()
-code = wait_child(pid, 20)
-print('child hung' if code is None else f'child {code}')
-""", timeout=120)
+    r = isolated(child_fork_while_a_thread_holds_the_plans_locks, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("child 0"), r.stdout + r.stderr
 
 
 # ------------------------------------------------------------------------------------------ 20
 
+def child_a_plan_whose_device_closed() -> None:
+    pm.use_emulator()
+    x = np.ones((8, 4), np.float32)
+    ids = pm.routing.random_top_k(8, 2, 4, seed=0)
+    old = pm.Device(0)
+    fwd = pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids))
+    back = pm.MoeInitRoutingV2Grad(pm.to_device(x.repeat(2, 0)), pm.to_device(np.arange(16, dtype=np.int32)), 2)
+    old.close()
+    new = pm.Device(0)
+    s = pm.Stream(new)
+    ws = pm.empty((fwd.workspace_size,), np.uint8, new)
+    for use in (lambda: fwd.rebind(x=pm.to_device(x)), lambda: fwd(s), lambda: fwd(None, ws),
+                lambda: back.rebind(out=pm.empty((8, 4), np.float32)), lambda: back(s)):
+        try:
+            use()
+            print("accepted")
+        except pm.ClosedError:
+            print("closed")
+        except Exception as e:
+            print(type(e).__name__, e)
+    fwd.close()
+    back.close()
+
+
 def test_20_a_plan_whose_device_closed_raises_closed_error_whatever_it_is_given(isolated):
     """Once its device was closed and device 0 opened again, a plan given arrays or a stream
     of the new device 0 said they were on another device ("on device 0, the plan on 0")
     instead of that it was closed."""
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-x = np.ones((8, 4), np.float32); ids = pm.routing.random_top_k(8, 2, 4, seed=0)
-old = pm.Device(0)
-fwd = pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids))
-back = pm.MoeInitRoutingV2Grad(pm.to_device(x.repeat(2, 0)), pm.to_device(np.arange(16, dtype=np.int32)), 2)
-old.close()
-new = pm.Device(0)
-s = pm.Stream(new)
-ws = pm.empty((fwd.workspace_size,), np.uint8, new)
-for use in (lambda: fwd.rebind(x=pm.to_device(x)), lambda: fwd(s), lambda: fwd(None, ws),
-            lambda: back.rebind(out=pm.empty((8, 4), np.float32)), lambda: back(s)):
-    try:
-        use()
-        print('accepted')
-    except pm.ClosedError:
-        print('closed')
-    except Exception as e:
-        print(type(e).__name__, e)
-fwd.close(); back.close()
-""")
+    r = isolated(child_a_plan_whose_device_closed)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["closed"] * 5, r.stdout
 
 
 # ------------------------------------------------------------------------------------------ 21
 
-@pytest.mark.parametrize("seconds", [1, pytest.param(10, marks=pytest.mark.slow)], ids=["short", "long"])
-def test_21_keyboard_interrupt_anywhere_in_the_forward_leaks_nothing_and_frees_nothing_early(isolated, seconds):
+def child_keyboard_interrupt_anywhere_in_the_forward(iterations: int) -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    ids = pm.routing.random_top_k(64, 2, 8, seed=1)
+    kw = dict(expert_num=8, expert_tokens_count_or_cumsum_flag=2)
+    dp = dict(drop_pad_mode=1, expert_num=8, expert_capacity=12, expert_tokens_before_capacity_flag=True)
+    want, want_dp = pm.reference.moe_init_routing_v2(x, ids, **kw), pm.reference.moe_init_routing_v2(x, ids, **dp)
+
+    def same(r, w, s=None):
+        return all((a is None) == (b is None) and (b is None or np.array_equal(
+            a if isinstance(a, np.ndarray) else a.to_host(s), b)) for a, b in zip(r, w))
+
+    dev.synchronize()
+    pm.empty_cache()
+    before = pm.emulator.stats()
+    wrong = set()
+
+    def attempt():
+        if not same(pm.moe_init_routing_v2(x, ids, **kw), want):
+            wrong.add("host")
+        with closing(pm.Stream(dev)) as s:
+            dx = pm.to_device(x, stream=s)
+            di = pm.to_device(ids, stream=s)
+            r = pm.moe_init_routing_v2(dx, di, **kw, stream=s)
+            if not same(r, want, s):
+                wrong.add("device")
+            r = pm.moe_init_routing_v2(dx, di, **kw, stream=s, out=r)
+            if not same(r, want, s):
+                wrong.add("out=")
+            if not same(pm.moe_init_routing_v2(dx, di, **dp, stream=s), want_dp, s):
+                wrong.add("drop/pad")
+            with pm.MoeInitRoutingV2(dx, di, **kw) as plan:
+                plan(s)
+                if not same(plan(s), want, s):
+                    wrong.add("plan")
+                plan.rebind(x=pm.to_device(x, stream=s), expanded_x=pm.zeros((128, 32), np.float32))
+                if not same(plan(s), want, s):
+                    wrong.add("rebound plan")
+            rt = pm.routing.drop_pad(di, 8, 12, stream=s)
+            if not np.array_equal(rt.expanded_row_idx.to_host(s), want_dp[1]):
+                wrong.add("routing")
+
+    # Threads switch often, so that the interrupts land in Python code too, not only as foreign
+    # calls that let the interrupter run return.
+    interrupts = _interrupt_soak(21, iterations, attempt, switch_interval=1e-5)
+    _soak_verdict(dev, before, interrupts, wrong, 50)
+
+
+@pytest.mark.parametrize("iterations", [600, pytest.param(6000, marks=pytest.mark.slow)], ids=["short", "long"])
+def test_21_keyboard_interrupt_anywhere_in_the_forward_leaks_nothing_and_frees_nothing_early(isolated, iterations):
     """test_08's method on the forward: its one call on host arrays and on DeviceArrays (with
     and without out=, dropless and drop/pad), its plan (launched, rebound, closed) and
     pm.routing on the device, interrupted at random; every result that completes is the
     reference's, and nothing is left behind (defects 14 to 17 are the places found)."""
-    r = isolated(f"""
-import _thread, gc, random, signal, sys, threading, time, numpy as np, pyacl_moe as pm
-from contextlib import closing
-pm.use_emulator()
-LIVE = {LIVE!r}
-dev = pm.Device(0)
-x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
-ids = pm.routing.random_top_k(64, 2, 8, seed=1)
-KW = dict(expert_num=8, expert_tokens_count_or_cumsum_flag=2)
-DP = dict(drop_pad_mode=1, expert_num=8, expert_capacity=12, expert_tokens_before_capacity_flag=True)
-want, want_dp = pm.reference.moe_init_routing_v2(x, ids, **KW), pm.reference.moe_init_routing_v2(x, ids, **DP)
-def same(r, w, s=None):
-    return all((a is None) == (b is None) and (b is None or np.array_equal(
-        a if isinstance(a, np.ndarray) else a.to_host(s), b)) for a, b in zip(r, w))
-dev.synchronize(); pm.empty_cache()
-before = pm.emulator.stats()
-faults = before['device_faults']
-{_interrupter(21)}# Threads switch often, so that the interrupts land in Python code too, not only as foreign
-# calls that let the interrupter run return.
-sys.setswitchinterval(1e-5)
-interrupts = 0
-wrong = set()
-deadline = time.time() + {seconds}
-while time.time() < deadline:
-    try:
-        armed[0] = True
-        if not same(pm.moe_init_routing_v2(x, ids, **KW), want): wrong.add('host')
-        with closing(pm.Stream(dev)) as s:
-            dx = pm.to_device(x, stream=s); di = pm.to_device(ids, stream=s)
-            r = pm.moe_init_routing_v2(dx, di, **KW, stream=s)
-            if not same(r, want, s): wrong.add('device')
-            r = pm.moe_init_routing_v2(dx, di, **KW, stream=s, out=r)
-            if not same(r, want, s): wrong.add('out=')
-            if not same(pm.moe_init_routing_v2(dx, di, **DP, stream=s), want_dp, s): wrong.add('drop/pad')
-            with pm.MoeInitRoutingV2(dx, di, **KW) as plan:
-                plan(s)
-                if not same(plan(s), want, s): wrong.add('plan')
-                plan.rebind(x=pm.to_device(x, stream=s), expanded_x=pm.zeros((128, 32), np.float32))
-                if not same(plan(s), want, s): wrong.add('rebound plan')
-            rt = pm.routing.drop_pad(di, 8, 12, stream=s)
-            if not np.array_equal(rt.expanded_row_idx.to_host(s), want_dp[1]): wrong.add('routing')
-        armed[0] = False
-    except KeyboardInterrupt:
-        armed[0] = False
-        interrupts += 1
-{_INTERRUPTER_STOP}{_soak_verdict(('dx', 'di', 'r', 'plan', 's', 'rt'), 50)}""", timeout=120 + 2 * seconds)
+    r = isolated(child_keyboard_interrupt_anywhere_in_the_forward, iterations, timeout=120 + iterations // 20)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
 
 
 # ------------------------------------------------------------------------------------------ 22
 
+def child_fork_while_threads_are_inside_the_forward() -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    s = pm.Stream(dev)
+    x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    ids = pm.routing.random_top_k(256, 2, 8, seed=1)
+    kw = dict(expert_num=8, expert_tokens_count_or_cumsum_flag=2)
+    dx, di = pm.to_device(x, stream=s), pm.to_device(ids, stream=s)
+    plan = pm.MoeInitRoutingV2(dx, di, **kw)
+    r0 = plan(s)
+    stop = threading.Event()
+
+    def busy(i):
+        out = None
+        while not stop.is_set():
+            pm.moe_init_routing_v2(x, ids, **kw)
+            with closing(pm.Stream(dev)) as t:
+                out = pm.moe_init_routing_v2(pm.to_device(x, stream=t), pm.to_device(ids, stream=t), **kw, stream=t,
+                                             out=out if i else None)
+                plan(t)
+                pm.routing.dropless(pm.to_device(ids, stream=t), 8, stream=t).to_host(t)
+            try:
+                plan.rebind(x=pm.to_device(x))
+            except pm.ClosedError:
+                pass
+            out = None
+
+    ts = [threading.Thread(target=busy, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    uses = {
+        "plan()": lambda: plan(), "plan(s)": lambda: plan(s), "rebind()": lambda: plan.rebind(),
+        "rebind(x)": lambda: plan.rebind(x=dx), "one call": lambda: pm.moe_init_routing_v2(dx, di, **kw, stream=s),
+        "one call, out=": lambda: pm.moe_init_routing_v2(dx, di, **kw, out=r0),
+        "unvalidated": lambda: pm.moe_init_routing_v2(dx, di, **kw, validate=False),
+        "host arrays": lambda: pm.moe_init_routing_v2(x, ids, **kw), "new plan": lambda: pm.MoeInitRoutingV2(dx, di),
+        "routing": lambda: pm.routing.dropless(di, 8), "result": lambda: r0.expanded_x.to_host(),
+    }
+    hung, bad = 0, set()
+    for _ in range(12):
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(rfd)
+            report = []
+            for what, use in uses.items():
+                try:
+                    use()
+                    report.append(what + ": accepted")
+                except pm.ClosedError:
+                    pass
+                except BaseException as e:
+                    report.append(f"{what}: {type(e).__name__} {e}")
+            try:
+                plan.close()
+                pm.routing.dropless(ids, 8)  # the host routing needs no device
+            except BaseException as e:
+                report.append(f"close or host routing: {type(e).__name__} {e}")
+            os.write(wfd, "; ".join(report).encode())
+            os._exit(0)
+        os.close(wfd)
+        code = wait_child(pid, 10)
+        if code is None:
+            hung += 1
+        else:
+            text = os.read(rfd, 1 << 16).decode()
+            if text or code:
+                bad.add(text or f"exit {code}")
+        os.close(rfd)
+    stop.set()
+    for t in ts:
+        t.join()
+    plan.close()
+    print("hung", hung, "bad", sorted(bad))
+    assert hung == 0 and not bad
+    print("ok")
+
+
 def test_22_fork_while_threads_are_inside_the_forward_never_hangs_the_child(isolated):
     """test_11's method on the forward: the parent's threads run the forward's one calls,
     its plan (launched and rebound) and routing on the device while it forks; in each child
     every inherited forward object raises ClosedError, closing the plan is quiet, and the
     child exits. Before defect 19 was fixed the children hung or raised AclRuntimeError."""
-    r = isolated(_WAIT_CHILD + """
-import os, threading, time, numpy as np, pyacl_moe as pm
-from contextlib import closing
-pm.use_emulator()
-dev = pm.Device(0)
-s = pm.Stream(dev)
-x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
-ids = pm.routing.random_top_k(256, 2, 8, seed=1)
-KW = dict(expert_num=8, expert_tokens_count_or_cumsum_flag=2)
-dx, di = pm.to_device(x, stream=s), pm.to_device(ids, stream=s)
-plan = pm.MoeInitRoutingV2(dx, di, **KW)
-r0 = plan(s)
-stop = threading.Event()
-def busy(i):
-    out = None
-    while not stop.is_set():
-        pm.moe_init_routing_v2(x, ids, **KW)
-        with closing(pm.Stream(dev)) as t:
-            out = pm.moe_init_routing_v2(pm.to_device(x, stream=t), pm.to_device(ids, stream=t), **KW, stream=t,
-                                         out=out if i else None)
-            plan(t)
-            pm.routing.dropless(pm.to_device(ids, stream=t), 8, stream=t).to_host(t)
-        try:
-            plan.rebind(x=pm.to_device(x))
-        except pm.ClosedError:
-            pass
-        out = None
-ts = [threading.Thread(target=busy, args=(i,)) for i in range(3)]
-[t.start() for t in ts]
-uses = {
-    'plan()': lambda: plan(), 'plan(s)': lambda: plan(s), 'rebind()': lambda: plan.rebind(),
-    'rebind(x)': lambda: plan.rebind(x=dx), 'one call': lambda: pm.moe_init_routing_v2(dx, di, **KW, stream=s),
-    'one call, out=': lambda: pm.moe_init_routing_v2(dx, di, **KW, out=r0),
-    'unvalidated': lambda: pm.moe_init_routing_v2(dx, di, **KW, validate=False),
-    'host arrays': lambda: pm.moe_init_routing_v2(x, ids, **KW), 'new plan': lambda: pm.MoeInitRoutingV2(dx, di),
-    'routing': lambda: pm.routing.dropless(di, 8), 'result': lambda: r0.expanded_x.to_host(),
-}
-hung, bad = 0, set()
-for i in range(12):
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(rfd)
-        report = []
-        for what, use in uses.items():
-            try:
-                use()
-                report.append(what + ': accepted')
-            except pm.ClosedError:
-                pass
-            except BaseException as e:
-                report.append(f'{what}: {type(e).__name__} {e}')
-        try:
-            plan.close()
-            pm.routing.dropless(ids, 8)   # the host routing needs no device
-        except BaseException as e:
-            report.append(f'close or host routing: {type(e).__name__} {e}')
-        os.write(wfd, '; '.join(report).encode())
-        os._exit(0)
-    os.close(wfd)
-    code = wait_child(pid, 10)
-    if code is None:
-        hung += 1
-    else:
-        text = os.read(rfd, 1 << 16).decode()
-        if text or code:
-            bad.add(text or f'exit {code}')
-    os.close(rfd)
-stop.set(); [t.join() for t in ts]
-plan.close()
-print('hung', hung, 'bad', sorted(bad))
-assert hung == 0 and not bad
-print('ok')
-""", timeout=300)
+    r = isolated(child_fork_while_threads_are_inside_the_forward, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
 
@@ -993,61 +1035,71 @@ print('ok')
 # Found in this review: the one call on DeviceArrays took its stream's lock before it looked at
 # the device, so a fork() child hung on a lock a parent thread held at fork.
 
+def child_fork_while_a_thread_holds_the_streams_locks() -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    s = pm.Stream(dev)
+    x = np.ones((8, 4), np.float32)
+    idx = np.arange(8, dtype=np.int32)
+    dx, di = pm.to_device(x, stream=s), pm.to_device(idx, stream=s)
+    dout = pm.empty((4, 4), np.float32)
+    ws = pm.empty((16 << 20,), np.uint8)
+    pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s)  # the stream's executor is cached
+    pm.moe_init_routing_v2_grad(dx, di, 2, out=dout)
+    s.synchronize()
+    dev.synchronize()
+    held, release = threading.Event(), threading.Event()
+
+    def inside():  # a parent thread inside both streams at fork
+        with s.state.lock, dev.default_stream.state.lock:
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=inside)
+    t.start()
+    held.wait()
+    uses = {
+        "one call, stream given": lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s),
+        "one call, default stream": lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout),
+        "one call, out made": lambda: pm.moe_init_routing_v2_grad(dx, di, 2, stream=s),
+        "one call, own workspace": lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s, workspace=ws),
+        "one call, unvalidated": lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s, validate=False),
+        "copy in": lambda: pm.to_device(x, stream=s),
+        "copy out": lambda: dx.to_host(s),
+        "copy from host": lambda: dout.copy_from_host(np.zeros((4, 4), np.float32), stream=s),
+        "stream synchronize": lambda: s.synchronize(),
+        "stream query": lambda: s.query(),
+        "device synchronize": lambda: dev.synchronize(),
+    }
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        for name, use in uses.items():
+            print(name, flush=True)  # the last one printed is the one that hung
+            try:
+                use()
+                print("  no error", flush=True)
+                code = 3
+            except pm.ClosedError:
+                pass
+            except BaseException as e:
+                print("  ", type(e).__name__, e, flush=True)
+                code = 4
+        os._exit(code)
+    code = wait_child(pid, 20)
+    report = ["child hung"] if code is None else [f"child exit {code}"] if code else []
+    release.set()
+    t.join()
+    print(report)
+    assert not report
+    print("ok")
+
+
 def test_23_a_fork_child_gets_closed_error_from_every_stream_use_never_a_parent_threads_lock(isolated):
     """In a fork() child whose parent had threads inside a stream (its lock held at fork), the
     one call on DeviceArrays (stream given, default stream, output made, own workspace),
     copies, waits and queries raise ClosedError and never wait for that lock."""
-    r = isolated(_WAIT_CHILD + """
-import os, threading, time, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-dev = pm.Device(0)
-s = pm.Stream(dev)
-x = np.ones((8, 4), np.float32); idx = np.arange(8, dtype=np.int32)
-dx, di = pm.to_device(x, stream=s), pm.to_device(idx, stream=s)
-dout = pm.empty((4, 4), np.float32)
-ws = pm.empty((16 << 20,), np.uint8)
-pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s)  # the stream's executor is cached
-pm.moe_init_routing_v2_grad(dx, di, 2, out=dout)
-s.synchronize(); dev.synchronize()
-held, release = threading.Event(), threading.Event()
-def inside():   # a parent thread inside both streams at fork
-    with s.state.lock, dev.default_stream.state.lock:
-        held.set()
-        release.wait()
-t = threading.Thread(target=inside); t.start(); held.wait()
-uses = {
-    'one call, stream given': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s),
-    'one call, default stream': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout),
-    'one call, out made': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, stream=s),
-    'one call, own workspace': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s, workspace=ws),
-    'one call, unvalidated': lambda: pm.moe_init_routing_v2_grad(dx, di, 2, out=dout, stream=s, validate=False),
-    'copy in': lambda: pm.to_device(x, stream=s),
-    'copy out': lambda: dx.to_host(s),
-    'copy from host': lambda: dout.copy_from_host(np.zeros((4, 4), np.float32), stream=s),
-    'stream synchronize': lambda: s.synchronize(),
-    'stream query': lambda: s.query(),
-    'device synchronize': lambda: dev.synchronize(),
-}
-pid = os.fork()
-if pid == 0:
-    code = 0
-    for name, use in uses.items():
-        print(name, flush=True)   # the last one printed is the one that hung
-        try:
-            use()
-            print('  no error', flush=True); code = 3
-        except pm.ClosedError:
-            pass
-        except BaseException as e:
-            print('  ', type(e).__name__, e, flush=True); code = 4
-    os._exit(code)
-code = wait_child(pid, 20)
-report = ['child hung'] if code is None else [f'child exit {code}'] if code else []
-release.set(); t.join()
-print(report)
-assert not report
-print('ok')
-""", timeout=300)
+    r = isolated(child_fork_while_a_thread_holds_the_streams_locks, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
 

@@ -152,18 +152,19 @@ def test_an_event_closed_while_queued_work_uses_it_lives_until_that_work_ran(dev
         assert pm.emulator.stats()["events"] == events
 
 
+def child_events_of_another_device_are_refused() -> None:
+    pm.use_emulator()
+    d0, d1 = pm.Device(0), pm.Device(1)
+    ev = pm.Event(d1)
+    for bad in (lambda: d0.default_stream.wait_event(ev), lambda: ev.record(pm.Stream(d0))):
+        try:
+            bad()
+        except pm.InvalidArgument as e:
+            print(e.parameter)
+
+
 def test_events_of_another_device_are_refused(isolated):
-    r = isolated("""
-import pyacl_moe as pm
-pm.use_emulator()
-d0, d1 = pm.Device(0), pm.Device(1)
-ev = pm.Event(d1)
-for bad in (lambda: d0.default_stream.wait_event(ev), lambda: ev.record(pm.Stream(d0))):
-    try:
-        bad()
-    except pm.InvalidArgument as e:
-        print(e.parameter)
-""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = isolated(child_events_of_another_device_are_refused, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["event", "stream"]
 
