@@ -88,7 +88,7 @@ def _span(base: int, shape: tuple[int, ...], strides: tuple[int, ...], offset: i
 _layout_lock = threading.Lock()  # guards _layout_ids and _layout_counter
 _layout_ids: dict[tuple[Any, ...], int] = {}
 _layout_counter = itertools.count()
-_LAYOUTS_MAX = 4096
+_LAYOUTS_MAX = 1024
 
 
 def _layout_id(layout: tuple[Any, ...]) -> int:

@@ -180,9 +180,9 @@ class StreamState:
     def enqueue(self, hold: Any, call: Callable[..., None], *args: Any, writes: Iterable[tuple[Any, bool]] = ()
                 ) -> int:
         """Queue a task: ``call(*args, stream_handle)``, with ``hold`` kept until it has run and
-        ``writes`` (the memory it writes: (Track, whole) pairs, see :meth:`stamp`) stamped. Returns the task's epoch (for
-        :meth:`wait_for`). The hold is taken first: an interrupted call leaves it held, never
-        freed."""
+        ``writes`` (the memory it writes: (Track, whole) pairs, see :meth:`stamp`) stamped.
+        Returns the task's epoch (for :meth:`wait_for`). The hold is taken first: an
+        interrupted call leaves it held, never freed."""
         with self.lock:
             self.check_open()
             acl.use_context(self.context)

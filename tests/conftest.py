@@ -11,10 +11,11 @@ that the counters come back to where they started.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import textwrap
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -71,18 +72,48 @@ def emu(_emu_session: Emu):
     assert not leaked, f"objects left behind (before, after): {leaked}"
 
 
-def run_isolated(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run Python code in a fresh interpreter (for process-wide state: aclInit, environment)."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=str(ROOT),
-    )
+def child_command(fn: Callable[..., object], *args: object) -> list[str]:
+    """The command that runs ``fn(*args)`` in a fresh interpreter: ``python -m tests.child
+    MODULE:FUNCTION JSON`` (tests/child.py). ``fn`` is a module-level function of a module of
+    tests/ (by convention named ``child_<what>``); ``args`` pass through JSON, so tuples arrive
+    as lists. The child imports ``fn``'s module first: its top-level imports run there."""
+    module, name = fn.__module__, fn.__qualname__
+    if not module.startswith("tests.") or not name.isidentifier():
+        raise ValueError(f"{module}:{name} is not a module-level function of a module of tests/")
+    return [sys.executable, "-m", "tests.child", f"{module}:{name}", json.dumps(list(args))]
+
+
+def _child_env(env: Mapping[str, str | None] | None) -> dict[str, str]:
+    full = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            full.pop(name, None)
+        else:
+            full[name] = value
+    return full
+
+
+def run_isolated(fn: Callable[..., object], *args: object, env: Mapping[str, str | None] | None = None,
+                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``fn(*args)`` in a fresh interpreter (for process-wide state: aclInit, environment,
+    fork, exit) and wait for it: the finished process, its output as text. It runs from the
+    repository's root, so it imports this checkout's pyacl_moe and tests; ``env`` is added to
+    this process's environment (a None value removes the variable)."""
+    return subprocess.run(child_command(fn, *args), capture_output=True, text=True, env=_child_env(env),
+                          timeout=timeout, cwd=str(ROOT))
+
+
+def start_isolated(fn: Callable[..., object], *args: object,
+                   env: Mapping[str, str | None] | None = None) -> subprocess.Popen[str]:
+    """run_isolated without the wait, for children that run side by side: the started process,
+    its output piped as text."""
+    return subprocess.Popen(child_command(fn, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_child_env(env), cwd=str(ROOT))
 
 
 @pytest.fixture
 def isolated():
+    """run_isolated, for tests of the emulator backend only."""
     _needs_emulator()
     return run_isolated
 
@@ -151,3 +182,11 @@ def uncached():
     pyacl_moe.set_caching(False)
     yield
     pyacl_moe.set_caching(True)
+
+
+def forward_inputs(seed: int = 0, n: int = 8, k: int = 2, h: int = 4, experts: int = 4):
+    """The forward's inputs: x [n, h] float32 and each token's top-k of ``experts`` experts."""
+    import numpy as np
+
+    x = np.random.default_rng(seed).standard_normal((n, h)).astype(np.float32)
+    return x, pyacl_moe.routing.random_top_k(n, k, experts, seed=seed)

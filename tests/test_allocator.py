@@ -137,19 +137,20 @@ def test_threads_share_the_cache_without_handing_a_block_out_twice(device):
     pm.empty_cache()
 
 
+def child_device_close_frees_cached_and_pinned_blocks() -> None:
+    pm.use_emulator()
+    d = pm.Device(0)
+    a = pm.to_device(np.ones(1000, np.float32), stream=pm.Stream(d))
+    _pinned = pm.pinned_empty((100,), np.float32)  # alive until the device closes
+    del a
+    assert pm.emulator.stats()["device_allocations"] >= 1 and pm.emulator.stats()["host_allocations"] >= 1
+    d.close()
+    st = pm.emulator.stats()
+    assert st["device_allocations"] == 0 and st["host_allocations"] == 0, st
+    print("ok")
+
+
 def test_device_close_frees_cached_and_pinned_blocks(isolated):
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-d = pm.Device(0)
-a = pm.to_device(np.ones(1000, np.float32), stream=pm.Stream(d))
-p = pm.pinned_empty((100,), np.float32)
-del a
-assert pm.emulator.stats()['device_allocations'] >= 1 and pm.emulator.stats()['host_allocations'] >= 1
-d.close()
-st = pm.emulator.stats()
-assert st['device_allocations'] == 0 and st['host_allocations'] == 0, st
-print('ok')
-""")
+    r = isolated(child_device_close_frees_cached_and_pinned_blocks)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from contextlib import closing
 
@@ -12,6 +13,7 @@ import pytest
 
 import pyacl_moe as pm
 from pyacl_moe.array import may_overlap
+from pyacl_moe.tools.cases import make_case
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, ml_dtypes.bfloat16, np.int32])
@@ -258,3 +260,55 @@ def test_reading_back_reports_a_fault_of_the_work_that_wrote_the_array(device, n
     out2 = pm.moe_init_routing_v2_grad(x, pm.to_device(np.arange(8, dtype=np.int32)), 2)
     assert np.array_equal(out2.to_host(), np.full((4, 4), 2.0, np.float32))  # the next one is clean
     device.synchronize()
+
+
+def test_a_host_write_waits_for_queued_work_that_reads_the_array(device, lazy_streams):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=13)
+    expected = pm.moe_init_routing_v2_grad(*case.args())
+    with closing(pm.Stream(device)) as s:
+        x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
+        out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)  # queued: reads x when it runs
+        x.copy_from_host(np.zeros_like(case.grad_expanded_x))  # must not overtake the kernel
+        assert np.array_equal(out.to_host(s), expected)
+        with closing(pm.Stream(device)) as t:
+            out2 = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+            x.copy_from_host(case.grad_expanded_x, stream=t)  # on another stream: ordered by an event
+            assert np.array_equal(out2.to_host(s), np.zeros_like(expected))
+            t.synchronize()
+        assert np.array_equal(x.to_host(), case.grad_expanded_x)
+
+
+def _views_of_new_shapes(count: int) -> None:
+    base = pm.empty((count + 1,), np.float32)
+    for n in range(1, count + 1):
+        v = base[:n]
+        assert v.shape == (n,)
+
+
+def test_distinct_view_shapes_leave_no_host_memory_behind(device):
+    """MoE token counts change every step: 200,000 views of one buffer, each of a shape not
+    seen before, leave (almost) nothing behind: per-layout state is bounded."""
+    _views_of_new_shapes(10)
+    gc.collect()
+    blocks = sys.getallocatedblocks()
+    _views_of_new_shapes(200_000)
+    gc.collect()
+    assert sys.getallocatedblocks() - blocks < 8_000  # (an entry per layout would be 600,000)
+
+
+@pytest.mark.slow
+def test_distinct_view_shapes_leave_under_a_mib_behind(device):
+    """The same, in bytes (tracemalloc is slow: 200,000 views take about 15 s under it)."""
+    import tracemalloc
+
+    _views_of_new_shapes(10)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        start, _ = tracemalloc.get_traced_memory()
+        _views_of_new_shapes(200_000)
+        gc.collect()
+        end, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert end - start < 1 << 20, f"{(end - start) / 2**20:.2f} MiB left behind"

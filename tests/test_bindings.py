@@ -8,20 +8,18 @@ from __future__ import annotations
 import ast
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
+import pyacl_moe as pm
 from pyacl_moe import emulator
+from pyacl_moe._cann import loader
+
+from . import children
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pyacl_moe"
-
-PRELUDE = """
-import json, os, sys
-import pyacl_moe as pm
-from pyacl_moe._cann import declare, loader
-"""
-
 
 @pytest.fixture(scope="module")
 def emu_home():
@@ -34,18 +32,21 @@ def _clean_env(**extra):
     return env
 
 
+def child_not_found() -> None:
+    try:
+        pm.device_count()
+    except pm.CannNotFoundError as e:
+        result = {"tried": e.tried, "text": str(e)}
+    else:
+        sys.exit("loaded something")
+    # A failed search binds the process to nothing: the emulator can still be chosen.
+    result["after"] = [pm.loaded_info(), pm.load(emulator=True).backend, pm.library_info().backend]
+    print(json.dumps(result))
+
+
 def test_not_found_lists_every_place_and_both_fixes(isolated, tmp_path):
-    r = isolated(PRELUDE + """
-try:
-    pm.device_count()
-except pm.CannNotFoundError as e:
-    result = {'tried': e.tried, 'text': str(e)}
-else:
-    sys.exit('loaded something')
-# A failed search binds the process to nothing: the emulator can still be chosen.
-result['after'] = [pm.loaded_info(), pm.load(emulator=True).backend, pm.library_info().backend]
-print(json.dumps(result))
-""", env=_clean_env(ASCEND_HOME_PATH=str(tmp_path / "nowhere"), ASCEND_TOOLKIT_HOME=str(tmp_path / "also-nowhere")))
+    r = isolated(child_not_found, env=_clean_env(ASCEND_HOME_PATH=str(tmp_path / "nowhere"),
+                                          ASCEND_TOOLKIT_HOME=str(tmp_path / "also-nowhere")))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     tried = "\n".join(out["tried"])
@@ -57,75 +58,116 @@ print(json.dumps(result))
     assert out["after"] == [None, "emulator", "emulator"]
 
 
+def child_bad_explicit_home_then_the_search(bad_home: str) -> None:
+    try:
+        pm.load(ascend_home=bad_home)
+    except pm.CannNotFoundError as e:
+        assert "ascend_home" in e.tried[0] and len(e.tried) == 1, e.tried
+    else:
+        sys.exit("a bad explicit home loaded something")
+    info = pm.library_info()
+    print(json.dumps({"backend": info.backend, "home": info.home, "op": info.op_library, "n": pm.device_count()}))
+
+
 def test_ascend_home_path_is_searched_like_a_cann_install(isolated, emu_home, tmp_path):
     # The emulator home is laid out like a CANN install, so the normal search finds it. A bad
     # explicit home is an error (and binds nothing): it is not searched past.
-    r = isolated(PRELUDE + f"""
-try:
-    pm.load(ascend_home={str(tmp_path)!r})
-except pm.CannNotFoundError as e:
-    assert 'ascend_home' in e.tried[0] and len(e.tried) == 1, e.tried
-else:
-    sys.exit('a bad explicit home loaded something')
-""" + """
-info = pm.library_info()
-print(json.dumps({'backend': info.backend, 'home': info.home, 'op': info.op_library, 'n': pm.device_count()}))
-""", env=_clean_env(ASCEND_HOME_PATH=emu_home))
+    r = isolated(child_bad_explicit_home_then_the_search, str(tmp_path), env=_clean_env(ASCEND_HOME_PATH=emu_home))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["backend"] == "cann" and out["home"] == emu_home and out["n"] == 1
     assert out["op"] == os.path.realpath(dict(emulator.library_paths())["op"])
 
 
+def child_print_home() -> None:
+    print(pm.library_info().home)
+
+
 def test_home_path_takes_precedence_over_toolkit_home(isolated, emu_home, tmp_path):
-    r = isolated(PRELUDE + "print(pm.library_info().home)",
+    r = isolated(child_print_home,
                  env=_clean_env(ASCEND_HOME_PATH=str(tmp_path), ASCEND_TOOLKIT_HOME=emu_home))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == emu_home  # the empty ASCEND_HOME_PATH was tried and skipped
 
 
+def child_print_explicit_home(home: str) -> None:
+    print(pm.load(ascend_home=home).home)
+
+
 def test_explicit_home_wins(isolated, emu_home, tmp_path):
-    r = isolated(PRELUDE + f"print(pm.load(ascend_home={emu_home!r}).home)",
-                 env=_clean_env(ASCEND_HOME_PATH=str(tmp_path)))
+    r = isolated(child_print_explicit_home, emu_home, env=_clean_env(ASCEND_HOME_PATH=str(tmp_path)))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == emu_home
+
+
+def child_print_home_and_ascendcl() -> None:
+    i = pm.library_info()
+    print(i.home, i.paths["ascendcl"])
 
 
 def test_dynamic_loader_path_is_the_last_resort(isolated, emu_home):
     # No home anywhere: libascendcl.so is found by the loader through LD_LIBRARY_PATH, which
     # the loader reads at process start, hence the variable in the child's environment.
-    r = isolated(PRELUDE + "i = pm.library_info(); print(i.home, i.paths['ascendcl'])",
-                 env=_clean_env(LD_LIBRARY_PATH=f"{emu_home}/lib64"))
+    r = isolated(child_print_home_and_ascendcl, env=_clean_env(LD_LIBRARY_PATH=f"{emu_home}/lib64"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["None", "libascendcl.so"]
 
 
+def child_use_emulator() -> None:
+    pm.use_emulator()
+    print(pm.library_info().backend)
+
+
 def test_emulator_selected_by_function(isolated):
     # (by the environment: see test_import_loads_nothing_and_concurrent_first_use_loads_once)
-    r = isolated(PRELUDE + "pm.use_emulator(); print(pm.library_info().backend)", env=_clean_env())
+    r = isolated(child_use_emulator, env=_clean_env())
     assert r.stdout.strip() == "emulator", r.stderr
+
+
+def child_use_emulator_after_cann_loaded() -> None:
+    pm.Device(0)
+    for switch in (pm.use_emulator, lambda: pm.load(emulator=True)):
+        try:
+            switch()
+        except RuntimeError:
+            print("refused")
+    pm.load()  # the same choice again: a no-op
+    print(pm.library_info().backend)
+    for extra in (pm.emulator.stats, pm.emulator.check_guards, lambda: pm.emulator.set_stream_mode("lazy")):
+        try:
+            extra()
+        except RuntimeError as e:
+            print("unavailable" if "not the emulator" in str(e) else repr(e))
 
 
 def test_use_emulator_after_cann_loaded_is_refused(isolated, emu_home):
     # The emulator's libraries found as a CANN install: the process is bound to "cann", which
     # is final, and the emulator's extras are not available on it.
-    r = isolated(PRELUDE + """
-pm.Device(0)
-for switch in (pm.use_emulator, lambda: pm.load(emulator=True)):
-    try:
-        switch()
-    except RuntimeError as e:
-        print('refused')
-pm.load()   # the same choice again: a no-op
-print(pm.library_info().backend)
-for extra in (pm.emulator.stats, pm.emulator.check_guards, lambda: pm.emulator.set_stream_mode('lazy')):
-    try:
-        extra()
-    except RuntimeError as e:
-        print('unavailable' if 'not the emulator' in str(e) else repr(e))
-""", env=_clean_env(ASCEND_HOME_PATH=emu_home))
+    r = isolated(child_use_emulator_after_cann_loaded, env=_clean_env(ASCEND_HOME_PATH=emu_home))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["refused", "refused", "cann"] + ["unavailable"] * 3
+
+
+def child_registered_providers(empty_home: str, emu_home: str) -> None:
+    loader.register_provider(loader.Provider(name="empty", home=lambda: empty_home))
+    loader.select_provider("empty")
+    try:
+        pm.library_info()
+    except pm.CannNotFoundError as e:
+        print("libascendcl.so: not found" in str(e), pm.loaded_info())
+    loader.register_provider(loader.Provider(name="mine", home=lambda: emu_home))
+    loader.register_provider(loader.Provider(name="mine", home=lambda: "/nowhere"))
+    try:
+        loader.select_provider("nobody")
+    except RuntimeError as e:
+        print("unknown" if "'mine'" in str(e) else repr(e))
+    loader.select_provider("mine")
+    info = pm.library_info()
+    print(info.backend, info.home == emu_home, pm.device_count())
+    try:
+        loader.select_provider("emulator")
+    except RuntimeError:
+        print("final")
 
 
 def test_a_registered_provider_is_selected_by_name(isolated, emu_home, tmp_path):
@@ -133,56 +175,15 @@ def test_a_registered_provider_is_selected_by_name(isolated, emu_home, tmp_path)
     # stands, an unknown name is refused, a provider missing a library is reported (and binds
     # nothing), and a provider is loaded from its home.
     (tmp_path / "lib64").mkdir()
-    r = isolated(PRELUDE + f"""
-loader.register_provider(loader.Provider(name='empty', home=lambda: {str(tmp_path)!r}))
-loader.select_provider('empty')
-try:
-    pm.library_info()
-except pm.CannNotFoundError as e:
-    print('libascendcl.so: not found' in str(e), pm.loaded_info())
-loader.register_provider(loader.Provider(name='mine', home=lambda: {emu_home!r}))
-loader.register_provider(loader.Provider(name='mine', home=lambda: '/nowhere'))
-try:
-    loader.select_provider('nobody')
-except RuntimeError as e:
-    print('unknown' if "'mine'" in str(e) else repr(e))
-loader.select_provider('mine')
-info = pm.library_info()
-print(info.backend, info.home == {emu_home!r}, pm.device_count())
-try:
-    loader.select_provider('emulator')
-except RuntimeError:
-    print('final')
-""", env=_clean_env())
+    r = isolated(child_registered_providers, str(tmp_path), emu_home, env=_clean_env())
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "None", "unknown", "mine", "True", "1", "final"]
 
 
 def test_import_loads_nothing_and_concurrent_first_use_loads_once(isolated):
-    r = isolated(PRELUDE + """
-import threading
-assert pm.loaded_info() is None and loader.loaded_libraries() is None
-maps = open('/proc/self/maps').read()
-assert 'libascendcl' not in maps and 'libopapi' not in maps, 'a CANN library was mapped at import'
-assert not declare._texts, 'the headers were given to cdef at import'
-assert loader.EMULATOR not in loader._providers and 'pyacl_moe.emulator' not in sys.modules, \
-    'the emulator was imported with the package'
-calls = []
-orig = loader._load_plan
-def counting(*a, **k):
-    calls.append(1)
-    return orig(*a, **k)
-loader._load_plan = counting
-infos = []
-barrier = threading.Barrier(8)
-def first_use():
-    barrier.wait()
-    infos.append(pm.library_info())
-ts = [threading.Thread(target=first_use) for _ in range(8)]
-[t.start() for t in ts]; [t.join() for t in ts]
-print(len(calls), len(infos), len(set(id(i) for i in infos)), len(declare._texts) == len(set(map(id, declare._texts))))
-print(infos[0].backend)   # PYACL_MOE_EMULATOR=1 chose the emulator
-""", env=_clean_env(PYACL_MOE_EMULATOR="1"))
+    # The child is in tests/children.py: this module imports the emulator, which the child
+    # checks the package's import did not.
+    r = isolated(children.child_import_loads_nothing_then_one_load, env=_clean_env(PYACL_MOE_EMULATOR="1"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", "8", "1", "True", "emulator"]
 

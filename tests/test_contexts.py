@@ -33,23 +33,24 @@ def test_with_device_leaves_objects_made_outside_usable(device):
     s.close()
 
 
+def child_with_device_restores_the_previous_device() -> None:
+    pm.use_emulator()
+    d0, d1 = pm.Device(0), pm.Device(1)
+    d0.set_current()
+    with d1:
+        assert pm.current_device() is d1
+        with d0:
+            assert pm.current_device() is d0
+        assert pm.current_device() is d1
+        a = pm.zeros((4,), "float32")  # no device given: the current one
+        assert a.device is d1
+    assert pm.current_device() is d0
+    assert not d1.closed
+    print("ok")
+
+
 def test_with_device_restores_the_previous_device(isolated):
-    r = isolated("""
-import pyacl_moe as pm
-pm.use_emulator()
-d0, d1 = pm.Device(0), pm.Device(1)
-d0.set_current()
-with d1:
-    assert pm.current_device() is d1
-    with d0:
-        assert pm.current_device() is d0
-    assert pm.current_device() is d1
-    a = pm.zeros((4,), "float32")          # no device given: the current one
-    assert a.device is d1
-assert pm.current_device() is d0
-assert not d1.closed
-print('ok')
-""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = isolated(child_with_device_restores_the_previous_device, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 from contextlib import closing
 
@@ -9,6 +10,9 @@ import numpy as np
 import pytest
 
 import pyacl_moe as pm
+
+from . import children
+from .emu_raw import Emu
 
 
 def test_device_is_shared_per_id(device):
@@ -82,95 +86,74 @@ def test_any_thread_may_use_any_object(device, no_leaks):
     assert pm.emulator.stats()["devices_set"] == set_before
 
 
+def child_close_releases_in_order() -> None:
+    pm.use_emulator()
+    pm.emulator.set_stream_mode("lazy")  # so that work is still queued when the device closes
+    dev = pm.Device(0)
+    s = pm.Stream(dev)
+    ev = pm.Event(dev)
+    arr = pm.to_device(np.ones(16, np.float32), stream=s)
+    view = arr[2:6]
+    x = pm.to_device(np.ones((8, 4), np.float32))
+    idx = pm.to_device(np.arange(8, dtype=np.int32))
+    _pending = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)  # queued, not run
+    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+    tensor = pm.AclTensor(x)
+    size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((4, 4), np.float32))
+    st = pm.emulator.stats()
+    assert st["streams"] == 1 and st["events"] == 1 and st["device_allocations"] >= 4 and st["pending_tasks"] > 0, st
+    ran = st["kernels_run"]
+    dev.close()
+    st = pm.emulator.stats()
+    assert st["kernels_run"] == ran + 1 and st["device_faults"] == 0, st  # close waited for the queued kernel
+    # CANN allows one aclInit per process: closing a device resets it, never finalizes.
+    assert st["initialized"] == 1 and st["devices_set"] == 0, st
+    assert st["device_allocations"] == 0 and st["streams"] == 0 and st["events"] == 0 and st["pending_tasks"] == 0, st
+    assert dev.closed and not dev.context.alive
+    # Everything is dead now: closing is a no-op, using raises ClosedError.
+    for thing in (s, ev, arr, view, dev):
+        assert thing.closed, thing
+    for thing in (s, ev, arr, view, plan, tensor, ex, dev):
+        thing.close()
+    uses = (lambda: s.synchronize(), lambda: s.query(), lambda: view.to_host(), lambda: arr[0],
+            lambda: ev.synchronize(), lambda: ev.record(s), lambda: plan(), lambda: pm.execute(None, 0, ex),
+            lambda: dev.synchronize(), lambda: dev.activate(), lambda: dev.default_stream, lambda: pm.Stream(dev),
+            lambda: pm.Event(dev), lambda: pm.empty((4,), np.float32, device=dev),
+            lambda: pm.to_device(np.ones(2), device=dev))
+    for i, use in enumerate(uses):
+        try:
+            use()
+        except pm.ClosedError as e:
+            assert isinstance(e, pm.PyaclMoeError) and isinstance(e, ValueError)
+        else:
+            raise SystemExit(f"use {i} after close did not raise ClosedError")
+    # A new Device opens afresh, on the same aclInit.
+    d2 = pm.Device(0)
+    assert d2 is not dev and not d2.closed and pm.Device(0) is d2
+    st = pm.emulator.stats()
+    assert st["initialized"] == 1 and st["devices_set"] == 1, st
+    np.testing.assert_array_equal(
+        pm.moe_init_routing_v2_grad(np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32), 2),
+        np.full((4, 4), 2.0, np.float32))
+    print("ok")
+
+
 def test_close_releases_in_order_and_objects_die(isolated):
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-pm.emulator.set_stream_mode('lazy')   # so that work is still queued when the device closes
-dev = pm.Device(0)
-s = pm.Stream(dev)
-ev = pm.Event(dev)
-arr = pm.to_device(np.ones(16, np.float32), stream=s)
-view = arr[2:6]
-x = pm.to_device(np.ones((8, 4), np.float32)); idx = pm.to_device(np.arange(8, dtype=np.int32))
-pending = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)   # queued, not run
-plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
-tensor = pm.AclTensor(x)
-size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((4, 4), np.float32))
-st = pm.emulator.stats()
-assert st['streams'] == 1 and st['events'] == 1 and st['device_allocations'] >= 4 and st['pending_tasks'] > 0, st
-ran = st['kernels_run']
-dev.close()
-st = pm.emulator.stats()
-assert st['kernels_run'] == ran + 1 and st['device_faults'] == 0, st   # close waited for the queued kernel
-# CANN allows one aclInit per process: closing a device resets it, never finalizes.
-assert st['initialized'] == 1 and st['devices_set'] == 0, st
-assert st['device_allocations'] == 0 and st['streams'] == 0 and st['events'] == 0 and st['pending_tasks'] == 0, st
-assert dev.closed and not dev.context.alive
-# Everything is dead now: closing is a no-op, using raises ClosedError.
-for thing in (s, ev, arr, view, dev):
-    assert thing.closed, thing
-for thing in (s, ev, arr, view, plan, tensor, ex, dev):
-    thing.close()
-uses = (lambda: s.synchronize(), lambda: s.query(), lambda: view.to_host(), lambda: arr[0], lambda: ev.synchronize(),
-        lambda: ev.record(s), lambda: plan(), lambda: pm.execute(None, 0, ex), lambda: dev.synchronize(),
-        lambda: dev.activate(), lambda: dev.default_stream, lambda: pm.Stream(dev), lambda: pm.Event(dev),
-        lambda: pm.empty((4,), np.float32, device=dev), lambda: pm.to_device(np.ones(2), device=dev))
-for i, use in enumerate(uses):
-    try:
-        use()
-    except pm.ClosedError as e:
-        assert isinstance(e, pm.PyaclMoeError) and isinstance(e, ValueError)
-    else:
-        raise SystemExit(f'use {i} after close did not raise ClosedError')
-# A new Device opens afresh, on the same aclInit.
-d2 = pm.Device(0)
-assert d2 is not dev and not d2.closed and pm.Device(0) is d2
-st = pm.emulator.stats()
-assert st['initialized'] == 1 and st['devices_set'] == 1, st
-np.testing.assert_array_equal(pm.moe_init_routing_v2_grad(np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32), 2),
-                              np.full((4, 4), 2.0, np.float32))
-print('ok')
-""")
+    r = isolated(child_close_releases_in_order)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == "ok"
 
 
-# Reads the emulator's counters after pyacl_moe's exit hook: registered before pyacl_moe is
-# imported (atexit runs hooks last-in, first-out), through cffi directly.
-EXIT_PROBE = """
-import atexit, cffi
-ffi = cffi.FFI()
-ffi.cdef(open({aclemu_h!r}).read() + 'int aclInit(const char *configPath);')
-lib = ffi.dlopen({libascendcl!r})
-def at_exit():
-    s = ffi.new('aclemuStats *')
-    lib.aclemuGetStats(s)
-    print('at exit', s.initialized, s.devices_set, s.device_allocations, s.streams, s.tensors, s.executors,
-          s.pending_tasks, s.device_faults)
-atexit.register(at_exit)
-"""
-
-
 @pytest.fixture
-def exit_probe():
+def exit_probe() -> tuple[str, str]:
+    """What tests/children.py's exit probe reads the emulator's counters at exit through:
+    aclemu.h and the emulated libascendcl.so."""
     home = pm.emulator.build()
-    return EXIT_PROBE.format(aclemu_h=str(pm.emulator.SRC_DIR / "aclemu.h"), libascendcl=f"{home}/lib64/libascendcl.so")
+    return str(pm.emulator.SRC_DIR / "aclemu.h"), f"{home}/lib64/libascendcl.so"
 
 
 def test_interpreter_exit_with_live_objects_is_clean(isolated, exit_probe):
-    r = isolated(exit_probe + """
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-pm.emulator.set_stream_mode('lazy')
-s = pm.Stream()
-a = pm.to_device(np.ones((64, 8), np.float32), stream=s)
-idx = pm.to_device(np.arange(64, dtype=np.int32), stream=s)
-out = pm.moe_init_routing_v2_grad(a, idx, 4, stream=s)   # still queued at exit
-plan = pm.MoeInitRoutingV2Grad(a, idx, 4)
-t = pm.AclTensor(a)
-print('exiting with everything alive')
-""")
+    r = isolated(children.child_interpreter_exit_with_live_objects, *exit_probe)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr
     # Every device released, the queued kernel run first (no fault), and aclFinalize since this
@@ -182,85 +165,65 @@ print('exiting with everything alive')
 def test_someone_else_initialized_acl(isolated, exit_probe):
     # A framework may have called aclInit already: the binding uses it and never finalizes it,
     # not even at exit.
-    r = isolated(exit_probe + """
-import pyacl_moe as pm
-pm.use_emulator()
-pm.library_info()
-assert lib.aclInit(ffi.NULL) == 0          # "the framework"
-d = pm.Device(0)
-d.close()
-d = pm.Device(0)
-assert pm.emulator.stats()['initialized'] == 1
-""")
+    r = isolated(children.child_someone_else_initialized_acl, *exit_probe)
     assert r.returncode == 0, r.stderr
     assert "at exit 1 0 0 0 0 0 0 0" in r.stdout, r.stdout + r.stderr
 
 
 def test_close_then_reopen_and_finalize_at_exit(isolated, exit_probe):
-    r = isolated(exit_probe + """
-import pyacl_moe as pm
-pm.use_emulator()
-a = pm.Device(0)
-a.close()
-assert a.closed
-st = pm.emulator.stats()
-# Not finalized at close: CANN allows one aclInit per process.
-assert st['initialized'] == 1 and st['devices_set'] == 0, st
-c = pm.Device(0)                 # the next one opens the device again
-assert c is not a and not c.closed
-c.close()
-print('ok')
-""")
+    r = isolated(children.child_close_then_reopen, *exit_probe)
     assert r.returncode == 0, r.stderr
     # aclFinalize at exit, since this process called aclInit.
     assert r.stdout.split("\n")[:2] == ["ok", "at exit 0 0 0 0 0 0 0 0"], r.stdout + r.stderr
 
 
+def child_acltensor_of_a_closed_device() -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    t = pm.AclTensor(pm.to_device(np.ones(4, np.float32)))
+    dev.close()
+    try:
+        t.view_shape  # noqa: B018
+    except pm.ClosedError:
+        print("closed", t.closed)
+
+
 def test_an_acltensor_of_a_closed_device_raises_closed_error(isolated):
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-dev = pm.Device(0)
-t = pm.AclTensor(pm.to_device(np.ones(4, np.float32)))
-dev.close()
-try:
-    t.view_shape
-except pm.ClosedError:
-    print('closed', t.closed)
-""")
+    r = isolated(child_acltensor_of_a_closed_device)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["closed", "True"]
 
 
+def child_multiple_devices() -> None:
+    pm.use_emulator()
+    assert pm.device_count() == 2
+    d0, d1 = pm.Device(0), pm.Device(1)
+    x1 = pm.to_device(np.ones((4, 2), np.float32), device=d1)
+    i1 = pm.to_device(np.arange(4, dtype=np.int32), device=d1)
+    out = pm.moe_init_routing_v2_grad(x1, i1, 2)
+    assert out.device is d1
+    # The thread's current device is now d1; d0 objects still work.
+    assert pm.current_device() is d1
+    x0 = pm.to_device(np.ones((4, 2), np.float32), device=d0)
+    print(out.to_host().tolist(), x0.to_host().sum())
+    try:
+        pm.moe_init_routing_v2_grad(x0, i1, 2)
+    except pm.InvalidArgument as e:
+        print("refused:", e.parameter)
+    try:
+        pm.moe_init_routing_v2_grad(x1, i1, 2, stream=pm.Stream(d0))
+    except pm.InvalidArgument as e:
+        print("refused:", e.parameter)
+    # Closing one device leaves the other working.
+    d0.close()
+    assert x0.closed and not x1.closed
+    print(pm.moe_init_routing_v2_grad(x1, i1, 2).to_host().tolist())
+    st = pm.emulator.stats()
+    print(st["devices_set"])
+
+
 def test_multiple_devices(isolated):
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-assert pm.device_count() == 2
-d0, d1 = pm.Device(0), pm.Device(1)
-x1 = pm.to_device(np.ones((4, 2), np.float32), device=d1)
-i1 = pm.to_device(np.arange(4, dtype=np.int32), device=d1)
-out = pm.moe_init_routing_v2_grad(x1, i1, 2)
-assert out.device is d1
-# The thread's current device is now d1; d0 objects still work.
-assert pm.current_device() is d1
-x0 = pm.to_device(np.ones((4, 2), np.float32), device=d0)
-print(out.to_host().tolist(), x0.to_host().sum())
-try:
-    pm.moe_init_routing_v2_grad(x0, i1, 2)
-except pm.InvalidArgument as e:
-    print('refused:', e.parameter)
-try:
-    pm.moe_init_routing_v2_grad(x1, i1, 2, stream=pm.Stream(d0))
-except pm.InvalidArgument as e:
-    print('refused:', e.parameter)
-# Closing one device leaves the other working.
-d0.close()
-assert x0.closed and not x1.closed
-print(pm.moe_init_routing_v2_grad(x1, i1, 2).to_host().tolist())
-st = pm.emulator.stats()
-print(st['devices_set'])
-""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = isolated(child_multiple_devices, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "[[2.0, 2.0], [2.0, 2.0]] 8.0"
@@ -270,14 +233,66 @@ print(st['devices_set'])
     assert lines[4] == "1"
 
 
+def child_device_fault_pending_at_exit():
+    pm.use_emulator()
+    x = pm.to_device(np.ones((4, 2), np.float32))
+    idx = pm.to_device(np.array([0, 1, 2, 99], np.int32))  # 99 addresses no row: a device fault
+    pm.moe_init_routing_v2_grad(x, idx, 1, validate=False)  # queued, never waited for
+    print("queued")
+    return [x, idx]  # (tests/child.py keeps them alive until exit)
+
+
 def test_a_device_fault_pending_at_exit_is_reported_on_stderr(isolated):
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-x = pm.to_device(np.ones((4, 2), np.float32))
-idx = pm.to_device(np.array([0, 1, 2, 99], np.int32))   # 99 addresses no row: a device fault
-pm.moe_init_routing_v2_grad(x, idx, 1, validate=False)   # queued, never waited for
-print('queued')
-""")
+    r = isolated(child_device_fault_pending_at_exit)
     assert r.returncode == 0, r.stderr
     assert "at exit, closing device 0 reported" in r.stderr and "507015" in r.stderr, r.stderr
+
+
+def child_device_close_and_exit_wait_for_the_default_stream():
+    emu = Emu()
+
+    def check_at_exit():  # registered after pyacl_moe's exit hook (imported with tests/emu_raw.py)
+        print("faults at exit", emu.stats()["device_faults"])
+
+    atexit.register(check_at_exit)
+    pm.use_emulator()
+    if hasattr(pm.emulator, "set_stream_mode"):
+        pm.emulator.set_stream_mode("lazy")
+    dev = pm.Device(0)
+    for _ in range(3):
+        x = pm.to_device(np.ones((64, 8), np.float32), stream=dev.default_stream)
+        idx = pm.to_device(np.arange(64, dtype=np.int32), stream=dev.default_stream)
+        out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=dev.default_stream)
+        del x, idx
+    dev.close()
+    print("faults after close", pm.emulator.stats()["device_faults"])
+    dev = pm.Device(0)
+    x = pm.to_device(np.ones((64, 8), np.float32), stream=dev.default_stream)
+    idx = pm.to_device(np.arange(64, dtype=np.int32), stream=dev.default_stream)
+    out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=dev.default_stream)
+    del x, idx  # exit with the work still queued
+    return [dev, out]  # (tests/child.py keeps them alive until exit)
+
+
+def test_device_close_and_exit_wait_for_the_default_stream(isolated):
+    r = isolated(child_device_close_and_exit_wait_for_the_default_stream)
+    assert r.returncode == 0, r.stderr
+    assert "faults after close 0" in r.stdout, r.stdout + r.stderr
+    assert "faults at exit 0" in r.stdout, r.stdout + r.stderr
+
+
+def child_switch_devices() -> None:
+    pm.use_emulator()
+    d0, d1 = pm.Device(0), pm.Device(1)
+    base = pm.emulator.stats()["devices_set"]
+    for _ in range(2000):  # a reference per switch would show at once
+        d0.set_current()
+        d1.set_current()
+    print(base, pm.emulator.stats()["devices_set"])
+
+
+def test_switching_devices_does_not_grow_aclrtsetdevice_references(isolated):
+    r = isolated(child_switch_devices, env={"PYACL_MOE_EMU_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    base, after = r.stdout.split()
+    assert base == after == "2"

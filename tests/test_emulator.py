@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import textwrap
 import threading
 import zlib
 
@@ -28,6 +27,7 @@ import pytest
 from pyacl_moe import emulator as emulator_mod
 
 from .conftest import LIVE
+from .emu_raw import Emu
 
 # ---------------------------------------------------------------------------- constants
 
@@ -260,69 +260,53 @@ def op_on(emu, res, x, idx, k, mode, act, dtype, sentinel=7.0, h=None):
     return xt, it, ot, out_p
 
 
-# Code that a fresh interpreter runs first: build the emulator and dlopen it with its own FFI,
-# declared from the same headers as conftest does.
-PRELUDE = '''
-import json, pathlib, threading, cffi
-import pyacl_moe.emulator as e
-from pyacl_moe import _paths
-home = e.build()
-ffi = cffi.FFI()
-for _n in _paths.HEADER_FILES:
-    ffi.cdef((_paths.headers_dir() / _n).read_text())
-ffi.cdef((pathlib.Path(e.__file__).parent / "src" / "aclemu.h").read_text())
-_libs = {_n: ffi.dlopen(_p) for _n, _p in e.library_paths()}
-acl, nn, op = _libs["ascendcl"], _libs["nnopbase"], _libs["op"]
-def msg():
-    p = acl.aclGetRecentErrMsg()
-    return ffi.string(p).decode() if p != ffi.NULL else ""
-def stats():
-    s = ffi.new("aclemuStats *")
-    acl.aclemuGetStats(s)
-    return {n: int(getattr(s, n)) for n, _ in ffi.typeof("aclemuStats").fields}
-def malloc(size):
-    p = ffi.new("void **")
-    st = acl.aclrtMalloc(p, size, 0)
-    return st, p[0]
-'''
-
-
-def run_fresh(isolated, body: str, env=None) -> dict:
-    """Run PRELUDE + body in a fresh interpreter; body prints one JSON object last."""
-    proc = isolated(PRELUDE + textwrap.dedent(body), env=env)
+def run_fresh(isolated, child, *args, env=None) -> dict:
+    """Run ``child(*args)`` in a fresh interpreter; it prints one JSON object last."""
+    proc = isolated(child, *args, env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def try_malloc(emu: Emu, size: int) -> tuple[int, object]:
+    """aclrtMalloc's status and the block (NULL when it failed)."""
+    p = emu.ffi.new("void **")
+    st = emu.acl.aclrtMalloc(p, size, 0)
+    return st, p[0]
+
+
 # ============================================================================ 1. status codes
+
+def child_runtime_calls_without_aclinit() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    p = ffi.new("void **")
+    s = ffi.new("aclrtStream *")
+    d = ffi.new("int32_t *")
+    c = ffi.new("uint32_t *")
+    out = {
+        "count": acl.aclrtGetDeviceCount(c),
+        "soc": ffi.string(acl.aclrtGetSocName()).decode(),
+        "getdev": [acl.aclrtGetDevice(d), emu.msg()],      # silent: no message
+        "malloc": acl.aclrtMalloc(p, 64, 0),
+        "free_no_heap": acl.aclrtFree(ffi.cast("void *", 0x1000)),
+        "stream": acl.aclrtCreateStream(s),
+        "syncdev": acl.aclrtSynchronizeDevice(),
+        "set": acl.aclrtSetDevice(0),
+    }
+    out["getdev_after"] = [acl.aclrtGetDevice(d), d[0]]
+    st, p0 = try_malloc(emu, 64)
+    out["malloc_after"] = st
+    out["free_unknown"] = acl.aclrtFree(ffi.cast("void *", 0x1000))
+    out["free"] = acl.aclrtFree(p0)
+    out["reset"] = acl.aclrtResetDevice(0)
+    out["initialized"] = emu.stats()["initialized"]
+    print(json.dumps(out))
+
 
 def test_runtime_calls_need_no_aclinit(isolated):
     # No runtime call checks aclInit (CANN's runtime never looks at it): without a device the
     # calls that need one are 107002, and aclrtSetDevice works at once.
-    r = run_fresh(isolated, """
-        p = ffi.new("void **")
-        s = ffi.new("aclrtStream *")
-        d = ffi.new("int32_t *")
-        c = ffi.new("uint32_t *")
-        out = {
-            "count": acl.aclrtGetDeviceCount(c),
-            "soc": ffi.string(acl.aclrtGetSocName()).decode(),
-            "getdev": [acl.aclrtGetDevice(d), msg()],      # silent: no message
-            "malloc": acl.aclrtMalloc(p, 64, 0),
-            "free_no_heap": acl.aclrtFree(ffi.cast("void *", 0x1000)),
-            "stream": acl.aclrtCreateStream(s),
-            "syncdev": acl.aclrtSynchronizeDevice(),
-            "set": acl.aclrtSetDevice(0),
-        }
-        out["getdev_after"] = [acl.aclrtGetDevice(d), d[0]]
-        st, p0 = malloc(64)
-        out["malloc_after"] = st
-        out["free_unknown"] = acl.aclrtFree(ffi.cast("void *", 0x1000))
-        out["free"] = acl.aclrtFree(p0)
-        out["reset"] = acl.aclrtResetDevice(0)
-        out["initialized"] = stats()["initialized"]
-        print(json.dumps(out))
-    """)
+    r = run_fresh(isolated, child_runtime_calls_without_aclinit)
     assert r["count"] == 0 and r["soc"]
     assert r["getdev"] == [RT_CONTEXT_NULL, ""]
     assert r["malloc"] == r["stream"] == r["syncdev"] == RT_CONTEXT_NULL
@@ -332,29 +316,33 @@ def test_runtime_calls_need_no_aclinit(isolated):
     assert r["initialized"] == 0
 
 
+def child_init_twice_and_finalize_twice() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    out = {}
+    out["fin_first"] = acl.aclFinalize()  # the flag starts clear: it runs
+    out["fin_again"] = acl.aclFinalize()
+    out["init1"] = acl.aclInit(ffi.NULL)
+    out["init2"] = acl.aclInit(ffi.NULL)
+    out["init2_msg"] = emu.msg()
+    out["set"] = acl.aclrtSetDevice(0)
+    st, p = try_malloc(emu, 1000)
+    out["malloc"] = st
+    out["allocs_before_fin"] = emu.stats()["device_allocations"]
+    out["fin1"] = acl.aclFinalize()
+    # aclFinalize releases nothing: the block and the device stay usable.
+    out["allocs_after_fin"] = emu.stats()["device_allocations"]
+    out["initialized"] = emu.stats()["initialized"]
+    host = bytearray(1000)
+    out["copy_after_fin"] = acl.aclrtMemcpy(ffi.from_buffer(host), 1000, p, 1000, 2)
+    out["fin2"] = acl.aclFinalize()
+    out["fin2_msg"] = emu.msg()
+    out["free"] = acl.aclrtFree(p)
+    print(json.dumps(out))
+
+
 def test_init_twice_and_finalize_twice(isolated):
-    r = run_fresh(isolated, """
-        out = {}
-        out["fin_first"] = acl.aclFinalize()      # the flag starts clear: it runs
-        out["fin_again"] = acl.aclFinalize()
-        out["init1"] = acl.aclInit(ffi.NULL)
-        out["init2"] = acl.aclInit(ffi.NULL)
-        out["init2_msg"] = msg()
-        out["set"] = acl.aclrtSetDevice(0)
-        st, p = malloc(1000)
-        out["malloc"] = st
-        out["allocs_before_fin"] = stats()["device_allocations"]
-        out["fin1"] = acl.aclFinalize()
-        # aclFinalize releases nothing: the block and the device stay usable.
-        out["allocs_after_fin"] = stats()["device_allocations"]
-        out["initialized"] = stats()["initialized"]
-        host = bytearray(1000)
-        out["copy_after_fin"] = acl.aclrtMemcpy(ffi.from_buffer(host), 1000, p, 1000, 2)
-        out["fin2"] = acl.aclFinalize()
-        out["fin2_msg"] = msg()
-        out["free"] = acl.aclrtFree(p)
-        print(json.dumps(out))
-    """)
+    r = run_fresh(isolated, child_init_twice_and_finalize_twice)
     assert r["fin_first"] == 0 and r["fin_again"] == ACL_ERROR_REPEAT_FINALIZE
     assert r["init1"] == 0
     assert r["init2"] == ACL_ERROR_REPEAT_INITIALIZE
@@ -388,17 +376,21 @@ def test_set_device_invalid_id(emu):
     assert d[0] == 0
 
 
+def child_device_count_and_ids() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    c = ffi.new("uint32_t *")
+    acl.aclInit(ffi.NULL)
+    out = {"count": (acl.aclrtGetDeviceCount(c), c[0])}
+    out["set2"] = acl.aclrtSetDevice(2)
+    d = ffi.new("int32_t *")
+    out["get"] = (acl.aclrtGetDevice(d), d[0])
+    out["set3"] = acl.aclrtSetDevice(3)
+    print(json.dumps(out))
+
+
 def test_device_count_and_ids_follow_env(isolated):
-    r = run_fresh(isolated, """
-        c = ffi.new("uint32_t *")
-        acl.aclInit(ffi.NULL)
-        out = {"count": (acl.aclrtGetDeviceCount(c), c[0])}
-        out["set2"] = acl.aclrtSetDevice(2)
-        d = ffi.new("int32_t *")
-        out["get"] = (acl.aclrtGetDevice(d), d[0])
-        out["set3"] = acl.aclrtSetDevice(3)
-        print(json.dumps(out))
-    """, env={"PYACL_MOE_EMU_DEVICES": "3"})
+    r = run_fresh(isolated, child_device_count_and_ids, env={"PYACL_MOE_EMU_DEVICES": "3"})
     assert r["count"] == [0, 3]
     assert r["set2"] == 0 and r["get"] == [0, 2]
     assert r["set3"] == RT_INVALID_DEVICEID
@@ -441,21 +433,25 @@ def test_malloc_beyond_capacity_and_size_zero(emu):
     assert after["mallocs_total"] == before["mallocs_total"]
 
 
+def child_malloc_capacity() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    acl.aclInit(ffi.NULL)
+    acl.aclrtSetDevice(0)
+    f, t = ffi.new("size_t *"), ffi.new("size_t *")
+    out = {"info": acl.aclrtGetMemInfo(1, f, t), "total": t[0]}
+    out["whole"] = try_malloc(emu, 1 << 20)[0]  # the block's padding does not fit
+    st, half = try_malloc(emu, 512 << 10)
+    out["half"] = st
+    out["more"] = try_malloc(emu, 600 << 10)[0]  # 512 KiB + 600 KiB > 1 MiB
+    out["small"] = try_malloc(emu, 400 << 10)[0]
+    acl.aclrtGetMemInfo(1, f, t)
+    out["free_after"] = f[0]
+    print(json.dumps(out))
+
+
 def test_malloc_capacity_follows_env(isolated):
-    r = run_fresh(isolated, """
-        acl.aclInit(ffi.NULL)
-        acl.aclrtSetDevice(0)
-        f, t = ffi.new("size_t *"), ffi.new("size_t *")
-        out = {"info": acl.aclrtGetMemInfo(1, f, t), "total": t[0]}
-        out["whole"] = malloc(1 << 20)[0]           # the block's padding does not fit
-        st, half = malloc(512 << 10)
-        out["half"] = st
-        out["more"] = malloc(600 << 10)[0]          # 512 KiB + 600 KiB > 1 MiB
-        out["small"] = malloc(400 << 10)[0]
-        acl.aclrtGetMemInfo(1, f, t)
-        out["free_after"] = f[0]
-        print(json.dumps(out))
-    """, env={"PYACL_MOE_EMU_MEMORY": "1M"})
+    r = run_fresh(isolated, child_malloc_capacity, env={"PYACL_MOE_EMU_MEMORY": "1M"})
     assert r["info"] == 0 and r["total"] == 1 << 20
     assert r["whole"] == RT_MEMORY_ALLOCATION
     assert r["half"] == 0
@@ -906,25 +902,30 @@ def test_3d_x_mode0_rows_are_read_as_the_vendor_kernel_reads_them(emu, res):
     assert np.array_equal(res.read(out_p, (2, 4), np.float32), flat[[1, 0]])
 
 
+def child_zero_size_3d_x_in_active_mode() -> None:
+    emu = Emu()
+    acl, nn, op, ffi = emu.acl, emu.nn, emu.op, emu.ffi
+    acl.aclInit(ffi.NULL)
+    acl.aclrtSetDevice(0)
+
+    def tensor(shape, dt, p):
+        s = ffi.new("int64_t[]", list(shape))
+        return nn.aclCreateTensor(s, len(shape), dt, ffi.NULL, 0, 2, s, len(shape), p)
+
+    x_p, i_p, o_p, w_p = (try_malloc(emu, n)[1] for n in (64, 32, 64, 16 << 20))
+    idx = np.arange(8, dtype=np.int32)
+    acl.aclrtMemcpy(i_p, 32, ffi.from_buffer(idx), 32, 1)
+    ws, ex = ffi.new("uint64_t *"), ffi.new("aclOpExecutor **")
+    out = {"phase1": op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
+        tensor((5, 4, 0), 0, x_p), tensor((8,), 3, i_p), 2, 0, 5, tensor((4, 4), 0, o_p),
+        ws, ex)}
+    out["phase2"] = op.aclnnMoeInitRoutingV2Grad(w_p, ws[0], ex[0], ffi.NULL)
+    out["sync"] = acl.aclrtSynchronizeStream(ffi.NULL)
+    print(json.dumps(out))
+
+
 def test_zero_size_3d_x_in_active_mode_does_not_crash(isolated):
-    r = run_fresh(isolated, """
-        import numpy as np
-        acl.aclInit(ffi.NULL)
-        acl.aclrtSetDevice(0)
-        def tensor(shape, dt, p):
-            s = ffi.new("int64_t[]", list(shape))
-            return nn.aclCreateTensor(s, len(shape), dt, ffi.NULL, 0, 2, s, len(shape), p)
-        x_p, i_p, o_p, w_p = (malloc(n)[1] for n in (64, 32, 64, 16 << 20))
-        idx = np.arange(8, dtype=np.int32)
-        acl.aclrtMemcpy(i_p, 32, ffi.from_buffer(idx), 32, 1)
-        ws, ex = ffi.new("uint64_t *"), ffi.new("aclOpExecutor **")
-        out = {"phase1": op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
-            tensor((5, 4, 0), 0, x_p), tensor((8,), 3, i_p), 2, 0, 5, tensor((4, 4), 0, o_p),
-            ws, ex)}
-        out["phase2"] = op.aclnnMoeInitRoutingV2Grad(w_p, ws[0], ex[0], ffi.NULL)
-        out["sync"] = acl.aclrtSynchronizeStream(ffi.NULL)
-        print(json.dumps(out))
-    """)
+    r = run_fresh(isolated, child_zero_size_3d_x_in_active_mode)
     assert r == {"phase1": 0, "phase2": 0, "sync": RT_AICORE_EXCEPTION}
 
 
@@ -1496,10 +1497,13 @@ def test_mutations_break_the_result(emu, res, mutation):
     assert emu.acl.aclemuSetMutation(b"no-such-mutation") == -1
 
 
+def child_print_mutation() -> None:
+    emu = Emu()
+    print(json.dumps({"m": emu.ffi.string(emu.acl.aclemuGetMutation()).decode()}))
+
+
 def test_mutation_from_environment(isolated):
-    r = run_fresh(isolated, """
-        print(json.dumps({"m": ffi.string(acl.aclemuGetMutation()).decode()}))
-    """, env={"PYACL_MOE_EMU_MUTATION": "off-by-one-row"})
+    r = run_fresh(isolated, child_print_mutation, env={"PYACL_MOE_EMU_MUTATION": "off-by-one-row"})
     assert r["m"] == "off-by-one-row"
 
 

@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -16,13 +15,13 @@ import pytest
 
 from pyacl_moe.emulator import _build, _releases
 
+from . import children
+from .conftest import start_isolated
+
 
 def _build_in(cache: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
-    env = dict(os.environ, PYACL_MOE_CACHE=str(cache), **(env_extra or {}))
-    return subprocess.Popen(
-        [sys.executable, "-c", "import pyacl_moe.emulator as e; print(e.build())"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
+    """A fresh interpreter building the emulator into ``cache`` (it prints the home)."""
+    return start_isolated(children.child_build, env={"PYACL_MOE_CACHE": str(cache), **(env_extra or {})})
 
 
 # The tests of a build from scratch share one compile of a few seconds: the slow step runs them

@@ -7,13 +7,15 @@ fixture. Process-wide state (device count, queue depth, fork) is tested in fresh
 
 from __future__ import annotations
 
-import textwrap
+import json
+import os
 import threading
 import time
 
 import numpy as np
 import pytest
 
+from .emu_raw import Emu
 from .test_emulator import (  # noqa: F401  (res and lazy are fixtures)
     ACL_ERROR_INVALID_PARAM,
     ACL_ERROR_REPEAT_INITIALIZE,
@@ -33,6 +35,7 @@ from .test_emulator import (  # noqa: F401  (res and lazy are fixtures)
     reference,
     res,
     run_fresh,
+    try_malloc,
 )
 
 COMPLETE_EVENT, NOT_READY_EVENT = 1, 0      # aclrtEventRecordedStatus
@@ -52,11 +55,6 @@ def stream_status(emu, s) -> int:
     return int(st[0])
 
 
-def fresh(isolated, body: str, env=None, prelude: str = "") -> dict:
-    """run_fresh with SLOW (and ``prelude``) defined before the dedented body."""
-    return run_fresh(isolated, SLOW + prelude + textwrap.dedent(body), env=env)
-
-
 def poll(cond, deadline_s: float = 10.0) -> bool:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
@@ -68,14 +66,17 @@ def poll(cond, deadline_s: float = 10.0) -> bool:
 
 # ============================================================================ modes
 
+def child_print_stream_mode() -> None:
+    emu = Emu()
+    print(json.dumps({"m": emu.ffi.string(emu.acl.aclemuGetStreamMode()).decode()}))
+
+
 def test_stream_mode_default_env_and_switch(emu, isolated):
     assert emu.ffi.string(emu.acl.aclemuGetStreamMode()) == b"async"
     assert emu.acl.aclemuSetStreamMode(b"bogus") == -1
     assert emu.acl.aclemuSetStreamMode(emu.NULL) == -1
     assert emu.ffi.string(emu.acl.aclemuGetStreamMode()) == b"async"
-    r = run_fresh(isolated, """
-        print(json.dumps({"m": ffi.string(acl.aclemuGetStreamMode()).decode()}))
-    """, env={"PYACL_MOE_EMU_STREAMS": "lazy"})
+    r = run_fresh(isolated, child_print_stream_mode, env={"PYACL_MOE_EMU_STREAMS": "lazy"})
     assert r["m"] == "lazy"
 
 
@@ -206,108 +207,134 @@ def test_event_timestamp_is_taken_when_the_record_runs(emu, res, lazy):
     assert ms[0] >= 45.0
 
 
-# Code for a fresh interpreter: tensors and a slow kernel (about 0.1 to 1 s on one thread).
-SLOW = '''
-import numpy as np, os, time, threading
-def tensor(shape, dt, p):
-    s = ffi.new("int64_t[]", list(shape))
-    return nn.aclCreateTensor(s, len(shape), dt, ffi.NULL, 0, 2, s, len(shape), p)
-def kernel(n, k, h, rows=16):
-    """Active mode over a small x: n*k*h additions, little memory."""
+# For the fresh interpreters below: tensors and a slow kernel (about 0.1 to 1 s on one thread).
+
+def nd_tensor(emu: Emu, shape, dt: int, p):
+    s = emu.ffi.new("int64_t[]", list(shape))
+    return emu.nn.aclCreateTensor(s, len(shape), dt, emu.NULL, 0, 2, s, len(shape), p)
+
+
+def slow_kernel(emu: Emu, n: int, k: int, h: int, rows: int = 16):
+    """Active mode over a small x: n*k*h additions, little memory. Returns launch(stream)."""
+    acl, ffi = emu.acl, emu.ffi
     x = np.ones((rows, h), np.float32)
     idx = (np.arange(n * k) % rows).astype(np.int32)
-    ps = [malloc(b)[1] for b in (x.nbytes, idx.nbytes, n * h * 4, 16 << 20)]
+    ps = [try_malloc(emu, b)[1] for b in (x.nbytes, idx.nbytes, n * h * 4, 16 << 20)]
     acl.aclrtMemcpy(ps[0], x.nbytes, ffi.from_buffer(x), x.nbytes, 1)
     acl.aclrtMemcpy(ps[1], idx.nbytes, ffi.from_buffer(idx), idx.nbytes, 1)
     ws, ex = ffi.new("uint64_t *"), ffi.new("aclOpExecutor **")
-    assert op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(tensor((rows, h), 0, ps[0]), tensor((n * k,), 3, ps[1]),
-        k, 0, rows, tensor((n, h), 0, ps[2]), ws, ex) == 0, msg()
-    assert nn.aclSetAclOpExecutorRepeatable(ex[0]) == 0
-    return lambda stream: op.aclnnMoeInitRoutingV2Grad(ps[3], ws[0], ex[0], stream)
-def new(kind):
-    h = ffi.new(kind + " *")
-    assert getattr(acl, "aclrtCreate" + kind[5:])(h) == 0, msg()
+    assert emu.op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
+        nd_tensor(emu, (rows, h), 0, ps[0]), nd_tensor(emu, (n * k,), 3, ps[1]), k, 0, rows,
+        nd_tensor(emu, (n, h), 0, ps[2]), ws, ex) == 0, emu.msg()
+    assert emu.nn.aclSetAclOpExecutorRepeatable(ex[0]) == 0
+    return lambda stream: emu.op.aclnnMoeInitRoutingV2Grad(ps[3], ws[0], ex[0], stream)
+
+
+def new_handle(emu: Emu, kind: str):
+    """A new aclrtStream or aclrtEvent."""
+    h = emu.ffi.new(kind + " *")
+    assert getattr(emu.acl, "aclrtCreate" + kind[5:])(h) == 0, emu.msg()
     return h[0]
-def ev_status(e):
-    st = ffi.new("aclrtEventRecordedStatus *")
-    assert acl.aclrtQueryEventStatus(e, st) == 0
+
+
+def ev_status(emu: Emu, e) -> int:
+    st = emu.ffi.new("aclrtEventRecordedStatus *")
+    assert emu.acl.aclrtQueryEventStatus(e, st) == 0
     return st[0]
-'''
+
+
+def child_full_stream() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    acl.aclInit(ffi.NULL)
+    acl.aclrtSetDevice(0)
+    slow = slow_kernel(emu, 4096, 128, 2048)
+    s, ev = new_handle(emu, "aclrtStream"), new_handle(emu, "aclrtEvent")
+    buf = try_malloc(emu, 64)[1]
+    out = {"tries": 0}
+    for _ in range(4):  # calibrate: the kernel must still run when the enqueues start
+        out["tries"] += 1
+        assert slow(s) == 0 and acl.aclrtRecordEvent(ev, s) == 0
+        if ev_status(emu, ev) == 0:
+            break
+        assert acl.aclrtSynchronizeStream(s) == 0
+    out["running_at_start"] = ev_status(emu, ev) == 0
+    peak = 0
+    for _ in range(8):  # depth 4: the kernel and the record fill half of it
+        assert acl.aclrtMemsetAsync(buf, 64, 1, 64, s) == 0
+        peak = max(peak, emu.stats()["pending_tasks"])
+    # Room for the last enqueues appeared only once the kernel (and the record) had run.
+    out["record_done_after_enqueues"] = ev_status(emu, ev) == 1
+    out["peak"] = peak
+    assert acl.aclrtSynchronizeStream(s) == 0
+    out["pending_after"] = emu.stats()["pending_tasks"]
+    print(json.dumps(out))
 
 
 def test_full_stream_makes_the_enqueue_wait_for_room(isolated):
-    r = fresh(isolated, """
-        acl.aclInit(ffi.NULL); acl.aclrtSetDevice(0)
-        slow = kernel(4096, 128, 2048)
-        s, ev = new("aclrtStream"), new("aclrtEvent")
-        buf = malloc(64)[1]
-        out = {"tries": 0}
-        for _ in range(4):  # calibrate: the kernel must still run when the enqueues start
-            out["tries"] += 1
-            assert slow(s) == 0 and acl.aclrtRecordEvent(ev, s) == 0
-            if ev_status(ev) == 0:
-                break
-            assert acl.aclrtSynchronizeStream(s) == 0
-        out["running_at_start"] = ev_status(ev) == 0
-        peak = 0
-        for _ in range(8):  # depth 4: the kernel and the record fill half of it
-            assert acl.aclrtMemsetAsync(buf, 64, 1, 64, s) == 0
-            peak = max(peak, stats()["pending_tasks"])
-        # Room for the last enqueues appeared only once the kernel (and the record) had run.
-        out["record_done_after_enqueues"] = ev_status(ev) == 1
-        out["peak"] = peak
-        assert acl.aclrtSynchronizeStream(s) == 0
-        out["pending_after"] = stats()["pending_tasks"]
-        print(json.dumps(out))
-    """, env={"PYACL_MOE_EMU_QUEUE_DEPTH": "4", "PYACL_MOE_EMU_THREADS": "1"})
+    r = run_fresh(isolated, child_full_stream, env={"PYACL_MOE_EMU_QUEUE_DEPTH": "4", "PYACL_MOE_EMU_THREADS": "1"})
     assert r["running_at_start"], r
     assert r["record_done_after_enqueues"], r
     assert r["peak"] <= 4, r
     assert r["pending_after"] == 0
 
 
+def child_lazy_mode_has_no_bound() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    acl.aclInit(ffi.NULL)
+    acl.aclrtSetDevice(0)
+    assert acl.aclemuSetStreamMode(b"lazy") == 0
+    s = new_handle(emu, "aclrtStream")
+    buf = try_malloc(emu, 64)[1]
+    for _ in range(50):
+        assert acl.aclrtMemsetAsync(buf, 64, 1, 64, s) == 0
+    out = {"pending": emu.stats()["pending_tasks"]}
+    assert acl.aclrtSynchronizeStream(s) == 0
+    print(json.dumps(out))
+
+
 def test_lazy_mode_has_no_bound(isolated):
-    r = fresh(isolated, """
-        acl.aclInit(ffi.NULL); acl.aclrtSetDevice(0)
-        assert acl.aclemuSetStreamMode(b"lazy") == 0
-        s = new("aclrtStream"); buf = malloc(64)[1]
-        for _ in range(50):
-            assert acl.aclrtMemsetAsync(buf, 64, 1, 64, s) == 0
-        out = {"pending": stats()["pending_tasks"]}
-        assert acl.aclrtSynchronizeStream(s) == 0
-        print(json.dumps(out))
-    """, env={"PYACL_MOE_EMU_QUEUE_DEPTH": "4"})
+    r = run_fresh(isolated, child_lazy_mode_has_no_bound, env={"PYACL_MOE_EMU_QUEUE_DEPTH": "4"})
     assert r["pending"] == 50
+
+
+def child_finalize_stops_the_engine() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    base = threads()
+    out = {}
+
+    def run_some():
+        s, ev = new_handle(emu, "aclrtStream"), new_handle(emu, "aclrtEvent")
+        buf = try_malloc(emu, 1 << 20)[1]
+        assert acl.aclrtMemsetAsync(buf, 1 << 20, 3, 1 << 20, s) == 0
+        assert acl.aclrtRecordEvent(ev, s) == 0
+        end = time.monotonic() + 10
+        while ev_status(emu, ev) != 1 and time.monotonic() < end:
+            time.sleep(0.001)
+        return ev_status(emu, ev) == 1
+
+    for round_ in range(2):
+        assert acl.aclInit(ffi.NULL) == 0 and acl.aclrtSetDevice(0) == 0
+        out[f"ran{round_}"] = run_some()
+        out[f"threads_running{round_}"] = threads() - base
+        assert acl.aclFinalize() == 0
+        out[f"threads_after{round_}"] = threads() - base
+    out["ran_after_finalize"] = run_some()
+    out["threads_after_finalize"] = threads() - base
+    print(json.dumps(out))
 
 
 def test_finalize_stops_the_engine(isolated):
     # Two rounds (aclInit after aclFinalize is allowed on the default 9.0.0 profile). aclFinalize
     # releases nothing, so work queued after it, without a new aclInit, still runs: on an engine
     # thread started anew.
-    r = fresh(isolated, """
-        def threads():
-            return len(os.listdir("/proc/self/task"))
-        base = threads()
-        out = {}
-        def run_some():
-            s, ev = new("aclrtStream"), new("aclrtEvent")
-            buf = malloc(1 << 20)[1]
-            assert acl.aclrtMemsetAsync(buf, 1 << 20, 3, 1 << 20, s) == 0
-            assert acl.aclrtRecordEvent(ev, s) == 0
-            end = time.monotonic() + 10
-            while ev_status(ev) != 1 and time.monotonic() < end:
-                time.sleep(0.001)
-            return ev_status(ev) == 1
-        for round_ in range(2):
-            assert acl.aclInit(ffi.NULL) == 0 and acl.aclrtSetDevice(0) == 0
-            out[f"ran{round_}"] = run_some()
-            out[f"threads_running{round_}"] = threads() - base
-            assert acl.aclFinalize() == 0
-            out[f"threads_after{round_}"] = threads() - base
-        out["ran_after_finalize"] = run_some()
-        out["threads_after_finalize"] = threads() - base
-        print(json.dumps(out))
-    """)
+    r = run_fresh(isolated, child_finalize_stops_the_engine)
     assert r == {"ran0": True, "threads_running0": 1, "threads_after0": 0,
                  "ran1": True, "threads_running1": 1, "threads_after1": 0,
                  "ran_after_finalize": True, "threads_after_finalize": 1}
@@ -429,53 +456,56 @@ def test_current_context_set_and_get(emu):
     assert emu.stats()["devices_set"] == sets  # switching took no device reference
 
 
+def child_contexts_switch_devices() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    acl.aclInit(ffi.NULL)
+    c0, c1 = ffi.new("aclrtContext *"), ffi.new("aclrtContext *")
+    assert acl.aclrtSetDevice(1) == 0 and acl.aclrtGetCurrentContext(c1) == 0
+    assert acl.aclrtSetDevice(0) == 0 and acl.aclrtGetCurrentContext(c0) == 0
+    out = {"distinct": c0[0] != c1[0], "sets_before": emu.stats()["devices_set"]}
+    d = ffi.new("int32_t *")
+    t0 = time.perf_counter()
+    bad = 0
+    for i in range(100_000):
+        bad += acl.aclrtSetCurrentContext(c1[0] if i & 1 else c0[0]) != 0
+        if i % 10_000 == 0:
+            bad += acl.aclrtGetDevice(d) != 0 or d[0] != (i & 1)
+    out["seconds"] = time.perf_counter() - t0
+    out["bad"] = bad
+    out["sets_after"] = emu.stats()["devices_set"]
+    # Streams follow the current context's device. Synchronizing one of another device
+    # switches to its context (ApiImpl::StreamSynchronize); queueing work on it is 107003.
+    assert acl.aclrtSetCurrentContext(c1[0]) == 0
+    s = ffi.new("aclrtStream *")
+    assert acl.aclrtCreateStream(s) == 0
+    assert acl.aclrtSetCurrentContext(c0[0]) == 0
+    out["foreign_stream"] = acl.aclrtSynchronizeStream(s[0])
+    sst = ffi.new("aclrtStreamStatus *")
+    out["foreign_query"] = acl.aclrtStreamQuery(s[0], sst)
+    ev = ffi.new("aclrtEvent *")
+    assert acl.aclrtCreateEvent(ev) == 0
+    out["foreign_record"] = acl.aclrtRecordEvent(ev[0], s[0])
+    out["foreign_destroy"] = acl.aclrtDestroyStream(s[0])
+    assert acl.aclrtDestroyEvent(ev[0]) == 0
+    assert acl.aclrtSetCurrentContext(c1[0]) == 0
+    assert acl.aclrtDestroyStream(s[0]) == 0
+    # Device 1's last reset destroys its context, for every thread.
+    assert acl.aclrtResetDevice(1) == 0
+    cc = ffi.new("aclrtContext *")
+    out["get_dead"] = acl.aclrtGetCurrentContext(cc)
+    out["getdev_dead"] = acl.aclrtGetDevice(d)
+    out["set_dead"] = acl.aclrtSetCurrentContext(c1[0])
+    out["set_dead_msg"] = emu.msg()
+    assert acl.aclrtSetDevice(1) == 0 and acl.aclrtGetCurrentContext(cc) == 0
+    out["new_ctx_differs"] = cc[0] != c1[0]
+    out["set_dead_again"] = acl.aclrtSetCurrentContext(c1[0])
+    out["set_c0"] = acl.aclrtSetCurrentContext(c0[0])
+    print(json.dumps(out))
+
+
 def test_contexts_switch_devices_without_references_and_die_with_the_device(isolated):
-    r = run_fresh(isolated, """
-        import time
-        acl.aclInit(ffi.NULL)
-        c0, c1 = ffi.new("aclrtContext *"), ffi.new("aclrtContext *")
-        assert acl.aclrtSetDevice(1) == 0 and acl.aclrtGetCurrentContext(c1) == 0
-        assert acl.aclrtSetDevice(0) == 0 and acl.aclrtGetCurrentContext(c0) == 0
-        out = {"distinct": c0[0] != c1[0], "sets_before": stats()["devices_set"]}
-        d = ffi.new("int32_t *")
-        t0 = time.perf_counter()
-        bad = 0
-        for i in range(100_000):
-            bad += acl.aclrtSetCurrentContext(c1[0] if i & 1 else c0[0]) != 0
-            if i % 10_000 == 0:
-                bad += acl.aclrtGetDevice(d) != 0 or d[0] != (i & 1)
-        out["seconds"] = time.perf_counter() - t0
-        out["bad"] = bad
-        out["sets_after"] = stats()["devices_set"]
-        # Streams follow the current context's device. Synchronizing one of another device
-        # switches to its context (ApiImpl::StreamSynchronize); queueing work on it is 107003.
-        assert acl.aclrtSetCurrentContext(c1[0]) == 0
-        s = ffi.new("aclrtStream *")
-        assert acl.aclrtCreateStream(s) == 0
-        assert acl.aclrtSetCurrentContext(c0[0]) == 0
-        out["foreign_stream"] = acl.aclrtSynchronizeStream(s[0])
-        sst = ffi.new("aclrtStreamStatus *")
-        out["foreign_query"] = acl.aclrtStreamQuery(s[0], sst)
-        ev = ffi.new("aclrtEvent *")
-        assert acl.aclrtCreateEvent(ev) == 0
-        out["foreign_record"] = acl.aclrtRecordEvent(ev[0], s[0])
-        out["foreign_destroy"] = acl.aclrtDestroyStream(s[0])
-        assert acl.aclrtDestroyEvent(ev[0]) == 0
-        assert acl.aclrtSetCurrentContext(c1[0]) == 0
-        assert acl.aclrtDestroyStream(s[0]) == 0
-        # Device 1's last reset destroys its context, for every thread.
-        assert acl.aclrtResetDevice(1) == 0
-        cc = ffi.new("aclrtContext *")
-        out["get_dead"] = acl.aclrtGetCurrentContext(cc)
-        out["getdev_dead"] = acl.aclrtGetDevice(d)
-        out["set_dead"] = acl.aclrtSetCurrentContext(c1[0])
-        out["set_dead_msg"] = msg()
-        assert acl.aclrtSetDevice(1) == 0 and acl.aclrtGetCurrentContext(cc) == 0
-        out["new_ctx_differs"] = cc[0] != c1[0]
-        out["set_dead_again"] = acl.aclrtSetCurrentContext(c1[0])
-        out["set_c0"] = acl.aclrtSetCurrentContext(c0[0])
-        print(json.dumps(out))
-    """, env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = run_fresh(isolated, child_contexts_switch_devices, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r["distinct"] and r["bad"] == 0
     assert r["sets_before"] == 2 and r["sets_after"] == 2  # flat over 100k switches
     assert r["foreign_stream"] == 0 and r["foreign_query"] == 0
@@ -489,16 +519,16 @@ def test_contexts_switch_devices_without_references_and_die_with_the_device(isol
 
 # ============================================================================ fork
 
-FORK_CHILD = '''
-def child_report(parent):
+def fork_child_report(emu: Emu, parent: dict) -> dict:
     """Runs in the forked child: every call must return promptly; no device is set there."""
+    acl, nn, ffi = emu.acl, emu.nn, emu.ffi
     d = ffi.new("int32_t *")
     st = ffi.new("aclrtEventRecordedStatus *")
     r = {"getdev": acl.aclrtGetDevice(d),
          "create_stream": acl.aclrtCreateStream(ffi.new("aclrtStream *")),
          "sync_parent_stream": acl.aclrtSynchronizeStream(parent["stream"]),
          "query_parent_event": acl.aclrtQueryEventStatus(parent["event"], st),
-         "initialized": stats()["initialized"], "streams": stats()["streams"],
+         "initialized": emu.stats()["initialized"], "streams": emu.stats()["streams"],
          "mode": ffi.string(acl.aclemuGetStreamMode()).decode()}
     acl.aclemuSetStreamMode(b"async")  # the child's own engine starts on first need
     r["init"] = acl.aclInit(ffi.NULL)
@@ -508,39 +538,42 @@ def child_report(parent):
     r["parent_tensor"] = nn.aclDestroyTensor(parent["tensor"])
     r["free_parent_block"] = acl.aclrtFree(parent["block"])
     # The child's own work runs (async: on an engine thread the child starts).
-    s, e = new("aclrtStream"), new("aclrtEvent")
-    buf = malloc(4096)[1]
+    s, e = new_handle(emu, "aclrtStream"), new_handle(emu, "aclrtEvent")
+    buf = try_malloc(emu, 4096)[1]
     r["memset"] = acl.aclrtMemsetAsync(buf, 4096, 7, 4096, s)
     r["record"] = acl.aclrtRecordEvent(e, s)
     end = time.monotonic() + 10
-    while ev_status(e) != 1 and time.monotonic() < end:
+    while ev_status(emu, e) != 1 and time.monotonic() < end:
         time.sleep(0.001)
-    r["ran"] = ev_status(e) == 1
+    r["ran"] = ev_status(emu, e) == 1
     r["new_stream_not_parent"] = s != parent["stream"]
-    small = kernel(4, 2, 8, rows=4)
+    small = slow_kernel(emu, 4, 2, 8, rows=4)
     r["launch"] = small(s)
     r["sync"] = acl.aclrtSynchronizeStream(s)
     r["finalize"] = acl.aclFinalize()
     return r
 
-def resolve_all():
+
+def resolve_all(emu: Emu) -> None:
     """cffi resolves a library function on first use under a Python lock; a thread of the parent
     may hold that lock at fork time, so the child must only use functions resolved before."""
-    for lib in (acl, nn, op):
+    for lib in (emu.acl, emu.nn, emu.op):
         for name in dir(lib):
             try:
                 getattr(lib, name)
             except AttributeError:  # declared, but exported by another of the three libraries
                 pass
 
-def fork_and_check(parent, timeout=20.0):
-    resolve_all()
+
+def fork_and_check(emu: Emu, parent: dict, timeout: float = 20.0) -> dict:
+    """fork_child_report in a fork() child: what it returned, or {"hung": True}."""
+    resolve_all(emu)
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(rfd)
-            os.write(wfd, json.dumps(child_report(parent)).encode())
+            os.write(wfd, json.dumps(fork_child_report(emu, parent)).encode())
         finally:
             os._exit(0)
     os.close(wfd)
@@ -556,7 +589,43 @@ def fork_and_check(parent, timeout=20.0):
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     return {"hung": True}
-'''
+
+
+def child_fork_while_a_thread_is_inside(mode: str) -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    acl.aclInit(ffi.NULL)
+    acl.aclrtSetDevice(0)
+    assert acl.aclemuSetStreamMode(mode.encode()) == 0
+    slow = slow_kernel(emu, 4096, 128, 2048)
+    s, ev = new_handle(emu, "aclrtStream"), new_handle(emu, "aclrtEvent")
+    block = try_malloc(emu, 4096)[1]
+    parent = {"stream": s, "event": ev, "block": block, "tensor": nd_tensor(emu, (2,), 0, block)}
+    runs = emu.stats()["kernels_run"]
+    assert slow(s) == 0 and acl.aclrtRecordEvent(ev, s) == 0
+    results = {}
+    ctx = ffi.new("aclrtContext *")
+    assert acl.aclrtGetCurrentContext(ctx) == 0
+
+    def sync(name):
+        acl.aclrtSetCurrentContext(ctx[0])
+        results[name] = acl.aclrtSynchronizeStream(s)
+
+    waiters = [threading.Thread(target=sync, args=(n,)) for n in ("a", "b")]
+    for t in waiters:
+        t.start()
+    end = time.monotonic() + 10
+    while emu.stats()["kernels_run"] == runs and time.monotonic() < end:
+        time.sleep(0.0005)
+    out = {"kernel_started": emu.stats()["kernels_run"] == runs + 1}
+    time.sleep(0.005)  # let the second waiter block on the stream
+    out["busy_at_fork"] = ev_status(emu, ev) == 0
+    out["child"] = fork_and_check(emu, parent)
+    for t in waiters:
+        t.join()
+    out["parent_syncs"] = results
+    out["parent_still_works"] = acl.aclrtSynchronizeStream(s)
+    print(json.dumps(out))
 
 
 @pytest.mark.parametrize("mode", ["lazy", "async"])
@@ -565,38 +634,7 @@ def test_fork_child_never_hangs_and_starts_without_devices(isolated, mode):
     # while synchronizing, in async mode the engine runs it; either way a second thread waits
     # for the stream. The child must get errors promptly: no device is set there, the parent's
     # handles are stale, aclInit's flags are inherited (nothing checks them).
-    r = fresh(isolated, prelude=FORK_CHILD, body=f"""
-        acl.aclInit(ffi.NULL); acl.aclrtSetDevice(0)
-        assert acl.aclemuSetStreamMode(b"{mode}") == 0
-        slow = kernel(4096, 128, 2048)
-        s, ev = new("aclrtStream"), new("aclrtEvent")
-        block = malloc(4096)[1]
-        parent = {{"stream": s, "event": ev, "block": block,
-                   "tensor": tensor((2,), 0, block)}}
-        runs = stats()["kernels_run"]
-        assert slow(s) == 0 and acl.aclrtRecordEvent(ev, s) == 0
-        results = {{}}
-        ctx = ffi.new("aclrtContext *")
-        assert acl.aclrtGetCurrentContext(ctx) == 0
-        def sync(name):
-            acl.aclrtSetCurrentContext(ctx[0])
-            results[name] = acl.aclrtSynchronizeStream(s)
-        waiters = [threading.Thread(target=sync, args=(n,)) for n in ("a", "b")]
-        for t in waiters:
-            t.start()
-        end = time.monotonic() + 10
-        while stats()["kernels_run"] == runs and time.monotonic() < end:
-            time.sleep(0.0005)
-        out = {{"kernel_started": stats()["kernels_run"] == runs + 1}}
-        time.sleep(0.005)  # let the second waiter block on the stream
-        out["busy_at_fork"] = ev_status(ev) == 0
-        out["child"] = fork_and_check(parent)
-        for t in waiters:
-            t.join()
-        out["parent_syncs"] = results
-        out["parent_still_works"] = acl.aclrtSynchronizeStream(s)
-        print(json.dumps(out))
-    """, env={"PYACL_MOE_EMU_THREADS": "1"})
+    r = run_fresh(isolated, child_fork_while_a_thread_is_inside, mode, env={"PYACL_MOE_EMU_THREADS": "1"})
     assert r["kernel_started"] and r["busy_at_fork"], r
     c = r["child"]
     assert not c.get("hung"), "the fork child hung on the emulator's locks"
@@ -615,53 +653,61 @@ def test_fork_child_never_hangs_and_starts_without_devices(isolated, mode):
     assert r["parent_syncs"] == {"a": 0, "b": 0} and r["parent_still_works"] == 0
 
 
+def child_fork_while_threads_hammer_the_locks() -> None:
+    emu = Emu()
+    acl, nn, ffi = emu.acl, emu.nn, emu.ffi
+    acl.aclInit(ffi.NULL)
+    acl.aclrtSetDevice(0)
+    ctx = ffi.new("aclrtContext *")
+    assert acl.aclrtGetCurrentContext(ctx) == 0
+    block = try_malloc(emu, 64)[1]
+    t = nd_tensor(emu, (2,), 0, block)
+    stop = threading.Event()
+
+    def hammer():
+        acl.aclrtSetCurrentContext(ctx[0])
+        d, dt = ffi.new("int32_t *"), ffi.new("aclDataType *")
+        while not stop.is_set():
+            acl.aclrtGetDevice(d)
+            nn.aclGetDataType(t, dt)
+
+    resolve_all(emu)
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for th in threads:
+        th.start()
+    time.sleep(0.05)  # both hammering
+    results = []
+    for _ in range(20):
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            d = ffi.new("int32_t *")
+            out = [acl.aclrtGetDevice(d), nn.aclDestroyTensor(t), acl.aclInit(ffi.NULL),
+                   acl.aclrtSetDevice(0), acl.aclrtGetDevice(d), acl.aclFinalize()]
+            os.write(wfd, json.dumps(out).encode())
+            os._exit(0)
+        os.close(wfd)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not os.waitpid(pid, os.WNOHANG)[0]:
+            time.sleep(0.002)
+        if time.monotonic() >= end:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            results.append("hung")
+        else:
+            results.append(json.loads(os.read(rfd, 4096) or b'"no output"'))
+        os.close(rfd)
+    stop.set()
+    for th in threads:
+        th.join()
+    print(json.dumps({"children": results}))
+
+
 def test_fork_while_threads_hammer_the_locks(isolated):
     # Parent threads call into both libraries in tight loops, so at fork time their locks are
     # often held; without fork handlers a child would inherit a held lock and hang. Twenty
     # children: each must finish its calls promptly.
-    r = fresh(isolated, prelude=FORK_CHILD, body="""
-        acl.aclInit(ffi.NULL); acl.aclrtSetDevice(0)
-        ctx = ffi.new("aclrtContext *")
-        assert acl.aclrtGetCurrentContext(ctx) == 0
-        block = malloc(64)[1]
-        t = tensor((2,), 0, block)
-        stop = threading.Event()
-        def hammer():
-            acl.aclrtSetCurrentContext(ctx[0])
-            d, dt = ffi.new("int32_t *"), ffi.new("aclDataType *")
-            while not stop.is_set():
-                acl.aclrtGetDevice(d)
-                nn.aclGetDataType(t, dt)
-        resolve_all()
-        threads = [threading.Thread(target=hammer) for _ in range(2)]
-        for th in threads:
-            th.start()
-        time.sleep(0.05)  # both hammering
-        results = []
-        for _ in range(20):
-            rfd, wfd = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                d = ffi.new("int32_t *")
-                out = [acl.aclrtGetDevice(d), nn.aclDestroyTensor(t), acl.aclInit(ffi.NULL),
-                       acl.aclrtSetDevice(0), acl.aclrtGetDevice(d), acl.aclFinalize()]
-                os.write(wfd, json.dumps(out).encode())
-                os._exit(0)
-            os.close(wfd)
-            end = time.monotonic() + 10
-            while time.monotonic() < end and not os.waitpid(pid, os.WNOHANG)[0]:
-                time.sleep(0.002)
-            if time.monotonic() >= end:
-                os.kill(pid, 9); os.waitpid(pid, 0)
-                results.append("hung")
-            else:
-                results.append(json.loads(os.read(rfd, 4096) or b'"no output"'))
-            os.close(rfd)
-        stop.set()
-        for th in threads:
-            th.join()
-        print(json.dumps({"children": results}))
-    """)
+    r = run_fresh(isolated, child_fork_while_threads_hammer_the_locks)
     want = [RT_CONTEXT_NULL, ACLNN_ERR_PARAM_INVALID, ACL_ERROR_REPEAT_INITIALIZE, 0, 0, 0]
     assert r["children"] == [want] * 20, r
 

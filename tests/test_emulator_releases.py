@@ -14,13 +14,13 @@ import fcntl
 import json
 import os
 import subprocess
-import sys
-import textwrap
+import threading
 
 import numpy as np
 import pytest
 
-from .conftest import ROOT, _needs_emulator
+from .conftest import _needs_emulator, start_isolated
+from .emu_raw import Emu
 
 OLD, NEW = "9.0.0", "9.1.0"
 
@@ -39,242 +39,236 @@ def align(n: int) -> int:
     return (n + 32 + 511) & ~511
 
 
+F32, F16, I32, I64, F64 = 0, 1, 3, 9, 11  # aclDataType
+ND, HWCN = 2, 16  # aclFormat
+SENTINEL = -7.0  # what an output buffer holds before a run
+
+
 # What the child runs: each scenario stores [status, workspace or None, message] (first phase)
 # or the figures of a run in R, printed as JSON at the end. Data are small integers in fp32, so
 # every sum is exact whatever its order.
-CHILD = r'''
-import json, threading
-import numpy as np
-from tests.emu_raw import Emu
+def child_every_scenario(tiling_ws_plus: int) -> None:
+    emu = Emu()
+    ffi, acl, nn, op, NULL = emu.ffi, emu.acl, emu.nn, emu.op, emu.NULL
+    emu.ok(acl.aclInit(NULL))
+    emu.ok(acl.aclrtSetDevice(0))
+    R = {"release": int(acl.aclemuRelease())}
 
-emu = Emu()
-ffi, acl, nn, op, NULL = emu.ffi, emu.acl, emu.nn, emu.op, emu.NULL
-emu.ok(acl.aclInit(NULL))
-emu.ok(acl.aclrtSetDevice(0))
-F32, F16, I32, I64, F64 = 0, 1, 3, 9, 11
-ND, HWCN = 2, 16
-SENTINEL = -7.0
-R = {"release": int(acl.aclemuRelease())}
+    def T(shape, dtype=F32, p=NULL, **kw):
+        return emu.tensor(shape, dtype, p, **kw)
 
-def T(shape, dtype=F32, p=NULL, **kw):
-    return emu.tensor(shape, dtype, p, **kw)
+    def dev(a):
+        a = np.ascontiguousarray(a)
+        p = emu.malloc(max(a.nbytes, 1))
+        if a.nbytes:
+            emu.h2d(p, a.tobytes())
+        return p
 
-def dev(a):
-    a = np.ascontiguousarray(a)
-    p = emu.malloc(max(a.nbytes, 1))
-    if a.nbytes:
-        emu.h2d(p, a.tobytes())
-    return p
+    def read(p, shape, dtype):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return np.frombuffer(emu.d2h(p, n), dtype).reshape(shape)
 
-def read(p, shape, dtype):
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return np.frombuffer(emu.d2h(p, n), dtype).reshape(shape)
+    def grad1(x, idx, out, topk=2, mode=0, active=0, ws=True, ex=True):
+        wsp = ffi.new("uint64_t *") if ws else NULL
+        exp = ffi.new("aclOpExecutor **") if ex else NULL
+        st = op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(x, idx, topk, mode, active, out, wsp, exp)
+        m = emu.msg()
+        return st, (int(wsp[0]) if st == 0 else None), (exp[0] if st == 0 else None), m
 
-def grad1(x, idx, out, topk=2, mode=0, active=0, ws=True, ex=True):
-    wsp = ffi.new("uint64_t *") if ws else NULL
-    exp = ffi.new("aclOpExecutor **") if ex else NULL
-    st = op.aclnnMoeInitRoutingV2GradGetWorkspaceSize(x, idx, topk, mode, active, out, wsp, exp)
-    m = emu.msg()
-    return st, (int(wsp[0]) if st == 0 else None), (exp[0] if st == 0 else None), m
+    def g(name, *a, **kw):
+        st, ws, ex, m = grad1(*a, **kw)
+        if ex is not None:
+            emu.ok(nn.aclDestroyAclOpExecutor(ex))
+        R[name] = [st, ws, m]
 
-def g(name, *a, **kw):
-    st, ws, ex, m = grad1(*a, **kw)
-    if ex is not None:
-        emu.ok(nn.aclDestroyAclOpExecutor(ex))
-    R[name] = [st, ws, m]
+    def fwd1(x, idx, exo, ri, cnt=NULL, bc=NULL, active=0, cap=0, num=0, mode=0, flag=0, before=False,
+             ws=True, ex=True):
+        wsp = ffi.new("uint64_t *") if ws else NULL
+        exp = ffi.new("aclOpExecutor **") if ex else NULL
+        st = op.aclnnMoeInitRoutingV2GetWorkspaceSize(x, idx, active, cap, num, mode, flag, before, exo, ri,
+                                                       cnt, bc, wsp, exp)
+        m = emu.msg()
+        return st, (int(wsp[0]) if st == 0 else None), (exp[0] if st == 0 else None), m
 
-def fwd1(x, idx, exo, ri, cnt=NULL, bc=NULL, active=0, cap=0, num=0, mode=0, flag=0, before=False,
-         ws=True, ex=True):
-    wsp = ffi.new("uint64_t *") if ws else NULL
-    exp = ffi.new("aclOpExecutor **") if ex else NULL
-    st = op.aclnnMoeInitRoutingV2GetWorkspaceSize(x, idx, active, cap, num, mode, flag, before, exo, ri,
-                                                   cnt, bc, wsp, exp)
-    m = emu.msg()
-    return st, (int(wsp[0]) if st == 0 else None), (exp[0] if st == 0 else None), m
+    def f(name, *a, **kw):
+        st, ws, ex, m = fwd1(*a, **kw)
+        if ex is not None:
+            emu.ok(nn.aclDestroyAclOpExecutor(ex))
+        R[name] = [st, ws, m]
 
-def f(name, *a, **kw):
-    st, ws, ex, m = fwd1(*a, **kw)
-    if ex is not None:
-        emu.ok(nn.aclDestroyAclOpExecutor(ex))
-    R[name] = [st, ws, m]
+    def sync():
+        st = acl.aclrtSynchronizeStream(NULL)
+        return st, emu.msg()
 
-def sync():
-    st = acl.aclrtSynchronizeStream(NULL)
-    return st, emu.msg()
+    def in_thread(fn):
+        box = []
+        t = threading.Thread(target=lambda: box.append(fn()))
+        t.start()
+        t.join()
+        return box[0]
 
-def in_thread(fn):
-    box = []
-    t = threading.Thread(target=lambda: box.append(fn()))
-    t.start()
-    t.join()
-    return box[0]
+    # ------------------------------------------------------------------ backward: first phase
+    x84, i8, o44 = T((8, 4)), T((8,), I32), T((4, 4))
+    g("g_null_ws_and_x", NULL, i8, o44, ws=False)
+    g("g_null_ex_and_out", x84, i8, NULL, ex=False)
+    stale = T((8, 4))
+    emu.ok(nn.aclDestroyTensor(stale))
+    g("g_stale", stale, i8, o44)
+    g("g_f64_x", T((8, 4), F64), i8, o44)
+    g("g_f16_x_f32_out", T((8, 4), F16), i8, o44)
+    g("g_empty_f64", T((0, 4), F64), T((0,), I32), T((0, 4), F64))
+    g("g_empty_i64_idx", T((0, 4)), T((0,), I64), T((0, 4)))
+    g("g_empty_out_f64_x", T((8, 4), F64), i8, T((0, 4)))
+    # Drop/pad mode takes an empty [E, C, H] with a non-empty out: then out's type is compared.
+    g("g_empty_f64_x_out_f32", T((0, 2, 4), F64), i8, o44, mode=1)
+    g("g_empty_i64_idx_out_f32", T((4, 4)), T((4, 0), I64), T((2, 4)))
+    g("g_topk_divides_not", T((10, 4)), T((10,), I32), T((3, 4)), topk=3)
+    g("g_negative_dim", T((2, -1, 4)), i8, o44, mode=1)
+    g("g_format_x", T((8, 4), fmt=HWCN), i8, o44)
+    g("g_format_idx", x84, T((8,), I32, fmt=HWCN), o44)
+    g("g_format_out", x84, i8, T((4, 4), fmt=HWCN))
+    g("g_format_x_empty_out", T((0, 4), fmt=HWCN), T((0,), I32), T((0, 4)))
+    g("g_out_huge_stride", x84, i8, T((4, 4), strides=(1 << 62, 1), storage=(16,)))
+    g("g_x_huge_stride", T((8, 4), strides=(1 << 62, 1), storage=(32,)), i8, o44)
+    g("g_ws_contiguous", x84, i8, o44)
+    g("g_ws_strided_x", T((8, 4), strides=(8, 1), storage=(64,)), i8, o44)
+    g("g_ws_strided_out", x84, i8, T((4, 4), strides=(8, 1), offset=2, storage=(32,)))
+    g("g_ws_strided_out_fp16", T((8, 4), F16), i8, T((4, 4), F16, strides=(1, 4), storage=(16,)))
+    g("g_ws_empty", T((0, 4)), T((0,), I32), T((0, 4)))
+    R["g_no_device"] = list(in_thread(lambda: grad1(x84, i8, o44))[::3])
+    R["g_no_device_f64"] = list(in_thread(lambda: grad1(T((8, 4), F64), i8, o44))[::3])
+    R["g_no_device_format"] = list(in_thread(lambda: grad1(T((8, 4), fmt=HWCN), i8, o44))[::3])
 
-# ------------------------------------------------------------------ backward: first phase
-x84, i8, o44 = T((8, 4)), T((8,), I32), T((4, 4))
-g("g_null_ws_and_x", NULL, i8, o44, ws=False)
-g("g_null_ex_and_out", x84, i8, NULL, ex=False)
-stale = T((8, 4))
-emu.ok(nn.aclDestroyTensor(stale))
-g("g_stale", stale, i8, o44)
-g("g_f64_x", T((8, 4), F64), i8, o44)
-g("g_f16_x_f32_out", T((8, 4), F16), i8, o44)
-g("g_empty_f64", T((0, 4), F64), T((0,), I32), T((0, 4), F64))
-g("g_empty_i64_idx", T((0, 4)), T((0,), I64), T((0, 4)))
-g("g_empty_out_f64_x", T((8, 4), F64), i8, T((0, 4)))
-# Drop/pad mode takes an empty [E, C, H] with a non-empty out: then out's type is compared.
-g("g_empty_f64_x_out_f32", T((0, 2, 4), F64), i8, o44, mode=1)
-g("g_empty_i64_idx_out_f32", T((4, 4)), T((4, 0), I64), T((2, 4)))
-g("g_topk_divides_not", T((10, 4)), T((10,), I32), T((3, 4)), topk=3)
-g("g_negative_dim", T((2, -1, 4)), i8, o44, mode=1)
-g("g_format_x", T((8, 4), fmt=HWCN), i8, o44)
-g("g_format_idx", x84, T((8,), I32, fmt=HWCN), o44)
-g("g_format_out", x84, i8, T((4, 4), fmt=HWCN))
-g("g_format_x_empty_out", T((0, 4), fmt=HWCN), T((0,), I32), T((0, 4)))
-g("g_out_huge_stride", x84, i8, T((4, 4), strides=(1 << 62, 1), storage=(16,)))
-g("g_x_huge_stride", T((8, 4), strides=(1 << 62, 1), storage=(32,)), i8, o44)
-g("g_ws_contiguous", x84, i8, o44)
-g("g_ws_strided_x", T((8, 4), strides=(8, 1), storage=(64,)), i8, o44)
-g("g_ws_strided_out", x84, i8, T((4, 4), strides=(8, 1), offset=2, storage=(32,)))
-g("g_ws_strided_out_fp16", T((8, 4), F16), i8, T((4, 4), F16, strides=(1, 4), storage=(16,)))
-g("g_ws_empty", T((0, 4)), T((0,), I32), T((0, 4)))
-R["g_no_device"] = list(in_thread(lambda: grad1(x84, i8, o44))[::3])
-R["g_no_device_f64"] = list(in_thread(lambda: grad1(T((8, 4), F64), i8, o44))[::3])
-R["g_no_device_format"] = list(in_thread(lambda: grad1(T((8, 4), fmt=HWCN), i8, o44))[::3])
+    # ------------------------------------------------------------------ backward: runs
+    rng = np.random.default_rng(7)
+    N, K, H = 4, 2, 8  # N * H fp32 is more than a one-element block holds with its padding (64 bytes)
+    xg = rng.integers(-8, 9, (N * K, H)).astype(np.float32)
+    ig = rng.permutation(N * K).astype(np.int32)
+    ref = np.zeros((N, H), np.float32)
+    for j, r in enumerate(ig):
+        ref[j // K] += xg[r]
+    R["g_ref"] = ref.tolist()
+    xp, ip = dev(xg), dev(ig)
+    xt, it = T((N * K, H), F32, xp), T((N * K,), I32, ip)
 
-# ------------------------------------------------------------------ backward: runs
-rng = np.random.default_rng(7)
-N, K, H = 4, 2, 8  # N * H fp32 is more than a one-element block holds with its padding (64 bytes)
-xg = rng.integers(-8, 9, (N * K, H)).astype(np.float32)
-ig = rng.permutation(N * K).astype(np.int32)
-ref = np.zeros((N, H), np.float32)
-for j, r in enumerate(ig):
-    ref[j // K] += xg[r]
-R["g_ref"] = ref.tolist()
-xp, ip = dev(xg), dev(ig)
-xt, it = T((N * K, H), F32, xp), T((N * K,), I32, ip)
-
-def grad_run(out_shape, buf_shape, strides=None, offset=0, storage=None, ws_bytes=None, ws_size=None,
-             null_ws=False, runs=1):
-    """One launch into a buffer of SENTINEL: the first phase's status and workspace, each
-    launch's status, the synchronize's status and message, and the buffer after it."""
-    buf = dev(np.full(buf_shape, SENTINEL, np.float32))
-    ot = T(out_shape, F32, buf, strides=strides, offset=offset, storage=storage)
-    st, ws, ex, m = grad1(xt, it, ot)
-    res = {"phase1": st, "ws": ws}
-    if st:
-        res["msg"] = m
+    def grad_run(out_shape, buf_shape, strides=None, offset=0, storage=None, ws_bytes=None, ws_size=None,
+                 null_ws=False, runs=1):
+        """One launch into a buffer of SENTINEL: the first phase's status and workspace, each
+        launch's status, the synchronize's status and message, and the buffer after it."""
+        buf = dev(np.full(buf_shape, SENTINEL, np.float32))
+        ot = T(out_shape, F32, buf, strides=strides, offset=offset, storage=storage)
+        st, ws, ex, m = grad1(xt, it, ot)
+        res = {"phase1": st, "ws": ws}
+        if st:
+            res["msg"] = m
+            return res
+        size = ws if ws_size is None else ws_size
+        wsp = NULL if null_ws else emu.malloc(ws if ws_bytes is None else ws_bytes)
+        res["phase2"] = []
+        for _ in range(runs):
+            res["phase2"].append(op.aclnnMoeInitRoutingV2Grad(wsp, size, ex, NULL))
+            res["msg2"] = emu.msg()
+        res["sync"], res["sync_msg"] = sync()
+        res["buf"] = read(buf, buf_shape, np.float32).tolist()
+        if res["phase2"][0] != 0 and ex is not None:
+            nn.aclDestroyAclOpExecutor(ex)
         return res
-    size = ws if ws_size is None else ws_size
-    wsp = NULL if null_ws else emu.malloc(ws if ws_bytes is None else ws_bytes)
-    res["phase2"] = []
-    for _ in range(runs):
-        res["phase2"].append(op.aclnnMoeInitRoutingV2Grad(wsp, size, ex, NULL))
+
+    R["g_run_contiguous"] = grad_run((N, H), (N, H), runs=2)
+    R["g_run_strided_out"] = grad_run((N, H), (N, 2 * H), strides=(2 * H, 1), offset=2, storage=(N * 2 * H,))
+    R["g_run_transposed_out"] = grad_run((N, H), (H, N), strides=(1, N), storage=(N * H,))
+    R["g_run_broadcast_out"] = grad_run((N, H), (1,), strides=(0, 0), storage=(1,))
+    R["g_run_small_ws"] = grad_run((N, H), (N, H), ws_bytes=4096, ws_size=4096)
+    R["g_run_null_ws"] = grad_run((N, H), (N, H), null_ws=True, ws_size=0)
+    R["g_run_oversized_ws"] = grad_run((N, H), (N, H), ws_size=tiling_ws_plus)
+    R["g_run_small_ws_strided"] = grad_run((N, H), (N, 2 * H), strides=(2 * H, 1), storage=(N * 2 * H,),
+                                           ws_bytes=4096, ws_size=4096)
+    R["g_run_null_ws_with_size"] = grad_run((N, H), (N, H), null_ws=True, ws_size=64)
+
+    # ------------------------------------------------------------------ forward: first phase
+    NT, KT, HT = 4, 2, 3
+    x43, i42, e83, r8 = T((NT, HT)), T((NT, KT), I32), T((NT * KT, HT)), T((NT * KT,), I32)
+    f("f_null_ws_and_x", NULL, i42, e83, r8, ws=False)
+    f("f_null_ex_and_ri", x43, i42, e83, NULL, ex=False)
+    f("f_f64_x", T((NT, HT), F64), i42, T((NT * KT, HT), F64), r8)
+    f("f_f16_x_f32_ex", T((NT, HT), F16), i42, e83, r8)
+    f("f_empty_f64", T((0, HT), F64), T((0, KT), I32), T((0, HT), F64), T((0,), I32))
+    f("f_empty_x_f64_ri_written", T((NT, 0), F64), i42, T((NT * KT, 0), F64), r8)
+    f("f_empty_idx_i64_count_written", x43, T((NT, 0), I64), T((0, HT)), T((0,), I32), T((4,), I32),
+      num=4, flag=1)
+    f("f_tiling", x43, i42, e83, r8, mode=2)
+    f("f_format_x", T((NT, HT), fmt=HWCN), i42, e83, r8)
+    f("f_format_ex", x43, i42, T((NT * KT, HT), fmt=HWCN), r8)
+    f("f_ws_contiguous", x43, i42, e83, r8)
+    f("f_ws_count_given", x43, i42, e83, r8, T((4,), I32), num=4, flag=1)
+    f("f_ws_strided_ex", x43, i42, T((NT * KT, HT), strides=(2 * HT, 1), storage=(NT * KT * 2 * HT,)), r8)
+    f("f_ws_strided_ri", x43, i42, e83, T((NT * KT,), I32, strides=(2,), storage=(2 * NT * KT,)))
+    f("f_ws_empty", T((0, HT)), T((0, KT), I32), T((0, HT)), T((0,), I32))
+    f("f_ex_huge_stride", x43, i42, T((NT * KT, HT), strides=(1 << 62, 1), storage=(24,)), r8)
+    R["f_no_device"] = list(in_thread(lambda: fwd1(x43, i42, e83, r8))[::3])
+    R["f_no_device_format"] = list(in_thread(lambda: fwd1(T((NT, HT), fmt=HWCN), i42, e83, r8))[::3])
+
+    # ------------------------------------------------------------------ forward: runs
+    xf = rng.integers(-8, 9, (NT, HT)).astype(np.float32)
+    idf = rng.integers(0, 4, (NT, KT)).astype(np.int32)
+    order = np.argsort(idf.reshape(-1), kind="stable")
+    ex_ref = xf[order // KT]
+    ri_ref = np.empty(NT * KT, np.int32)
+    ri_ref[order] = np.arange(NT * KT)
+    R["f_ex_ref"], R["f_ri_ref"] = ex_ref.tolist(), ri_ref.tolist()
+    xfp, ifp = dev(xf), dev(idf)
+    xft, ift = T((NT, HT), F32, xfp), T((NT, KT), I32, ifp)
+
+    def fwd_run(ex_view, ri_view, ws_bytes=None, ws_size=None, ex_shape=(NT * KT, HT), **attrs):
+        """ex_view/ri_view: (buffer shape, strides or None, offset). Both buffers start as SENTINEL."""
+        (eb, es, eo), (rb, rs, ro) = ex_view, ri_view
+        ebuf, rbuf = dev(np.full(eb, SENTINEL, np.float32)), dev(np.full(rb, -7, np.int32))
+        et = T(ex_shape, F32, ebuf, strides=es, offset=eo, storage=(int(np.prod(eb)),))
+        rt = T((NT * KT,), I32, rbuf, strides=rs, offset=ro, storage=(int(np.prod(rb)),))
+        st, ws, ex, m = fwd1(xft, ift, et, rt, **attrs)
+        res = {"phase1": st, "ws": ws}
+        if st:
+            res["msg"] = m
+            return res
+        size = ws if ws_size is None else ws_size
+        wsp = emu.malloc(ws if ws_bytes is None else ws_bytes)
+        res["phase2"] = op.aclnnMoeInitRoutingV2(wsp, size, ex, NULL)
         res["msg2"] = emu.msg()
-    res["sync"], res["sync_msg"] = sync()
-    res["buf"] = read(buf, buf_shape, np.float32).tolist()
-    if res["phase2"][0] != 0 and ex is not None:
-        nn.aclDestroyAclOpExecutor(ex)
-    return res
-
-R["g_run_contiguous"] = grad_run((N, H), (N, H), runs=2)
-R["g_run_strided_out"] = grad_run((N, H), (N, 2 * H), strides=(2 * H, 1), offset=2, storage=(N * 2 * H,))
-R["g_run_transposed_out"] = grad_run((N, H), (H, N), strides=(1, N), storage=(N * H,))
-R["g_run_broadcast_out"] = grad_run((N, H), (1,), strides=(0, 0), storage=(1,))
-R["g_run_small_ws"] = grad_run((N, H), (N, H), ws_bytes=4096, ws_size=4096)
-R["g_run_null_ws"] = grad_run((N, H), (N, H), null_ws=True, ws_size=0)
-R["g_run_oversized_ws"] = grad_run((N, H), (N, H), ws_size=TILING_WS_PLUS)
-R["g_run_small_ws_strided"] = grad_run((N, H), (N, 2 * H), strides=(2 * H, 1), storage=(N * 2 * H,),
-                                       ws_bytes=4096, ws_size=4096)
-R["g_run_null_ws_with_size"] = grad_run((N, H), (N, H), null_ws=True, ws_size=64)
-
-# ------------------------------------------------------------------ forward: first phase
-NT, KT, HT = 4, 2, 3
-x43, i42, e83, r8 = T((NT, HT)), T((NT, KT), I32), T((NT * KT, HT)), T((NT * KT,), I32)
-f("f_null_ws_and_x", NULL, i42, e83, r8, ws=False)
-f("f_null_ex_and_ri", x43, i42, e83, NULL, ex=False)
-f("f_f64_x", T((NT, HT), F64), i42, T((NT * KT, HT), F64), r8)
-f("f_f16_x_f32_ex", T((NT, HT), F16), i42, e83, r8)
-f("f_empty_f64", T((0, HT), F64), T((0, KT), I32), T((0, HT), F64), T((0,), I32))
-f("f_empty_x_f64_ri_written", T((NT, 0), F64), i42, T((NT * KT, 0), F64), r8)
-f("f_empty_idx_i64_count_written", x43, T((NT, 0), I64), T((0, HT)), T((0,), I32), T((4,), I32),
-  num=4, flag=1)
-f("f_tiling", x43, i42, e83, r8, mode=2)
-f("f_format_x", T((NT, HT), fmt=HWCN), i42, e83, r8)
-f("f_format_ex", x43, i42, T((NT * KT, HT), fmt=HWCN), r8)
-f("f_ws_contiguous", x43, i42, e83, r8)
-f("f_ws_count_given", x43, i42, e83, r8, T((4,), I32), num=4, flag=1)
-f("f_ws_strided_ex", x43, i42, T((NT * KT, HT), strides=(2 * HT, 1), storage=(NT * KT * 2 * HT,)), r8)
-f("f_ws_strided_ri", x43, i42, e83, T((NT * KT,), I32, strides=(2,), storage=(2 * NT * KT,)))
-f("f_ws_empty", T((0, HT)), T((0, KT), I32), T((0, HT)), T((0,), I32))
-f("f_ex_huge_stride", x43, i42, T((NT * KT, HT), strides=(1 << 62, 1), storage=(24,)), r8)
-R["f_no_device"] = list(in_thread(lambda: fwd1(x43, i42, e83, r8))[::3])
-R["f_no_device_format"] = list(in_thread(lambda: fwd1(T((NT, HT), fmt=HWCN), i42, e83, r8))[::3])
-
-# ------------------------------------------------------------------ forward: runs
-xf = rng.integers(-8, 9, (NT, HT)).astype(np.float32)
-idf = rng.integers(0, 4, (NT, KT)).astype(np.int32)
-order = np.argsort(idf.reshape(-1), kind="stable")
-ex_ref = xf[order // KT]
-ri_ref = np.empty(NT * KT, np.int32)
-ri_ref[order] = np.arange(NT * KT)
-R["f_ex_ref"], R["f_ri_ref"] = ex_ref.tolist(), ri_ref.tolist()
-xfp, ifp = dev(xf), dev(idf)
-xft, ift = T((NT, HT), F32, xfp), T((NT, KT), I32, ifp)
-
-def fwd_run(ex_view, ri_view, ws_bytes=None, ws_size=None, ex_shape=(NT * KT, HT), **attrs):
-    """ex_view/ri_view: (buffer shape, strides or None, offset). Both buffers start as SENTINEL."""
-    (eb, es, eo), (rb, rs, ro) = ex_view, ri_view
-    ebuf, rbuf = dev(np.full(eb, SENTINEL, np.float32)), dev(np.full(rb, -7, np.int32))
-    et = T(ex_shape, F32, ebuf, strides=es, offset=eo, storage=(int(np.prod(eb)),))
-    rt = T((NT * KT,), I32, rbuf, strides=rs, offset=ro, storage=(int(np.prod(rb)),))
-    st, ws, ex, m = fwd1(xft, ift, et, rt, **attrs)
-    res = {"phase1": st, "ws": ws}
-    if st:
-        res["msg"] = m
+        res["sync"], res["sync_msg"] = sync()
+        res["ex"] = read(ebuf, eb, np.float32).tolist()
+        res["ri"] = read(rbuf, rb, np.int32).tolist()
+        if res["phase2"] != 0:
+            nn.aclDestroyAclOpExecutor(ex)
         return res
-    size = ws if ws_size is None else ws_size
-    wsp = emu.malloc(ws if ws_bytes is None else ws_bytes)
-    res["phase2"] = op.aclnnMoeInitRoutingV2(wsp, size, ex, NULL)
-    res["msg2"] = emu.msg()
-    res["sync"], res["sync_msg"] = sync()
-    res["ex"] = read(ebuf, eb, np.float32).tolist()
-    res["ri"] = read(rbuf, rb, np.int32).tolist()
-    if res["phase2"] != 0:
-        nn.aclDestroyAclOpExecutor(ex)
-    return res
 
-DENSE_EX, DENSE_RI = ((NT * KT, HT), None, 0), ((NT * KT,), None, 0)
-STRIDED_EX = ((NT * KT, 2 * HT), (2 * HT, 1), 1)
-STRIDED_RI = ((2 * NT * KT,), (2,), 1)
-R["f_run_contiguous"] = fwd_run(DENSE_EX, DENSE_RI)
-R["f_run_strided"] = fwd_run(STRIDED_EX, STRIDED_RI)
-R["f_run_small_ws"] = fwd_run(DENSE_EX, DENSE_RI, ws_bytes=4096, ws_size=4096)
-R["f_run_small_ws_strided"] = fwd_run(STRIDED_EX, DENSE_RI, ws_bytes=4096, ws_size=4096)
+    DENSE_EX, DENSE_RI = ((NT * KT, HT), None, 0), ((NT * KT,), None, 0)
+    STRIDED_EX = ((NT * KT, 2 * HT), (2 * HT, 1), 1)
+    STRIDED_RI = ((2 * NT * KT,), (2,), 1)
+    R["f_run_contiguous"] = fwd_run(DENSE_EX, DENSE_RI)
+    R["f_run_strided"] = fwd_run(STRIDED_EX, STRIDED_RI)
+    R["f_run_small_ws"] = fwd_run(DENSE_EX, DENSE_RI, ws_bytes=4096, ws_size=4096)
+    R["f_run_small_ws_strided"] = fwd_run(STRIDED_EX, DENSE_RI, ws_bytes=4096, ws_size=4096)
 
-# Drop/pad: expandedXOut [E, C, H] as columns 1..H of [E, C, 2H] (a view of three dimensions).
-E, C = 4, 2
-dp_ex = np.zeros((E, C, HT), np.float32)
-dp_ri = np.full(NT * KT, -1, np.int32)
-rank = {}
-for pos in order:
-    e = int(idf.reshape(-1)[pos])
-    rank[e] = rank.get(e, -1) + 1
-    if rank[e] < C:
-        dp_ex[e, rank[e]] = xf[pos // KT]
-        dp_ri[pos] = e * C + rank[e]
-R["f_dp_ex_ref"], R["f_dp_ri_ref"] = dp_ex.tolist(), dp_ri.tolist()
-R["f_run_drop_pad_strided"] = fwd_run(((E, C, 2 * HT), (C * 2 * HT, 2 * HT, 1), 1), DENSE_RI,
-                                      ex_shape=(E, C, HT), mode=1, cap=C, num=E)
+    # Drop/pad: expandedXOut [E, C, H] as columns 1..H of [E, C, 2H] (a view of three dimensions).
+    E, C = 4, 2
+    dp_ex = np.zeros((E, C, HT), np.float32)
+    dp_ri = np.full(NT * KT, -1, np.int32)
+    rank = {}
+    for pos in order:
+        e = int(idf.reshape(-1)[pos])
+        rank[e] = rank.get(e, -1) + 1
+        if rank[e] < C:
+            dp_ex[e, rank[e]] = xf[pos // KT]
+            dp_ri[pos] = e * C + rank[e]
+    R["f_dp_ex_ref"], R["f_dp_ri_ref"] = dp_ex.tolist(), dp_ri.tolist()
+    R["f_run_drop_pad_strided"] = fwd_run(((E, C, 2 * HT), (C * 2 * HT, 2 * HT, 1), 1), DENSE_RI,
+                                          ex_shape=(E, C, HT), mode=1, cap=C, num=E)
 
-print(json.dumps(R))
-'''
+    print(json.dumps(R))
 
 
 def _child(release: str) -> subprocess.Popen:
-    env = dict(os.environ, PYACL_MOE_EMU_RELEASE=release)
-    code = textwrap.dedent(CHILD).replace("TILING_WS_PLUS", str(TILING_WS + (1 << 20)))
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=str(ROOT))
+    return start_isolated(child_every_scenario, TILING_WS + (1 << 20), env={"PYACL_MOE_EMU_RELEASE": release})
 
 
 def _run_both() -> dict[str, dict]:

@@ -13,23 +13,20 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from .conftest import ROOT, _needs_emulator
+from .conftest import _needs_emulator, start_isolated
+from .emu_raw import Emu
 from .test_emulator import (  # noqa: F401  (res and lazy are fixtures)
     ACL_ERROR_INVALID_PARAM,
     ACL_FLOAT,
     D2D,
     D2H,
     H2D,
-    PRELUDE,
     RT_AICORE_EXCEPTION,
     RT_CONTEXT_NULL,
     RT_INTERNAL_ERROR,
@@ -40,6 +37,7 @@ from .test_emulator import (  # noqa: F401  (res and lazy are fixtures)
     lazy,
     op_on,
     res,
+    try_malloc,
 )
 
 RT_STREAM_CONTEXT = 107003
@@ -333,48 +331,49 @@ def test_get_mem_info_refuses_an_unknown_attribute_with_107016(emu):
 
 PROFILES = ("8.1.RC1", "8.5.0", "9.0.0", "9.1.0")
 
-CHILD = PRELUDE + r'''
-R = {"release": int(acl.aclemuRelease())}
-R["fin_no_init"] = acl.aclFinalize()
-R["init"] = acl.aclInit(ffi.NULL)
-R["fin"] = acl.aclFinalize()
-R["reinit"] = acl.aclInit(ffi.NULL)
-R["reinit_msg"] = msg()
-R["set"] = acl.aclrtSetDevice(0)
-dev = malloc(64)[1]
-host = bytearray(64)
-hb = ffi.from_buffer(host)
-s = ffi.new("aclrtStream *")
-assert acl.aclrtCreateStream(s) == 0
-R["copy0"] = acl.aclrtMemcpy(dev, 64, hb, 0, 1)
-R["copy0_null"] = acl.aclrtMemcpy(ffi.NULL, 64, hb, 0, 1)
-R["copy0_bad_kind"] = acl.aclrtMemcpy(dev, 64, hb, 0, 6)
-R["copy0_async"] = acl.aclrtMemcpyAsync(dev, 64, hb, 0, 1, s[0])
-R["set0"] = acl.aclrtMemset(dev, 64, 0, 0)
-R["set0_null"] = acl.aclrtMemset(ffi.NULL, 64, 0, 0)
-R["set0_async"] = acl.aclrtMemsetAsync(dev, 64, 0, 0, s[0])
-R["sync"] = acl.aclrtSynchronizeStream(s[0])
-f, t = ffi.new("size_t *"), ffi.new("size_t *")
-R["meminfo12"] = acl.aclrtGetMemInfo(12, f, t)
-R["meminfo11"] = acl.aclrtGetMemInfo(11, f, t)
-ctx = ffi.new("aclrtContext *")
-assert acl.aclrtGetCurrentContext(ctx) == 0
-R["reset"] = acl.aclrtResetDevice(0)
-R["reset_again"] = acl.aclrtResetDevice(0)
-R["reset_bad_id"] = acl.aclrtResetDevice(5)
-R["set_dead_ctx"] = acl.aclrtSetCurrentContext(ctx[0])
-d = ffi.new("int32_t *")
-R["getdev_dead_ctx"] = acl.aclrtGetDevice(d)
-print(json.dumps(R))
-'''
+# What each profile's child runs: every scenario stores its statuses in R, printed as JSON at
+# the end.
+def child_every_scenario() -> None:
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    R = {"release": int(acl.aclemuRelease())}
+    R["fin_no_init"] = acl.aclFinalize()
+    R["init"] = acl.aclInit(ffi.NULL)
+    R["fin"] = acl.aclFinalize()
+    R["reinit"] = acl.aclInit(ffi.NULL)
+    R["reinit_msg"] = emu.msg()
+    R["set"] = acl.aclrtSetDevice(0)
+    dev = try_malloc(emu, 64)[1]
+    host = bytearray(64)
+    hb = ffi.from_buffer(host)
+    s = ffi.new("aclrtStream *")
+    assert acl.aclrtCreateStream(s) == 0
+    R["copy0"] = acl.aclrtMemcpy(dev, 64, hb, 0, 1)
+    R["copy0_null"] = acl.aclrtMemcpy(ffi.NULL, 64, hb, 0, 1)
+    R["copy0_bad_kind"] = acl.aclrtMemcpy(dev, 64, hb, 0, 6)
+    R["copy0_async"] = acl.aclrtMemcpyAsync(dev, 64, hb, 0, 1, s[0])
+    R["set0"] = acl.aclrtMemset(dev, 64, 0, 0)
+    R["set0_null"] = acl.aclrtMemset(ffi.NULL, 64, 0, 0)
+    R["set0_async"] = acl.aclrtMemsetAsync(dev, 64, 0, 0, s[0])
+    R["sync"] = acl.aclrtSynchronizeStream(s[0])
+    f, t = ffi.new("size_t *"), ffi.new("size_t *")
+    R["meminfo12"] = acl.aclrtGetMemInfo(12, f, t)
+    R["meminfo11"] = acl.aclrtGetMemInfo(11, f, t)
+    ctx = ffi.new("aclrtContext *")
+    assert acl.aclrtGetCurrentContext(ctx) == 0
+    R["reset"] = acl.aclrtResetDevice(0)
+    R["reset_again"] = acl.aclrtResetDevice(0)
+    R["reset_bad_id"] = acl.aclrtResetDevice(5)
+    R["set_dead_ctx"] = acl.aclrtSetCurrentContext(ctx[0])
+    d = ffi.new("int32_t *")
+    R["getdev_dead_ctx"] = acl.aclrtGetDevice(d)
+    print(json.dumps(R))
 
 
 def _run_profiles() -> dict[str, dict]:
-    procs = {}
-    for release in PROFILES:
-        env = dict(os.environ, PYACL_MOE_EMU_RELEASE=release)
-        procs[release] = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD)], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+    # One child per profile, side by side.
+    procs = {release: start_isolated(child_every_scenario, env={"PYACL_MOE_EMU_RELEASE": release})
+             for release in PROFILES}
     out = {}
     for release, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=120)

@@ -1,11 +1,12 @@
 """A multi-threaded stress of the emulated runtime, through raw cffi.
 
-``stress()`` is used twice: in-process for about two seconds under the default build (the
-``emu`` fixture), and by the slow tests at the bottom in a fresh interpreter against the
-sanitized builds (PYACL_MOE_EMU_SANITIZE=address,undefined, and thread), which fail on any
-sanitizer report. Several threads create and destroy streams and events, copy asynchronously, launch
-the kernel, record, query and wait for events across threads, synchronize and switch
-contexts, in both stream modes and while a thread toggles between them.
+``stress()`` is used twice: in-process under the default build (the ``emu`` fixture), and by
+the slow tests at the bottom in a fresh interpreter against the sanitized builds
+(PYACL_MOE_EMU_SANITIZE=address,undefined, and thread), which fail on any sanitizer report.
+Several threads create and destroy streams and events, copy asynchronously, launch the kernel,
+record, query and wait for events across threads, synchronize and switch contexts, in both
+stream modes and while a thread toggles between them. Each worker does a number of operations,
+not seconds' worth: STRESS_OPS in-process, SANITIZED_OPS (per phase) sanitized.
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ import json
 import os
 import random
 import subprocess
-import sys
-import textwrap
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from . import children
+from .conftest import run_isolated
+from .emu_raw import Emu
+from .stress import ITERATIONS, LONG_ITERATIONS, Progress, hammer
+
 N, K, H = 4, 2, 8  # a tiny dropless case: x has N*K rows of H float32
+STRESS_OPS = 160 * ITERATIONS  # operations per worker, in-process (PYACL_MOE_STRESS_ITERATIONS scales it)
+SANITIZED_OPS = LONG_ITERATIONS  # operations per worker and phase, sanitized (the slow step)
 
 
 class StressFailure(AssertionError):
@@ -67,10 +71,12 @@ class _Kernel:
             emu.ok(emu.acl.aclrtFree(p))
 
 
-def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_modes: bool = True,
+def stress(emu, ops: int = STRESS_OPS, threads: int = 4, contexts=(), toggle_modes: bool = True,
            seed: int = 1) -> dict:
-    """Run the stress on device 0 (current on the calling thread). ``contexts``: contexts of
-    other devices to switch to and back. Returns counts of what ran; raises on any failure."""
+    """Run the stress on device 0 (current on the calling thread): ``threads`` workers do
+    ``ops`` operations each, chosen at random, while (``toggle_modes``) a thread toggles the
+    stream mode until they are done. ``contexts``: contexts of other devices to switch to and
+    back. Returns counts of what ran; raises on any failure."""
     acl, ffi = emu.acl, emu.ffi
     rng0 = np.random.default_rng(seed)
     x = rng0.standard_normal((N * K, H)).astype(np.float32)
@@ -95,13 +101,13 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
     errors: list[str] = []
     counts: dict[str, int] = {}
     lock = threading.Lock()
-    stop = time.monotonic() + seconds
+    progress = Progress()
 
     def check(what, st):
         if st != 0:
             raise StressFailure(f"{what} returned {st}: {emu.msg()}")
 
-    def worker(tid: int) -> None:
+    def worker(tid: int, steps: int) -> None:
         rng = random.Random(seed * 100 + tid)
         done: dict[str, int] = {}
         try:
@@ -114,7 +120,7 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
             status = ffi.new("aclrtEventRecordedStatus *")
             sstatus = ffi.new("aclrtStreamStatus *")
             try:
-                while time.monotonic() < stop:
+                for _ in progress.steps(steps):
                     op = rng.choice(("stream", "stream", "shared", "event", "ctx", "sync", "query"))
                     done[op] = done.get(op, 0) + 1
                     if op == "stream":
@@ -192,26 +198,22 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
             for k, v in done.items():
                 counts[k] = counts.get(k, 0) + v
 
-    def toggler() -> None:
+    def toggler(i: int, steps: int) -> None:
         rng = random.Random(seed)
         mode = b"lazy"
-        while time.monotonic() < stop:
+        while progress.running:
             if acl.aclemuSetStreamMode(mode) != 0:
                 errors.append("aclemuSetStreamMode failed")
             mode = b"async" if mode == b"lazy" else b"lazy"
             time.sleep(rng.uniform(0.001, 0.02))
         acl.aclemuSetStreamMode(b"async")
 
-    pool = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)]
-    if toggle_modes:
-        pool.append(threading.Thread(target=toggler, daemon=True))
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join(timeout=seconds + 60)
-    hung = [t.name for t in pool if t.is_alive()]
-    if hung:
-        raise StressFailure(f"threads did not finish (deadlock?): {hung}")
+    pool = [progress.counted(worker) for _ in range(threads)] + ([toggler] if toggle_modes else [])
+    try:
+        raised = hammer(pool, ops, switch_interval=None, timeout=ops * 0.05 + 60)
+    except AssertionError as exc:  # a thread still running: deadlock?
+        raise StressFailure(f"threads did not finish (deadlock?): {exc}")
+    errors.extend(repr(exc) for exc in raised)  # (the workers report their own failures)
     emu.ok(acl.aclrtSynchronizeDevice())
     for s in shared_streams:
         emu.ok(acl.aclrtDestroyStream(s))
@@ -224,7 +226,7 @@ def stress(emu, seconds: float = 2.0, threads: int = 4, contexts=(), toggle_mode
 
 def test_threaded_stress_of_shared_streams_and_events(emu):
     before = emu.stats()
-    counts = stress(emu, seconds=2.0, threads=4, toggle_modes=True)
+    counts = stress(emu, threads=4, toggle_modes=True)
     assert counts.get("stream", 0) > 10 and counts.get("shared", 0) > 5, counts
     after = emu.stats()
     assert after["kernels_run"] - before["kernels_run"] > 20
@@ -234,28 +236,26 @@ def test_threaded_stress_of_shared_streams_and_events(emu):
 
 # ---------------------------------------------------------------------------- sanitizers
 
-SANITIZED_STRESS = """
-import json, sys
-sys.path.insert(0, {root!r})
-from tests.emu_raw import Emu
-from tests.test_emulator_stress import stress
-emu = Emu()
-acl, ffi = emu.acl, emu.ffi
-assert acl.aclInit(ffi.NULL) == 0
-assert acl.aclrtSetDevice(1) == 0
-c1 = ffi.new("aclrtContext *")
-assert acl.aclrtGetCurrentContext(c1) == 0
-assert acl.aclrtSetDevice(0) == 0
-out = {{}}
-for mode in (b"async", b"lazy"):
-    assert acl.aclemuSetStreamMode(mode) == 0
-    out[mode.decode()] = stress(emu, seconds=3.0, threads=4, contexts=(c1[0],), toggle_modes=False, seed=len(out) + 1)
-assert acl.aclemuSetStreamMode(b"async") == 0
-out["toggling"] = stress(emu, seconds=3.0, threads=4, contexts=(c1[0],), toggle_modes=True, seed=7)
-assert acl.aclrtResetDevice(0) == 0 and acl.aclrtResetDevice(1) == 0
-assert acl.aclFinalize() == 0
-print(json.dumps(out))
-"""
+def child_sanitized_stress(ops: int) -> None:
+    """The stress in both stream modes, then toggling between them, switching to device 1's
+    context too (run with a sanitizer's runtime preloaded); prints the counts as JSON."""
+    emu = Emu()
+    acl, ffi = emu.acl, emu.ffi
+    assert acl.aclInit(ffi.NULL) == 0
+    assert acl.aclrtSetDevice(1) == 0
+    c1 = ffi.new("aclrtContext *")
+    assert acl.aclrtGetCurrentContext(c1) == 0
+    assert acl.aclrtSetDevice(0) == 0
+    out = {}
+    for mode in (b"async", b"lazy"):
+        assert acl.aclemuSetStreamMode(mode) == 0
+        out[mode.decode()] = stress(emu, ops, threads=4, contexts=(c1[0],), toggle_modes=False, seed=len(out) + 1)
+    assert acl.aclemuSetStreamMode(b"async") == 0
+    out["toggling"] = stress(emu, ops, threads=4, contexts=(c1[0],), toggle_modes=True, seed=7)
+    assert acl.aclrtResetDevice(0) == 0 and acl.aclrtResetDevice(1) == 0
+    assert acl.aclFinalize() == 0
+    print(json.dumps(out))
+
 
 SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer",
                      "WARNING: ThreadSanitizer", "SUMMARY: ")
@@ -281,18 +281,15 @@ def test_sanitized_emulator_under_threaded_stress(tmp_path, run):
     runtime = _sanitizer_runtime(cc, runtime_name)
     if runtime is None:
         pytest.skip(f"{cc} has no {runtime_name}")
-    env = dict(os.environ, PYACL_MOE_EMU_SANITIZE=sanitize, PYACL_MOE_CACHE=str(tmp_path / "cache"),
-               PYACL_MOE_EMU_DEVICES="2")
-    env.pop("LD_PRELOAD", None)
+    env = {"PYACL_MOE_EMU_SANITIZE": sanitize, "PYACL_MOE_CACHE": str(tmp_path / "cache"),
+           "PYACL_MOE_EMU_DEVICES": "2", "LD_PRELOAD": None}
     # Build in a fresh interpreter of its own (the compiler must not run with the runtime preloaded).
-    build = subprocess.run([sys.executable, "-c", "import pyacl_moe.emulator as e; print(e.build())"],
-                           capture_output=True, text=True, env=env, timeout=300)
+    build = run_isolated(children.child_build, env=env, timeout=300)
     assert build.returncode == 0, build.stderr
     assert "emulator-san-" in build.stdout
     # CPython itself leaks at exit: leak detection off; any other report fails the run.
-    env.update(LD_PRELOAD=runtime, **options)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SANITIZED_STRESS.format(root=str(ROOT)))],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=str(ROOT))
+    proc = run_isolated(child_sanitized_stress, SANITIZED_OPS, env={**env, "LD_PRELOAD": runtime, **options},
+                        timeout=900)
     reports = [m for m in SANITIZER_MARKERS if m in proc.stderr]
     assert not reports and proc.returncode == 0, proc.stderr[-20000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

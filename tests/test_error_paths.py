@@ -500,60 +500,65 @@ def test_a_dropped_stream(device, clean):
     assert absorbed == ["aclrtStreamQuery"] and not failed
 
 
+def child_device_setup_and_close() -> None:
+    pm.use_emulator()
+    pm.library_info()
+    made = []
+    real = errors.error_for
+
+    def recording(*a):
+        e = real(*a)
+        made.append(e)
+        return e
+
+    errors.error_for = recording
+
+    def op():
+        d = pm.Device(0)
+        s = pm.Stream(d)
+        a = pm.to_device(np.ones((8, 4), np.float32), stream=s)
+        pm.moe_init_routing_v2_grad(a, pm.to_device(np.arange(8, dtype=np.int32), stream=s), 2, stream=s)
+        d.close()
+
+    def sweep(api):
+        seen = []
+        for n in range(1, 80):
+            hits = pm.emulator.stats()["faults_hit"] if pm.loaded_info() else 0
+            pm.emulator.inject_fault(api, nth=n)
+            try:
+                op()
+            except pm.AclError as e:
+                assert "fault injected" in e.message, e
+                seen.append(e.api)
+            else:
+                if pm.emulator.stats()["faults_hit"] == hits:
+                    return seen
+                # Only running out of memory is absorbed (the allocation is retried once).
+                assert made[-1].api in ("aclrtMalloc", "aclrtMallocHost") and made[-1].status == 207001, made[-1]
+                seen.append("absorbed:" + made[-1].api)
+            finally:
+                pm.emulator.clear_faults()
+            for d in pm.device.open_devices():
+                d.close()
+            st = pm.emulator.stats()
+            left = {k: st[k] for k in ("devices_set", "device_allocations", "streams", "events", "pending_tasks")
+                    if st[k]}
+            assert not left, (seen[-1], left)
+        raise SystemExit("never succeeded")
+
+    print(" ".join(sweep("*")))
+    print(" ".join(sweep("*")))  # again: aclInit is done now, so no call is skipped by its absence
+    for api in ("aclrtGetDeviceCount", "aclrtGetCurrentContext"):
+        print(" ".join(sweep(api)))
+    d = pm.Device(0)
+    assert not d.closed
+    print("initialized", pm.emulator.stats()["initialized"])
+
+
 def test_device_setup_and_close(isolated):
     # A fresh process: aclInit, aclrtSetDevice, the context, then a device closed with work
     # queued; each call fails in turn, and nothing stays behind once the device is closed.
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-from pyacl_moe import errors
-pm.use_emulator()
-pm.library_info()
-made = []
-real = errors.error_for
-def recording(*a):
-    e = real(*a)
-    made.append(e)
-    return e
-errors.error_for = recording
-def op():
-    d = pm.Device(0)
-    s = pm.Stream(d)
-    a = pm.to_device(np.ones((8, 4), np.float32), stream=s)
-    pm.moe_init_routing_v2_grad(a, pm.to_device(np.arange(8, dtype=np.int32), stream=s), 2, stream=s)
-    d.close()
-def sweep(api):
-    seen = []
-    for n in range(1, 80):
-        hits = pm.emulator.stats()['faults_hit'] if pm.loaded_info() else 0
-        pm.emulator.inject_fault(api, nth=n)
-        try:
-            op()
-        except pm.AclError as e:
-            assert 'fault injected' in e.message, e
-            seen.append(e.api)
-        else:
-            if pm.emulator.stats()['faults_hit'] == hits:
-                return seen
-            # Only running out of memory is absorbed (the allocation is retried once).
-            assert made[-1].api in ('aclrtMalloc', 'aclrtMallocHost') and made[-1].status == 207001, made[-1]
-            seen.append('absorbed:' + made[-1].api)
-        finally:
-            pm.emulator.clear_faults()
-        for d in pm.device.open_devices():
-            d.close()
-        st = pm.emulator.stats()
-        left = {k: st[k] for k in ('devices_set', 'device_allocations', 'streams', 'events', 'pending_tasks')
-                if st[k]}
-        assert not left, (seen[-1], left)
-    raise SystemExit('never succeeded')
-print(' '.join(sweep('*')))
-print(' '.join(sweep('*')))   # again: aclInit is done now, so no call is skipped by its absence
-for api in ('aclrtGetDeviceCount', 'aclrtGetCurrentContext'):
-    print(' '.join(sweep(api)))
-d = pm.Device(0)
-assert not d.closed
-print('initialized', pm.emulator.stats()['initialized'])
-""")
+    r = isolated(child_device_setup_and_close)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     first, apis = lines[0].split(), lines[1].split()

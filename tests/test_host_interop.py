@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import array
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +12,9 @@ import pytest
 import pyacl_moe as pm
 from pyacl_moe import reference
 from pyacl_moe.host import host_view
+
+from . import children
+from .conftest import run_isolated
 
 torch = pytest.importorskip("torch", reason="torch (CPU build) is a test extra: pip install torch==2.13.0+cpu")
 
@@ -115,13 +116,7 @@ def test_bad_host_inputs_name_the_parameter(device):
 
 
 def test_numpy_inputs_never_import_torch():
-    r = subprocess.run([sys.executable, "-c", """
-import sys, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-x = np.ones((4, 2), np.float32); idx = np.arange(4, dtype=np.int32)
-pm.moe_init_routing_v2_grad(x, idx, 1)
-print('torch' in sys.modules)
-"""], capture_output=True, text=True, timeout=120)
+    r = run_isolated(children.child_numpy_inputs_import_no_torch, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 

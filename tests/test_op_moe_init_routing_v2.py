@@ -110,17 +110,18 @@ def test_backward_of_the_forward_is_k_times_x_when_every_slot_is_kept(device, k)
     np.testing.assert_array_equal(g.to_host(), x * np.float32(k))  # k*x is exact in float32 here
 
 
+def child_forward_kernel_mutation() -> None:
+    pm.use_emulator()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((12, 8)).astype(np.float32)
+    idx = rng.integers(0, 4, (12, 3)).astype(np.int32)
+    got = pm.moe_init_routing_v2(x, idx)
+    want = pm.reference.moe_init_routing_v2(x, idx)
+    print(np.array_equal(got.expanded_row_idx, want[1]))
+
+
 def test_the_forward_kernel_mutation_is_caught(isolated):
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-rng = np.random.default_rng(0)
-x = rng.standard_normal((12, 8)).astype(np.float32)
-idx = rng.integers(0, 4, (12, 3)).astype(np.int32)
-got = pm.moe_init_routing_v2(x, idx)
-want = pm.reference.moe_init_routing_v2(x, idx)
-print(np.array_equal(got.expanded_row_idx, want[1]))
-""", env={"PYACL_MOE_EMU_MUTATION": "fwd-unstable-sort"})
+    r = isolated(child_forward_kernel_mutation, env={"PYACL_MOE_EMU_MUTATION": "fwd-unstable-sort"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 
@@ -510,55 +511,61 @@ def test_numpy_bools_are_bools_and_other_flags_are_refused_by_type(device):
         assert e.value.parameter == "expert_tokens_before_capacity_flag"
 
 
+def child_every_forward_entry_refuses_another_device() -> None:
+    pm.use_emulator()
+    d1 = pm.Device(1)
+    d0 = pm.Device(0)
+    d0.set_current()
+    x = np.ones((12, 16), np.float32)
+    ids = pm.routing.random_top_k(12, 3, 6, seed=0)
+    kw = dict(expert_num=6, expert_tokens_count_or_cumsum_flag=2)
+    dx, di = pm.to_device(x), pm.to_device(ids)
+    ox, oi = pm.to_device(x, stream=d1.default_stream), pm.to_device(ids, stream=d1.default_stream)
+    r = pm.moe_init_routing_v2(dx, di, **kw)
+    far = pm.moe_init_routing_v2(ox, oi, **kw)
+    plan = pm.MoeInitRoutingV2(dx, di, **kw)
+    s1 = pm.Stream(d1)
+    ws1 = pm.empty((plan.workspace_size,), np.uint8, d1)
+    size, executor = fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3])
+    uses = {
+        "first phase, device=": lambda: fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3], device=1),
+        "first phase, an output": lambda: fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, far.expanded_x,
+                                                                 *r[1:3]),
+        "first phase, an input": lambda: fwd.get_workspace_size(dx, oi, 0, 0, 6, 0, 2, False, *r[:3]),
+        "execute, workspace": lambda: fwd.execute(ws1, size, executor),
+        "execute, stream": lambda: fwd.execute(pm.empty((size,), np.uint8), size, executor, s1),
+        "one call, expert_idx": lambda: pm.moe_init_routing_v2(dx, oi, **kw),
+        "one call, out": lambda: pm.moe_init_routing_v2(dx, di, **kw, out=r._replace(expanded_x=far.expanded_x)),
+        "one call, stream": lambda: pm.moe_init_routing_v2(dx, di, **kw, stream=s1),
+        "one call, workspace": lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws1),
+        "one call unvalidated, workspace": lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws1,
+                                                                          validate=False),
+        "plan, expert_idx": lambda: pm.MoeInitRoutingV2(dx, oi, **kw),
+        "plan, an output": lambda: pm.MoeInitRoutingV2(dx, di, **kw, expanded_x=far.expanded_x),
+        "plan, stream": lambda: plan(s1),
+        "plan, workspace": lambda: plan(None, ws1),
+        "rebind": lambda: plan.rebind(x=ox),
+        "routing, stream": lambda: pm.routing.dropless(di, 6, stream=s1),
+    }
+    for what, use in uses.items():
+        try:
+            use()
+            print(what, "accepted")
+        except pm.InvalidArgument as e:
+            if "device" not in e.rule:
+                print(what, e)
+        except Exception as e:
+            print(what, type(e).__name__, e)
+    executor.close()
+    plan.close()
+    print("done")
+
+
 def test_every_forward_entry_refuses_arrays_streams_and_workspaces_of_another_device(isolated):
     """CANN sees only addresses: the binding is where a launch's tensors are kept on one
     device. The first phase took the first tensor's device (or device=) and handed CANN
     tensors of another."""
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-from pyacl_moe.op import moe_init_routing_v2 as fwd
-pm.use_emulator()
-d1 = pm.Device(1); d0 = pm.Device(0); d0.set_current()
-x = np.ones((12, 16), np.float32); ids = pm.routing.random_top_k(12, 3, 6, seed=0)
-kw = dict(expert_num=6, expert_tokens_count_or_cumsum_flag=2)
-dx, di = pm.to_device(x), pm.to_device(ids)
-ox, oi = pm.to_device(x, stream=d1.default_stream), pm.to_device(ids, stream=d1.default_stream)
-r = pm.moe_init_routing_v2(dx, di, **kw)
-far = pm.moe_init_routing_v2(ox, oi, **kw)
-plan = pm.MoeInitRoutingV2(dx, di, **kw)
-s1 = pm.Stream(d1)
-ws1 = pm.empty((plan.workspace_size,), np.uint8, d1)
-size, executor = fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3])
-uses = {
-    'first phase, device=': lambda: fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, *r[:3], device=1),
-    'first phase, an output': lambda: fwd.get_workspace_size(dx, di, 0, 0, 6, 0, 2, False, far.expanded_x, *r[1:3]),
-    'first phase, an input': lambda: fwd.get_workspace_size(dx, oi, 0, 0, 6, 0, 2, False, *r[:3]),
-    'execute, workspace': lambda: fwd.execute(ws1, size, executor),
-    'execute, stream': lambda: fwd.execute(pm.empty((size,), np.uint8), size, executor, s1),
-    'one call, expert_idx': lambda: pm.moe_init_routing_v2(dx, oi, **kw),
-    'one call, out': lambda: pm.moe_init_routing_v2(dx, di, **kw, out=r._replace(expanded_x=far.expanded_x)),
-    'one call, stream': lambda: pm.moe_init_routing_v2(dx, di, **kw, stream=s1),
-    'one call, workspace': lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws1),
-    'one call unvalidated, workspace': lambda: pm.moe_init_routing_v2(dx, di, **kw, workspace=ws1, validate=False),
-    'plan, expert_idx': lambda: pm.MoeInitRoutingV2(dx, oi, **kw),
-    'plan, an output': lambda: pm.MoeInitRoutingV2(dx, di, **kw, expanded_x=far.expanded_x),
-    'plan, stream': lambda: plan(s1),
-    'plan, workspace': lambda: plan(None, ws1),
-    'rebind': lambda: plan.rebind(x=ox),
-    'routing, stream': lambda: pm.routing.dropless(di, 6, stream=s1),
-}
-for what, use in uses.items():
-    try:
-        use()
-        print(what, 'accepted')
-    except pm.InvalidArgument as e:
-        if 'device' not in e.rule:
-            print(what, e)
-    except Exception as e:
-        print(what, type(e).__name__, e)
-executor.close(); plan.close()
-print('done')
-""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = isolated(child_every_forward_entry_refuses_another_device, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "done", r.stdout
 

@@ -214,3 +214,21 @@ def test_numpy_bools_are_bools_for_validate_and_repeatable(device):
     with pytest.raises(pm.InvalidArgument, match="must be a bool, got int 1") as e:
         pm.moe_init_routing_v2_grad(dx, di, case.top_k, validate=1)
     assert e.value.parameter == "validate"
+
+
+def test_an_out_overlapping_an_input_is_refused(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=12)
+    expected = pm.moe_init_routing_v2_grad(*case.args())
+    both = pm.to_device(np.concatenate([case.grad_expanded_x, np.zeros((8, 16), np.float32)]))
+    x, idx = both[:16], pm.to_device(case.expanded_row_idx)
+    with pytest.raises(pm.InvalidArgument, match="out"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, out=both[8:16])  # overlaps x's last 8 rows
+    with pytest.raises(pm.InvalidArgument, match="out"):
+        pm.MoeInitRoutingV2Grad(x, idx, 2, out=both[8:16])
+    # Disjoint views of the same memory are fine.
+    out = both[16:]
+    pm.moe_init_routing_v2_grad(x, idx, 2, out=out)
+    assert np.array_equal(out.to_host(), expected)
+    with pm.MoeInitRoutingV2Grad(x, idx, 2, out=out) as plan:
+        with pytest.raises(pm.InvalidArgument, match="out"):
+            plan.rebind(out=both[0:8])

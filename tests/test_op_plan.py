@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from contextlib import closing
 
@@ -13,7 +14,7 @@ import pytest
 import pyacl_moe as pm
 from pyacl_moe.tools.cases import compare, make_case
 
-from .conftest import LIVE, settle
+from .conftest import LIVE, forward_inputs, settle
 
 
 def _on_device(case, stream=None):
@@ -319,57 +320,154 @@ def test_a_dropped_plan_keeps_its_arrays_until_its_launches_ran(device, lazy_str
         settle()
 
 
+def child_a_second_device_makes_plan_launches_check_the_thread_context() -> None:
+    pm.use_emulator()
+    d0 = pm.Device(0)
+    s0 = pm.Stream(d0)
+    x = pm.to_device(np.ones((4, 2), np.float32), stream=s0)
+    i = pm.to_device(np.arange(4, dtype=np.int32), stream=s0)
+    plan = pm.MoeInitRoutingV2Grad(x, i, 2)
+    plan(s0)
+    plan(s0)  # published: the steady state
+    d1 = pm.Device(1)  # this thread's context is now device 1's
+    assert pm.current_device() is d1
+    pm.emulator.inject_fault("aclnnMoeInitRoutingV2Grad", nth=2)
+    out = plan(s0)
+    print(out.to_host(s0).tolist())
+    try:
+        plan(s0)
+        print("no fault")
+    except pm.AclnnError as e:
+        print("fault", e.api)
+    pm.emulator.clear_faults()
+
+
 def test_a_second_device_makes_plan_launches_check_the_thread_context(isolated):
     # With one device open a plan's launch skips checking the thread's context; opening a
     # second must end that, or a thread current on the other device would launch on a stream
     # that is not in its context. The fault counts calls: the first plan call must make one
     # launch (after making device 0's context current), so the second is the failing one.
-    r = isolated("""
-import numpy as np, pyacl_moe as pm
-pm.use_emulator()
-d0 = pm.Device(0)
-s0 = pm.Stream(d0)
-x = pm.to_device(np.ones((4, 2), np.float32), stream=s0)
-i = pm.to_device(np.arange(4, dtype=np.int32), stream=s0)
-plan = pm.MoeInitRoutingV2Grad(x, i, 2)
-plan(s0); plan(s0)                     # published: the steady state
-d1 = pm.Device(1)                      # this thread's context is now device 1's
-assert pm.current_device() is d1
-pm.emulator.inject_fault("aclnnMoeInitRoutingV2Grad", nth=2)
-out = plan(s0)
-print(out.to_host(s0).tolist())
-try:
-    plan(s0)
-    print('no fault')
-except pm.AclnnError as e:
-    print('fault', e.api)
-pm.emulator.clear_faults()
-""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = isolated(child_a_second_device_makes_plan_launches_check_the_thread_context, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:2] == ["[[2.0, 2.0], [2.0, 2.0]]", "fault aclnnMoeInitRoutingV2Grad"]
 
 
+def child_a_published_plan_reaches_no_cann_in_a_fork_child() -> None:
+    pm.use_emulator()
+    _dev = pm.Device(0)
+    x = pm.to_device(np.ones((4, 2), np.float32))
+    i = pm.to_device(np.arange(4, dtype=np.int32))
+    plan = pm.MoeInitRoutingV2Grad(x, i, 2)
+    plan()
+    plan()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            plan()
+            code = 3  # launched with handles the child does not own
+        except pm.ClosedError:
+            code = 0
+        except BaseException:
+            code = 4
+        os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    print(plan().to_host().tolist())
+
+
 def test_a_published_plan_reaches_no_cann_in_a_fork_child(isolated):
-    r = isolated("""
-import os, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-dev = pm.Device(0)
-x = pm.to_device(np.ones((4, 2), np.float32))
-i = pm.to_device(np.arange(4, dtype=np.int32))
-plan = pm.MoeInitRoutingV2Grad(x, i, 2)
-plan(); plan()
-pid = os.fork()
-if pid == 0:
-    try:
-        plan()
-        code = 3                       # launched with handles the child does not own
-    except pm.ClosedError:
-        code = 0
-    except BaseException:
-        code = 4
-    os._exit(code)
-print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-print(plan().to_host().tolist())
-""")
+    r = isolated(child_a_published_plan_reaches_no_cann_in_a_fork_child)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0", "[[2.0,", "2.0],", "[2.0,", "2.0]]"]
+
+
+def test_a_plan_never_launches_on_a_closed_stream(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=6)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    expected = pm.moe_init_routing_v2_grad(*case.args())
+    with pm.MoeInitRoutingV2Grad(x, idx, 2) as plan:
+        s1 = pm.Stream(device)
+        plan(s1)
+        s1.close()
+        with closing(pm.Stream(device)) as s2:
+            launched = pm.emulator.stats()["kernels_launched"]
+            with pytest.raises(pm.ClosedError):
+                plan(s1)
+            assert pm.emulator.stats()["kernels_launched"] == launched  # nothing landed on s2
+            plan(s2)
+            assert np.array_equal(plan.out.to_host(s2), expected)
+
+
+def test_two_rebinds_at_once_never_make_two_outputs_share_memory(device, monkeypatch):
+    """Each rebind checked its arrays against the plan's before taking the plan's lock: two
+    at once each passed against the old arrays, and together gave two outputs that share
+    memory."""
+    import threading
+
+    from pyacl_moe.array import may_overlap
+    from pyacl_moe.op.plan import Plan
+
+    x, ids = forward_inputs(18)
+    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids), expert_num=4,
+                             expert_tokens_count_or_cumsum_flag=2) as plan:
+        mem = pm.empty((20,), np.int32)
+        row_idx, counts = mem[:16], mem[15:19]  # one element in common
+        both = threading.Barrier(2)
+        real = Plan._checked_changes
+
+        def checked_then_both(self, given):
+            changes = real(self, given)
+            both.wait(10)  # each has checked its arrays before either rebinds
+            return changes
+
+        monkeypatch.setattr(Plan, "_checked_changes", checked_then_both)
+        outcomes: list[str] = []
+
+        def rebind(**kw):
+            try:
+                plan.rebind(**kw)
+                outcomes.append("rebound")
+            except pm.InvalidArgument as exc:
+                outcomes.append(exc.parameter)
+
+        threads = [threading.Thread(target=rebind, kwargs={"expanded_row_idx": row_idx}),
+                   threading.Thread(target=rebind, kwargs={"expert_tokens_count_or_cumsum": counts})]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(outcomes) in (["expanded_row_idx", "rebound"], ["expert_tokens_count_or_cumsum", "rebound"])
+        out = plan.outputs
+        assert not may_overlap(out.expanded_row_idx, out.expert_tokens_count_or_cumsum)
+
+
+def child_a_plan_whose_device_closed() -> None:
+    pm.use_emulator()
+    x = np.ones((8, 4), np.float32)
+    ids = pm.routing.random_top_k(8, 2, 4, seed=0)
+    old = pm.Device(0)
+    fwd = pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids))
+    back = pm.MoeInitRoutingV2Grad(pm.to_device(x.repeat(2, 0)), pm.to_device(np.arange(16, dtype=np.int32)), 2)
+    old.close()
+    new = pm.Device(0)
+    s = pm.Stream(new)
+    ws = pm.empty((fwd.workspace_size,), np.uint8, new)
+    for use in (lambda: fwd.rebind(x=pm.to_device(x)), lambda: fwd(s), lambda: fwd(None, ws),
+                lambda: back.rebind(out=pm.empty((8, 4), np.float32)), lambda: back(s)):
+        try:
+            use()
+            print("accepted")
+        except pm.ClosedError:
+            print("closed")
+        except Exception as e:
+            print(type(e).__name__, e)
+    fwd.close()
+    back.close()
+
+
+def test_a_plan_whose_device_closed_raises_closed_error_whatever_it_is_given(isolated):
+    """Once its device was closed and device 0 opened again, a plan given arrays or a stream
+    of the new device 0 said they were on another device ("on device 0, the plan on 0")
+    instead of that it was closed."""
+    r = isolated(child_a_plan_whose_device_closed)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["closed"] * 5, r.stdout

@@ -15,6 +15,7 @@ import numpy
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"  # run by the fresh environment's interpreter, as files
 
 
 @pytest.mark.slow  # builds a wheel and a virtualenv
@@ -45,8 +46,7 @@ def test_wheel_installs_and_runs_quickstart(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)  # (ensurepip would cost more than the rest of the test)
     py = env_dir / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True).stdout.strip()
+    site = subprocess.run([str(py), str(SCRIPTS / "print_purelib.py")], capture_output=True, text=True).stdout.strip()
     assert site.startswith(str(env_dir)), site
     # This environment's pip installs the wheel into the fresh one.
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
@@ -61,6 +61,6 @@ def test_wheel_installs_and_runs_quickstart(tmp_path):
     r = subprocess.run([str(py), str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True,
                        env=env, timeout=300, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
-    where = subprocess.run([str(py), "-c", "import pyacl_moe; print(pyacl_moe.__file__)"], capture_output=True,
+    where = subprocess.run([str(py), str(SCRIPTS / "print_pyacl_moe_location.py")], capture_output=True,
                            text=True, env=env, cwd=str(tmp_path)).stdout.strip()
     assert where.startswith(str(env_dir)), f"imported {where}, not the installed wheel"

@@ -11,6 +11,9 @@ import pytest
 import pyacl_moe as pm
 from pyacl_moe.tools.cases import compare, make_case
 
+from .conftest import settle
+from .stress import ITERATIONS, Progress, hammer
+
 MIB16 = 16 << 20  # the op's workspace
 WORKSPACE_KEYS = {"workspace_blocks", "workspace_bytes", "workspace_takes"}
 
@@ -162,3 +165,54 @@ def test_memory_stats_refuses_a_bad_device(device):
     assert pm.memory_stats(device) == pm.memory_stats(0)
     with pytest.raises(pm.InvalidArgument, match="device"):
         pm.memory_stats("0")
+
+
+def test_empty_cache_never_frees_a_workspace_a_queued_kernel_uses(device):
+    case = make_case(64, 4, 128, "float32", "dropless", seed=12)
+    expected = pm.moe_init_routing_v2_grad(*case.args())  # the kernel is deterministic: bit-exact
+
+    launches = Progress()
+
+    def launcher(i, steps):
+        with closing(pm.Stream(device)) as s:
+            x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
+            for _ in launches.steps(steps):
+                outs = [pm.moe_init_routing_v2_grad(x, idx, 4, stream=s) for _ in range(4)]
+                for o in outs:
+                    assert np.array_equal(o.to_host(s), expected)
+
+    def emptier(i, steps):
+        while launches.running:
+            pm.empty_cache()
+
+    faults = pm.emulator.stats()["device_faults"]
+    errors = hammer([launches.counted(launcher), launches.counted(launcher), emptier], 4 * ITERATIONS)
+    assert not errors, errors[0]
+    assert pm.emulator.stats()["device_faults"] == faults
+
+
+def test_the_caches_keep_count_of_every_block_under_threads(device):
+    """Six threads, each with a layout of its own on one shared stream, take and give back
+    blocks at once: afterwards the figures add up, and empty_cache() leaves nothing behind."""
+    before, st0 = settle(), pm.memory_stats()
+    shared = pm.Stream(device)
+    cases = [make_case(16, 2, 16 + 8 * i, "float32", "dropless", seed=i) for i in range(6)]
+    arrays = [(pm.to_device(c.grad_expanded_x, stream=shared), pm.to_device(c.expanded_row_idx, stream=shared))
+              for c in cases]
+
+    def worker(i, steps):
+        x, idx = arrays[i]
+        for _ in range(steps):
+            pm.moe_init_routing_v2_grad(x, idx, 2, stream=shared)  # a new out each call
+
+    errors = hammer([worker] * 6, 4 * ITERATIONS)
+    shared.close()
+    arrays.clear()
+    assert not errors, errors[0]
+    after = settle()
+    st = pm.memory_stats()
+    assert (st["workspace_blocks"], st["array_bytes_idle"], st["array_blocks_idle"]) == (0, 0, 0)
+    assert st["array_bytes_in_use"] == st0["array_bytes_in_use"]
+    taken = st["array_hits"] + st["array_misses"] - st0["array_hits"] - st0["array_misses"]
+    assert taken > 6 * 4 * ITERATIONS  # each out taken from the cache or made
+    assert after["device_allocations"] == before["device_allocations"]

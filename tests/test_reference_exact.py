@@ -231,20 +231,17 @@ def test_emulator_and_model_agree_bit_for_bit_on_the_full_catalogue(device, monk
     assert catalogue_mismatches("full", monkeypatch) == []
 
 
+def child_sweep_mismatches() -> None:
+    pm.use_emulator()
+    print(len(sweep_mismatches((2, 9, 129), (3,))))
+
+
 @pytest.mark.parametrize("mutation", [m if i == 0 else pytest.param(m, marks=pytest.mark.slow)
                                       for i, m in enumerate(pm.emulator.MUTATIONS)])  # the others: slow step
 def test_each_wrong_kernel_breaks_the_bit_exact_agreement(isolated, mutation):
     # The mutation is chosen by the environment at the emulator's first call, hence a fresh
     # interpreter; the same sweep agrees without it (test_emulator_and_model_agree_...).
-    r = isolated(
-        """
-        import pyacl_moe as pm
-        pm.use_emulator()
-        from tests.test_reference_exact import sweep_mismatches
-        print(len(sweep_mismatches((2, 9, 129), (3,))))
-        """,
-        env={"PYACL_MOE_EMU_MUTATION": mutation},
-    )
+    r = isolated(child_sweep_mismatches, env={"PYACL_MOE_EMU_MUTATION": mutation})
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) > 0, f"{mutation}: the model still agrees with a wrong kernel"
 

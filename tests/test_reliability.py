@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from contextlib import closing
 
@@ -11,6 +12,8 @@ import pytest
 
 import pyacl_moe as pm
 from pyacl_moe.tools.cases import compare, make_case
+
+from .stress import ITERATIONS, hammer
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32
@@ -236,109 +239,120 @@ def test_one_plan_from_two_threads(device, no_leaks):
     plan.close()
 
 
-def test_lifetimes_in_a_fresh_process(isolated):
-    r = isolated("""
-import gc, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-dev = pm.Device(0)
-s = pm.Stream(dev)
-base = pm.to_device(np.arange(16, dtype=np.float32))
-view = base[4:8]
-base.close(); base.close()                 # close twice: a no-op
-assert view.to_host().tolist() == [4, 5, 6, 7]   # the view outlives its base
-arr = pm.to_device(np.ones(4, np.float32), stream=s)
-s.close(); s.close()
-assert arr.to_host().tolist() == [1, 1, 1, 1]    # an array outlives its stream
-owner = pm.to_device(np.arange(4, dtype=np.float32))
-borrowed = pm.DeviceArray.from_pointer(owner.data_ptr, (4,), np.float32, owner=owner)
-del owner; gc.collect()
-assert borrowed.to_host().tolist() == [0, 1, 2, 3]  # a borrowed pointer keeps its owner
-plan = pm.MoeInitRoutingV2Grad(pm.to_device(np.ones((4, 2), np.float32)), pm.to_device(np.arange(4, dtype=np.int32)), 2)
-tensor = pm.AclTensor(view)
-dev.close()                                 # a reset with live arrays, tensors, a plan (no aclFinalize)
-for thing in (view, arr, borrowed):
+def child_lifetimes() -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    s = pm.Stream(dev)
+    base = pm.to_device(np.arange(16, dtype=np.float32))
+    view = base[4:8]
+    base.close()
+    base.close()  # close twice: a no-op
+    assert view.to_host().tolist() == [4, 5, 6, 7]  # the view outlives its base
+    arr = pm.to_device(np.ones(4, np.float32), stream=s)
+    s.close()
+    s.close()
+    assert arr.to_host().tolist() == [1, 1, 1, 1]  # an array outlives its stream
+    owner = pm.to_device(np.arange(4, dtype=np.float32))
+    borrowed = pm.DeviceArray.from_pointer(owner.data_ptr, (4,), np.float32, owner=owner)
+    del owner
+    gc.collect()
+    assert borrowed.to_host().tolist() == [0, 1, 2, 3]  # a borrowed pointer keeps its owner
+    plan = pm.MoeInitRoutingV2Grad(pm.to_device(np.ones((4, 2), np.float32)),
+                                   pm.to_device(np.arange(4, dtype=np.int32)), 2)
+    tensor = pm.AclTensor(view)
+    dev.close()  # a reset with live arrays, tensors, a plan (no aclFinalize)
+    for thing in (view, arr, borrowed):
+        try:
+            thing.to_host()
+        except pm.ClosedError:
+            pass
+        else:
+            raise SystemExit("an array of a closed device still read")
+    for closer in (view.close, arr.close, plan.close, tensor.close, s.close, dev.close):
+        closer()  # safe no-ops
     try:
-        thing.to_host()
+        plan()
     except pm.ClosedError:
         pass
     else:
-        raise SystemExit("an array of a closed device still read")
-for closer in (view.close, arr.close, plan.close, tensor.close, s.close, dev.close):
-    closer()                                # safe no-ops
-try:
-    plan()
-except pm.ClosedError:
-    pass
-else:
-    raise SystemExit("a plan of a closed device still launched")
-st = pm.emulator.stats()
-assert st["device_allocations"] == 0 and st["devices_set"] == 0 and st["initialized"] == 1, st
-print("ok")
-""")
+        raise SystemExit("a plan of a closed device still launched")
+    st = pm.emulator.stats()
+    assert st["device_allocations"] == 0 and st["devices_set"] == 0 and st["initialized"] == 1, st
+    print("ok")
+
+
+def test_lifetimes_in_a_fresh_process(isolated):
+    r = isolated(child_lifetimes)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def child_finalizers_under_constant_garbage_collection() -> None:
+    pm.use_emulator()
+    gc.set_threshold(1, 1, 1)
+    dev = pm.Device(0)
+    case_x, case_i = np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32)
+    for _ in range(300):
+        s = pm.Stream(dev)
+        x, idx = pm.to_device(case_x, stream=s), pm.to_device(case_i, stream=s)
+        plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+        t = pm.AclTensor(x)
+        out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+        plan(s)
+        ev = s.record()
+        cycle = [x, idx, plan, t, out, ev, s]
+        cycle.append(cycle)  # only the collector can free these
+        del x, idx, plan, t, out, ev, s, cycle
+    gc.collect()
+    dev.synchronize()
+    pm.empty_cache()
+    gc.collect()
+    st = pm.emulator.stats()
+    assert st["tensors"] == 0 and st["executors"] == 0 and st["streams"] == 0, st
+    print("ok")
 
 
 def test_finalizers_under_constant_garbage_collection(isolated):
     # Objects caught in reference cycles are freed by the collector, at arbitrary points of
     # other work, including inside the binding and inside cffi. Their finalizers call CANN:
     # they must never wait for a lock the interrupted code holds (this once hung the suite).
-    r = isolated("""
-import gc, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-gc.set_threshold(1, 1, 1)
-dev = pm.Device(0)
-case_x, case_i = np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32)
-for i in range(300):
-    s = pm.Stream(dev)
-    x, idx = pm.to_device(case_x, stream=s), pm.to_device(case_i, stream=s)
-    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
-    t = pm.AclTensor(x)
-    out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
-    plan(s)
-    ev = s.record()
-    cycle = [x, idx, plan, t, out, ev, s]
-    cycle.append(cycle)          # only the collector can free these
-    del x, idx, plan, t, out, ev, s, cycle
-gc.collect()
-dev.synchronize(); pm.empty_cache(); gc.collect()
-st = pm.emulator.stats()
-assert st["tensors"] == 0 and st["executors"] == 0 and st["streams"] == 0, st
-print("ok")
-""", timeout=120)
+    r = isolated(child_finalizers_under_constant_garbage_collection, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def child_work_queued_by_objects_in_a_cycle() -> None:
+    pm.use_emulator()
+    pm.emulator.set_stream_mode("lazy")  # the work stays queued until something waits
+    dev = pm.Device(0)
+    faults = pm.emulator.stats()["device_faults"]
+    for _ in range(50):
+        s = pm.Stream(dev)
+        x = pm.to_device(np.ones((64, 32), np.float32), stream=s)
+        idx = pm.to_device(np.arange(64, dtype=np.int32), stream=s)
+        plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+        for _ in range(3):
+            plan(s)  # queued, not run
+        out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+        cycle = [s, x, idx, plan, out]
+        cycle.append(cycle)
+        del s, x, idx, plan, out, cycle
+        gc.collect()  # frees the cycle while its work is queued
+        assert pm.emulator.stats()["pending_tasks"] > 0
+    dev.synchronize()
+    pm.empty_cache()
+    gc.collect()
+    st = pm.emulator.stats()
+    assert st["device_faults"] == faults, "queued work read memory the collector had freed"
+    assert st["device_allocations"] == 0 and st["streams"] == 0 and st["executors"] == 0, st
+    print("ok")
 
 
 def test_work_queued_by_objects_in_a_cycle_finishes_before_their_memory_goes(isolated):
     # Plans, arrays and streams caught in one reference cycle are freed by the collector in an
     # order of its choosing. Memory that queued launches read must outlive them: no device
     # fault may surface, and everything is freed in the end.
-    r = isolated("""
-import gc, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-pm.emulator.set_stream_mode("lazy")           # the work stays queued until something waits
-dev = pm.Device(0)
-faults = pm.emulator.stats()["device_faults"]
-for i in range(50):
-    s = pm.Stream(dev)
-    x = pm.to_device(np.ones((64, 32), np.float32), stream=s)
-    idx = pm.to_device(np.arange(64, dtype=np.int32), stream=s)
-    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
-    for _ in range(3):
-        plan(s)                               # queued, not run
-    out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
-    cycle = [s, x, idx, plan, out]
-    cycle.append(cycle)
-    del s, x, idx, plan, out, cycle
-    gc.collect()                              # frees the cycle while its work is queued
-    assert pm.emulator.stats()["pending_tasks"] > 0
-dev.synchronize(); pm.empty_cache(); gc.collect()
-st = pm.emulator.stats()
-assert st["device_faults"] == faults, "queued work read memory the collector had freed"
-assert st["device_allocations"] == 0 and st["streams"] == 0 and st["executors"] == 0, st
-print("ok")
-""", timeout=120)
+    r = isolated(child_work_queued_by_objects_in_a_cycle, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
 
@@ -383,37 +397,73 @@ def test_weak_registries_run_no_python_code_when_a_member_dies(device):
 
 
 def test_a_weak_registry_shared_by_threads():
-    """8 threads add members that live and members that die, read and prune one WeakMap for a
-    second: every live member is always there with its value, and nothing raises."""
-    import threading
-    import time
-
+    """8 threads add members that live and members that die, read and prune one WeakMap,
+    ``100 * ITERATIONS`` times each: every live member is always there with its value, and
+    nothing raises."""
     from pyacl_moe._lifetime import WeakMap
 
     class Member:
         pass
 
     m: WeakMap[Member, int] = WeakMap()
-    stop = threading.Event()
-    errors: list[BaseException] = []
 
-    def worker(i: int) -> None:
+    def worker(i: int, steps: int) -> None:
         mine = [Member() for _ in range(4)]
-        try:
-            for k in mine:
-                m.set(k, i)
-            while not stop.is_set():
-                m.add(Member())  # dies at once: the map prunes as it grows
-                live = m.keys()
-                assert all(k in live and m.get(k) == i for k in mine)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for k in mine:
+            m.set(k, i)
+        for _ in range(steps):
+            m.add(Member())  # dies at once: the map prunes as it grows
+            live = m.keys()
+            assert all(k in live and m.get(k) == i for k in mine)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    time.sleep(1)
-    stop.set()
-    for t in threads:
-        t.join(30)
+    errors = hammer([worker] * 8, 100 * ITERATIONS, switch_interval=None)
     assert not errors, errors[:3]
+
+
+def test_wrong_types_and_out_of_range_integers_are_refused_by_name(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=14)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    with pytest.raises(pm.InvalidArgument, match="shape"):
+        pm.empty((2**62, 4), np.float32)
+    with pytest.raises(pm.InvalidArgument, match="shape"):
+        pm.empty("12", np.float32)
+    with pytest.raises(pm.InvalidArgument, match="stream"):
+        pm.moe_init_routing_v2_grad(x, idx, 2, stream=5)
+    with closing(pm.Stream(device)) as s:
+        with pytest.raises(pm.InvalidArgument, match="event"):
+            s.wait_event(None)
+        with pytest.raises(pm.InvalidArgument, match="timeout_ms"):
+            s.synchronize(timeout_ms=2**40)
+        size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((8, 16), np.float32))
+        ws = pm.empty((size,), np.uint8)
+        with pytest.raises(pm.InvalidArgument, match="workspace_size"):
+            pm.execute(ws, -1, ex, s)
+        pm.execute(ws, size, ex, s)
+        s.synchronize()
+    with pytest.raises(pm.InvalidArgument, match="ptr"):
+        pm.DeviceArray.from_pointer(2**64, (4,), np.float32)
+    with pytest.raises(pm.InvalidArgument, match="top_k"):
+        pm.get_workspace_size(x, idx, 2.0)
+
+
+def test_every_closed_object_raises_closed_error(device, no_leaks):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=15)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    s = pm.Stream(device)
+    s.close()
+    ev = pm.Event(device)
+    ev.close()
+    a = pm.to_device(np.ones(4, np.float32))
+    a.close()
+    t = pm.AclTensor(pm.to_device(np.ones(4, np.float32)))
+    t.close()
+    plan = pm.MoeInitRoutingV2Grad(x, idx, 2)
+    plan.close()
+    size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, pm.empty((8, 16), np.float32))
+    ex.close()
+    other_out = pm.empty((8, 16), np.float32)
+    for use in (s.synchronize, s.query, lambda: s.record(), ev.synchronize, ev.query, lambda: ev.record(),
+                a.to_host, lambda: a[0], t.core, lambda: t.view_shape, plan, lambda: plan.rebind(out=other_out),
+                ex.set_repeatable, lambda: pm.execute(None, 0, ex)):
+        with pytest.raises(pm.ClosedError):
+            use()

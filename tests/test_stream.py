@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import gc
+import time
 from contextlib import closing
 
 import numpy as np
 import pytest
 
 import pyacl_moe as pm
+from pyacl_moe.tools.cases import make_case
+
+from .conftest import settle
 
 
 def test_stream_and_event_lifecycle(device, no_leaks):
@@ -167,18 +171,19 @@ def test_an_event_closed_while_queued_work_uses_it_lives_until_that_work_ran(dev
         assert pm.emulator.stats()["events"] == events
 
 
+def child_events_of_another_device_are_refused() -> None:
+    pm.use_emulator()
+    d0, d1 = pm.Device(0), pm.Device(1)
+    ev = pm.Event(d1)
+    for bad in (lambda: d0.default_stream.wait_event(ev), lambda: ev.record(pm.Stream(d0))):
+        try:
+            bad()
+        except pm.InvalidArgument as e:
+            print(e.parameter)
+
+
 def test_events_of_another_device_are_refused(isolated):
-    r = isolated("""
-import pyacl_moe as pm
-pm.use_emulator()
-d0, d1 = pm.Device(0), pm.Device(1)
-ev = pm.Event(d1)
-for bad in (lambda: d0.default_stream.wait_event(ev), lambda: ev.record(pm.Stream(d0))):
-    try:
-        bad()
-    except pm.InvalidArgument as e:
-        print(e.parameter)
-""", env={"PYACL_MOE_EMU_DEVICES": "2"})
+    r = isolated(child_events_of_another_device_are_refused, env={"PYACL_MOE_EMU_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["event", "stream"]
 
@@ -210,3 +215,34 @@ def test_closing_a_stream_waits_for_it(device, lazy_streams, no_leaks):
     with pytest.raises(pm.ClosedError, match="stream"):
         out.to_host(s)
     del x, idx, out
+
+
+def test_an_asynchronous_call_never_blocks_and_a_fault_keeps_its_own_error(device, lazy_streams):
+    case = make_case(8, 2, 16, "float32", "dropless", seed=7)
+    with closing(pm.Stream(device)) as s:
+        x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
+        bad = pm.to_device(np.full(16, 99, np.int32), stream=s)
+        pm.moe_init_routing_v2_grad(x, bad, 2, stream=s, validate=False)  # faults when it runs
+        ran = pm.emulator.stats()["kernels_run"]
+        for _ in range(5000):  # past any keep-alive limit
+            pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+        assert pm.emulator.stats()["kernels_run"] == ran, "an asynchronous call waited for the stream"
+        with pytest.raises(pm.AclRuntimeError) as info:
+            s.synchronize()
+        assert info.value.status == 507015
+        s.synchronize()
+
+
+def test_a_dropped_stream_is_released_without_any_synchronize(device):
+    settle()
+    streams = pm.emulator.stats()["streams"]
+    case = make_case(64, 4, 64, "float32", "dropless", seed=10)
+    s = pm.Stream(device)
+    x, idx = pm.to_device(case.grad_expanded_x, stream=s), pm.to_device(case.expanded_row_idx, stream=s)
+    pm.moe_init_routing_v2_grad(x, idx, 4, stream=s)
+    del s, x, idx
+    # No synchronize: the stream goes once its work has run, at a later call into pyacl_moe.
+    deadline = time.time() + 5
+    while pm.emulator.stats()["streams"] != streams and time.time() < deadline:
+        time.sleep(0.01)
+    assert pm.emulator.stats()["streams"] == streams

@@ -1,14 +1,12 @@
 """Threaded stress tests, one per shared object: a stream, a plan, an array, the workspace pool,
 the executor cache, a device being closed, and the forward's plan and one call beside the
-backward's. Each runs 8 threads for PYACL_MOE_STRESS_SECONDS
-(3 s by default, 20 s under ``-m slow``) with the interpreter switching threads every
-microsecond, checks every result bit for bit, and leaves the emulator's live counters where
-it found them."""
+backward's. Each runs 8 threads (tests/stress.py's hammer), each worker for a number of
+iterations (PYACL_MOE_STRESS_ITERATIONS in the default run, PYACL_MOE_STRESS_LONG_ITERATIONS
+under ``-m slow``) with the interpreter switching threads every microsecond, checks every result
+bit for bit, and leaves the emulator's live counters where it found them."""
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from contextlib import closing
@@ -20,41 +18,47 @@ import pyacl_moe as pm
 from pyacl_moe import routing
 from pyacl_moe.tools.cases import make_case
 
-SECONDS = float(os.environ.get("PYACL_MOE_STRESS_SECONDS", "3"))
-LONG_SECONDS = float(os.environ.get("PYACL_MOE_STRESS_LONG_SECONDS", "20"))
+from .stress import ITERATIONS, Progress, hammer, stress_iterations
+
 THREADS = 8
 
-# Every stress test runs SECONDS in the default run and LONG_SECONDS under -m slow.
-duration = pytest.mark.parametrize(
-    "seconds", [SECONDS, pytest.param(LONG_SECONDS, marks=pytest.mark.slow)], ids=["short", "long"]
-)
 
+class SharedPlan:
+    """The plan some launchers share (``plan``), replaced and closed under them by a replacer:
+    a launcher that meets a closed plan calls ``met_closed(plan)``, which counts it
+    (``closed_seen``) and waits for the next one."""
 
-def hammer(workers, seconds: float) -> list[BaseException]:
-    """Run each ``worker(stop, i)`` on its own thread for ``seconds``; return what they raised."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    def __init__(self, plan, launches: Progress) -> None:
+        self.plan = plan
+        self.closed_seen = 0
+        self._launches = launches
+        self._cond = threading.Condition()
 
-    def run(fn, i):
-        try:
-            fn(stop, i)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
+    def met_closed(self, plan) -> None:
+        with self._cond:
+            self.closed_seen += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self.plan is not plan, timeout=10)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    threads = [threading.Thread(target=run, args=(w, i)) for i, w in enumerate(workers)]
-    try:
-        for t in threads:
-            t.start()
-        time.sleep(seconds)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
-        sys.setswitchinterval(interval)
-    assert not any(t.is_alive() for t in threads), "a worker hung"
-    return errors
+    def replace(self, new, close_first: bool) -> None:
+        """Publish ``new`` and close the plan it replaces: first (then ``new`` is published once
+        a launch has met the closed plan, or the launchers are done), or after (launches of the
+        old plan may be in flight)."""
+        old = self.plan
+        if close_first:
+            seen = self.closed_seen
+            old.close()
+            with self._cond:
+                for _ in range(200):  # 10 s at most
+                    if self._cond.wait_for(lambda: self.closed_seen > seen, 0.05) or not self._launches.running:
+                        break
+                self.plan = new
+                self._cond.notify_all()
+        else:
+            with self._cond:
+                self.plan = new
+                self._cond.notify_all()
+            old.close()
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +67,13 @@ def case():
     return c, pm.moe_init_routing_v2_grad(*c.args())  # the kernel is deterministic: bit-exact
 
 
-@duration
-def test_a_shared_stream(device, no_leaks, case, seconds):
+@stress_iterations
+def test_a_shared_stream(device, no_leaks, case, iterations):
     c, expected = case
     shared = pm.Stream(device)
 
-    def worker(stop, i):
-        while not stop.is_set():
+    def worker(i, steps):
+        for _ in range(steps):
             x = pm.to_device(c.grad_expanded_x, stream=shared)
             idx = pm.to_device(c.expanded_row_idx, stream=shared)
             out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=shared)
@@ -87,144 +91,163 @@ def test_a_shared_stream(device, no_leaks, case, seconds):
             elif i == 1:
                 shared.query()
 
-    errors = hammer([worker] * THREADS, seconds)
+    errors = hammer([worker] * THREADS, iterations)
     shared.close()
     assert not errors, errors[0]
 
 
-@duration
-def test_a_shared_plan(device, no_leaks, case, seconds):
+@stress_iterations
+def test_a_shared_plan(device, no_leaks, case, iterations):
     c, expected = case
     x, idx = pm.to_device(c.grad_expanded_x), pm.to_device(c.expanded_row_idx)
-    current = [pm.MoeInitRoutingV2Grad(x, idx, 4)]
-    swap = threading.Lock()
-    closed_seen = []
+    launches = Progress()
+    shared = SharedPlan(pm.MoeInitRoutingV2Grad(x, idx, 4), launches)
 
-    def launcher(stop, i):
+    def launcher(i, steps):
         with closing(pm.Stream(device)) as own:
-            while not stop.is_set():
-                plan = current[0]
+            for _ in launches.steps(steps):
+                plan = shared.plan
                 s = own if i % 2 else None
                 try:
                     out = plan(s)
                     got = out.to_host(s)
                 except pm.ClosedError:
-                    closed_seen.append(1)
+                    shared.met_closed(plan)
                     continue
                 assert np.array_equal(got, expected)
 
-    def rebinder(stop, i):
-        while not stop.is_set():
-            plan = current[0]
+    def rebinder(i, steps):
+        for _ in range(steps):
+            plan = shared.plan
             try:
                 plan.rebind(grad_expanded_x=pm.to_device(c.grad_expanded_x), out=pm.empty((32, 64), np.float32))
             except pm.ClosedError:
                 continue
             time.sleep(0.001)
 
-    def replacer(stop, i):
-        while not stop.is_set():
-            time.sleep(0.02)
-            with swap:
-                old, current[0] = current[0], pm.MoeInitRoutingV2Grad(x, idx, 4)
-            old.close()
+    def replacer(i, steps):
+        # Ten launches per launcher between replacements, whatever their speed, while they
+        # launch; closing first, then replacing, every other time.
+        for step in range(steps):
+            if step and not launches.wait(10 * launches.workers):
+                return
+            shared.replace(pm.MoeInitRoutingV2Grad(x, idx, 4), close_first=step % 2 == 0)
 
-    errors = hammer([launcher] * (THREADS - 2) + [rebinder, replacer], seconds)
-    current[0].close()
+    launchers = [launches.counted(launcher) for _ in range(THREADS - 2)]
+    errors = hammer(launchers + [rebinder, replacer], iterations)
+    shared.plan.close()
     assert not errors, errors[0]
-    assert closed_seen, "no launch met a closed plan: the test did not exercise closing"
+    assert shared.closed_seen, "no launch met a closed plan: the test did not exercise closing"
 
 
-@duration
-def test_a_shared_array(device, no_leaks, case, seconds):
+@stress_iterations
+def test_a_shared_array(device, no_leaks, case, iterations):
     c, expected = case
     x = pm.to_device(c.grad_expanded_x)
     idx = pm.to_device(c.expanded_row_idx)
 
-    def reader(stop, i):
+    def reader(i, steps):
         with closing(pm.Stream(device)) as own:
-            while not stop.is_set():
+            for _ in range(steps):
                 out = pm.moe_init_routing_v2_grad(x, idx, 4, stream=own)
                 assert np.array_equal(out.to_host(own), expected)
                 assert np.array_equal(x[i % 32].to_host(), c.grad_expanded_x[i % 32])
 
-    def writer(stop, i):
+    def writer(i, steps):
         with closing(pm.Stream(device)) as own:
-            while not stop.is_set():
+            for _ in range(steps):
                 # Same values, so every reader's result stays exact; the writes must still wait
                 # for (or be ordered after) the kernels that read x.
                 x.copy_from_host(c.grad_expanded_x, stream=own if i % 2 else None)
 
-    errors = hammer([reader] * (THREADS - 2) + [writer] * 2, seconds)
+    errors = hammer([reader] * (THREADS - 2) + [writer] * 2, iterations)
     assert not errors, errors[0]
 
 
-@duration
-def test_the_pool_and_empty_cache(device, no_leaks, case, seconds):
+@stress_iterations
+def test_the_pool_and_empty_cache(device, no_leaks, case, iterations):
     c, expected = case
 
-    def launcher(stop, i):
-        while not stop.is_set():
+    def launcher(i, steps):
+        for _ in range(steps):
             with closing(pm.Stream(device)) as s:  # each stream takes a workspace and gives it back
                 x = pm.to_device(c.grad_expanded_x, stream=s)
                 idx = pm.to_device(c.expanded_row_idx, stream=s)
                 outs = [pm.moe_init_routing_v2_grad(x, idx, 4, stream=s) for _ in range(3)]
                 assert all(np.array_equal(o.to_host(s), expected) for o in outs)
 
-    def dropper(stop, i):
-        while not stop.is_set():  # streams dropped with work queued: released without a wait
+    def dropper(i, steps):
+        for _ in range(steps):  # streams dropped with work queued: released without a wait
             s = pm.Stream(device)
             pm.moe_init_routing_v2_grad(pm.to_device(c.grad_expanded_x, stream=s),
                                         pm.to_device(c.expanded_row_idx, stream=s), 4, stream=s)
             del s
 
-    def emptier(stop, i):
-        while not stop.is_set():
+    def emptier(i, steps):
+        for _ in range(steps):
             pm.empty_cache()
             pm.memory_stats()
             time.sleep(0.002)
 
-    errors = hammer([launcher] * (THREADS - 3) + [dropper, emptier, emptier], seconds)
+    errors = hammer([launcher] * (THREADS - 3) + [dropper, emptier, emptier], iterations)
     assert not errors, errors[0]
 
 
-@duration
-def test_closing_the_device_under_load(isolated, seconds):
-    rounds = max(5, int(seconds / 0.6))
-    r = isolated(f"""
-import sys, threading, time, numpy as np, pyacl_moe as pm
-pm.use_emulator()
-sys.setswitchinterval(1e-6)
-x = np.ones((32, 16), np.float32); idx = np.arange(32, dtype=np.int32)
-for round_ in range({rounds}):
+def _close_under_load(x: np.ndarray, idx: np.ndarray, threads: int, iterations: int) -> None:
+    """``threads`` workers launch a plan, the one call on DeviceArrays and the one call on NumPy
+    arrays ``iterations`` times each, and device 0 is closed once every worker is nine tenths
+    of the way (as the time-bound version closed it 0.55 s into 0.6); a worker may meet
+    ClosedError, nothing else."""
     dev = pm.Device(0)
     dx, di = pm.to_device(x), pm.to_device(idx)
     plan = pm.MoeInitRoutingV2Grad(dx, di, 4)
     s = pm.Stream(dev)
-    stop = threading.Event(); unexpected = []
-    def work(i):
-        while not stop.is_set():
+    unexpected = []
+    nearly_done = [threading.Event() for _ in range(threads)]
+
+    def work(i, steps):
+        for step in range(steps):
+            if step == steps * 9 // 10:
+                nearly_done[i].set()
             try:
-                if i % 3 == 0: plan(s)
-                elif i % 3 == 1: pm.moe_init_routing_v2_grad(dx, di, 4, stream=s).to_host(s)
-                else: pm.moe_init_routing_v2_grad(x, idx, 4)
+                if i % 3 == 0:
+                    plan(s)
+                elif i % 3 == 1:
+                    pm.moe_init_routing_v2_grad(dx, di, 4, stream=s).to_host(s)
+                else:
+                    pm.moe_init_routing_v2_grad(x, idx, 4)
             except pm.ClosedError:
                 pass
             except Exception as e:
                 unexpected.append(repr(e))
-    ts = [threading.Thread(target=work, args=(i,)) for i in range({THREADS})]
-    [t.start() for t in ts]
-    time.sleep(0.55)
-    dev.close()
-    time.sleep(0.05)
-    stop.set(); [t.join() for t in ts]
+
+    def closer(i, steps):
+        for e in nearly_done:
+            e.wait(60)
+        dev.close()
+
+    errors = hammer([work] * threads + [closer], iterations)
+    assert not errors, errors[0]
     assert not unexpected, unexpected[:3]
-for d in pm.device.open_devices():   # the NumPy path may have opened device 0 again meanwhile
-    d.close()
-st = pm.emulator.stats()
-assert st['device_allocations'] == 0 and st['streams'] == 0 and st['events'] == 0, st
-print('ok')
-""", timeout=300 + 2 * seconds)
+
+
+def child_close_the_device_under_load(rounds: int, threads: int, iterations: int) -> None:
+    pm.use_emulator()
+    x = np.ones((32, 16), np.float32)
+    idx = np.arange(32, dtype=np.int32)
+    for _ in range(rounds):
+        _close_under_load(x, idx, threads, iterations)
+    for d in pm.device.open_devices():  # the NumPy path may have opened device 0 again meanwhile
+        d.close()
+    st = pm.emulator.stats()
+    assert st["device_allocations"] == 0 and st["streams"] == 0 and st["events"] == 0, st
+    print("ok")
+
+
+@stress_iterations
+def test_closing_the_device_under_load(isolated, iterations):
+    rounds, steps = max(5, iterations // 100), min(iterations, 50)  # short: 5 rounds of 25 steps; long: 40 of 50
+    r = isolated(child_close_the_device_under_load, rounds, THREADS, steps, timeout=300 + rounds * 20)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok")
 
@@ -240,8 +263,8 @@ def _fwd_same(got, want) -> None:
             assert g.dtype == w.dtype and np.array_equal(g, w), name
 
 
-@duration
-def test_the_forward_shared_plan_and_stream_beside_the_backward(device, no_leaks, seconds):
+@stress_iterations
+def test_the_forward_shared_plan_and_stream_beside_the_backward(device, no_leaks, iterations):
     """One forward plan launched (on a stream of each launcher's and on the default stream),
     rebound, and closed and replaced meanwhile; forward one calls on a shared stream, with
     and without out=; and the pair, forward then backward on that stream. Every result is
@@ -254,61 +277,65 @@ def test_the_forward_shared_plan_and_stream_beside_the_backward(device, no_leaks
     g = np.random.default_rng(32).standard_normal((n * k, h)).astype(np.float32)
     want_grad = pm.reference.moe_init_routing_v2_grad(g, want[1], k)
     dx, di = pm.to_device(x), pm.to_device(ids)
-    current = [pm.MoeInitRoutingV2(dx, di, **kw)]
+    launches = Progress()
+    current = SharedPlan(pm.MoeInitRoutingV2(dx, di, **kw), launches)
     shared = pm.Stream(device)
-    closed_seen = []
 
-    def launcher(stop, i):
+    def launcher(i, steps):
         with closing(pm.Stream(device)) as own:
-            while not stop.is_set():
+            for _ in launches.steps(steps):
+                plan = current.plan
                 s = own if i % 2 else None
                 try:
-                    got = _fwd_host(current[0](s), s)
+                    got = _fwd_host(plan(s), s)
                 except pm.ClosedError:
-                    closed_seen.append(1)
+                    current.met_closed(plan)
                     continue
                 _fwd_same(got, want)
 
-    def rebinder(stop, i):
-        while not stop.is_set():
+    def rebinder(i, steps):
+        for _ in range(steps):
             try:
-                current[0].rebind(x=pm.to_device(x), expanded_x=pm.zeros((n * k, h), np.float32),
-                                  expert_tokens_count_or_cumsum=pm.zeros((e,), np.int32))
+                current.plan.rebind(x=pm.to_device(x), expanded_x=pm.zeros((n * k, h), np.float32),
+                                    expert_tokens_count_or_cumsum=pm.zeros((e,), np.int32))
             except pm.ClosedError:
                 continue
             time.sleep(0.001)
 
-    def replacer(stop, i):
-        while not stop.is_set():
-            time.sleep(0.002)
-            old, current[0] = current[0], pm.MoeInitRoutingV2(dx, di, **kw)
-            old.close()
+    def replacer(i, steps):
+        # Ten launches per launcher between replacements, whatever their speed, while they
+        # launch; closing first, then replacing, every other time.
+        for step in range(steps):
+            if step and not launches.wait(10 * launches.workers):
+                return
+            current.replace(pm.MoeInitRoutingV2(dx, di, **kw), close_first=step % 2 == 0)
 
-    def one_call(stop, i):
+    def one_call(i, steps):
         out = None
-        while not stop.is_set():
+        for _ in range(steps):
             r = pm.moe_init_routing_v2(pm.to_device(x, stream=shared), pm.to_device(ids, stream=shared), **kw,
                                        stream=shared, out=out)
             _fwd_same(_fwd_host(r, shared), want)
             if i % 2:
                 out = r  # written again by the next call
 
-    def pair(stop, i):
-        while not stop.is_set():
+    def pair(i, steps):
+        for _ in range(steps):
             r = pm.moe_init_routing_v2(pm.to_device(x, stream=shared), pm.to_device(ids, stream=shared), **kw,
                                        stream=shared)
             grad = pm.moe_init_routing_v2_grad(pm.to_device(g, stream=shared), r.expanded_row_idx, k, stream=shared)
             assert np.array_equal(grad.to_host(shared), want_grad)
 
-    errors = hammer([launcher, launcher, rebinder, replacer, one_call, one_call, pair, pair], seconds)
-    current[0].close()
+    launchers = [launches.counted(launcher) for _ in range(2)]
+    errors = hammer(launchers + [rebinder, replacer, one_call, one_call, pair, pair], iterations)
+    current.plan.close()
     shared.close()
     assert not errors, errors[0]
-    assert closed_seen, "no launch met a closed plan: the test did not exercise closing"
+    assert current.closed_seen, "no launch met a closed plan: the test did not exercise closing"
 
 
-@duration
-def test_the_executor_cache(device, no_leaks, seconds):
+@stress_iterations
+def test_the_executor_cache(device, no_leaks, iterations):
     """More layouts of each op than a stream caches, on one shared stream and the default
     one: entries of both ops are evicted while others launch; streams made and dropped take
     and give back workspace; empty_cache() runs throughout."""
@@ -327,35 +354,123 @@ def test_the_executor_cache(device, no_leaks, seconds):
             for c in cases]
     shared = pm.Stream(device)
 
-    def forward(stop, i):
-        j = i
-        while not stop.is_set():
+    def forward(i, steps):
+        for j in range(i, i + 3 * steps, 3):
             dx, di, kw, want = fwd[j % len(fwd)]
             s = shared if j % 2 else None
             _fwd_same(_fwd_host(pm.moe_init_routing_v2(dx, di, **kw, stream=s), s), want)
-            j += 3
 
-    def backward(stop, i):
-        j = i
-        while not stop.is_set():
+    def backward(i, steps):
+        for j in range(i, i + 3 * steps, 3):
             x, idx, want = back[j % len(back)]
             assert np.array_equal(pm.moe_init_routing_v2_grad(x, idx, 2, stream=shared).to_host(shared), want)
-            j += 3
 
-    def own_stream(stop, i):
-        j = i
-        while not stop.is_set():
+    def own_stream(i, steps):
+        for j in range(i, i + steps):
             with closing(pm.Stream(device)) as s:
                 dx, di, kw, want = fwd[j % len(fwd)]
                 for r in [pm.moe_init_routing_v2(dx, di, **kw, stream=s) for _ in range(3)]:
                     _fwd_same(_fwd_host(r, s), want)
-            j += 1
 
-    def emptier(stop, i):
-        while not stop.is_set():
+    def emptier(i, steps):
+        for _ in range(steps):
             pm.empty_cache()
             time.sleep(0.002)
 
-    errors = hammer([forward] * 3 + [backward] * 2 + [own_stream] * 2 + [emptier], seconds)
+    errors = hammer([forward] * 3 + [backward] * 2 + [own_stream] * 2 + [emptier], iterations)
     shared.close()
+    assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("mode", ["async", "lazy"])
+def test_a_synchronize_on_one_thread_never_frees_what_another_thread_queued(device, mode):
+    """Synchronizing a stream dropped everything kept alive, including what another thread
+    queued during the wait: the NumPy path then copied a freed host temporary."""
+    pm.emulator.set_stream_mode(mode)
+    try:
+        # Each caller its own data: memory freed under one caller's queued copy and reused by
+        # the other's shows as the other's values.
+        cases = [make_case(64, 4, 256, "float32", "dropless", seed=11 + i) for i in range(2)]
+        xs = [np.asfortranarray(c.grad_expanded_x) for c in cases]  # the NumPy path copies them to a temporary
+        expected = [pm.moe_init_routing_v2_grad(c.grad_expanded_x, c.expanded_row_idx, 4) for c in cases]
+        wrong = []
+
+        calls = Progress()
+
+        def caller(i, steps):
+            for _ in calls.steps(steps):
+                got = pm.moe_init_routing_v2_grad(xs[i], cases[i].expanded_row_idx, 4)
+                if not np.array_equal(got, expected[i]):
+                    wrong.append(1)
+
+        def syncer(i, steps):
+            while calls.running:
+                device.default_stream.synchronize()
+
+        errors = hammer([calls.counted(caller), calls.counted(caller), syncer, syncer], 4 * ITERATIONS)
+        assert not errors, errors[0]
+        assert not wrong, f"{len(wrong)} wrong results"
+    finally:
+        pm.emulator.set_stream_mode("async")
+
+
+def child_close_a_plan_while_threads_launch_it() -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    closed = getattr(pm, "ClosedError", pm.InvalidArgument)
+    s = pm.Stream(dev)
+    x = pm.to_device(np.ones((8, 4), np.float32), stream=s)
+    idx = pm.to_device(np.arange(8, dtype=np.int32), stream=s)
+    unexpected = []
+    for _ in range(200):
+        _close_while_launched(pm.MoeInitRoutingV2Grad(x, idx, 2), s, closed, unexpected)
+    s.synchronize()
+    print("unexpected", unexpected[:3])
+    assert not unexpected
+    print("ok")
+
+
+def _close_while_launched(plan, s, closed, unexpected: list) -> None:
+    """Three threads launch ``plan`` on ``s`` until it is closed, 1 ms in."""
+    plan(s)
+    stop = threading.Event()
+
+    def launch():
+        while not stop.is_set():
+            try:
+                plan(s)
+            except (closed, pm.InvalidArgument):
+                return
+            except BaseException as e:
+                unexpected.append(repr(e))
+                return
+
+    ts = [threading.Thread(target=launch) for _ in range(3)]
+    for t in ts:
+        t.start()
+    time.sleep(0.001)
+    plan.close()
+    stop.set()
+    for t in ts:
+        t.join()
+
+
+def test_closing_a_plan_while_another_thread_launches_it_is_safe(isolated):
+    r = isolated(child_close_a_plan_while_threads_launch_it, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("ok")
+
+
+def test_the_executor_cache_never_destroys_an_executor_in_use(device):
+    # More layouts than a stream's cache holds.
+    cases = [make_case(8, 2, 8 + 4 * i, "float32", "dropless", seed=i) for i in range(12)]
+    arrays = [(pm.to_device(c.grad_expanded_x), pm.to_device(c.expanded_row_idx),
+               pm.moe_init_routing_v2_grad(*c.args())) for c in cases]
+
+    def worker(w, steps):
+        for i in range(steps):
+            x, idx, expected = arrays[i % len(arrays)]
+            assert np.array_equal(pm.moe_init_routing_v2_grad(x, idx, 2).to_host(), expected)
+
+    errors = hammer([worker] * 6, 4 * ITERATIONS)
     assert not errors, errors[0]
