@@ -314,7 +314,7 @@ on_memory_pressure(trim_caches)
 def _fresh(device: Device, make: Callable[[Any, int], None], mem: Any, size: int) -> None:
     """``make(mem, size)``; on lack of memory, shrink every cache and retry once."""
     try:
-        make(mem, size)
+        device.call(make, mem, size)
     except AclRuntimeError as exc:
         if exc.status not in _OOM:
             raise
@@ -322,8 +322,7 @@ def _fresh(device: Device, make: Callable[[Any, int], None], mem: Any, size: int
         for hook in _pressure_hooks:
             hook(device)
         _lifetime.collect()
-        device.activate()
-        make(mem, size)
+        device.call(make, mem, size)
 
 
 # ---------------------------------------------------------------------------- device memory

@@ -366,8 +366,7 @@ class DeviceArray:
             state.wait_for(epoch)  # a fault of the copy itself: ``host`` was not written
         else:
             _order_after(alloc, None, writers_only=True)
-            alloc.device.activate()
-            acl.memcpy(host.ctypes.data, nbytes, lo, nbytes, "ACL_MEMCPY_DEVICE_TO_HOST")
+            alloc.device.call(acl.memcpy, host.ctypes.data, nbytes, lo, nbytes, "ACL_MEMCPY_DEVICE_TO_HOST")
         check_written(alloc.track)
         if host is not out:
             view = np.lib.stride_tricks.as_strided(
@@ -391,8 +390,7 @@ class DeviceArray:
             return out
         if stream is None:
             _order_after(alloc, None, writers_only=True)
-            alloc.device.activate()
-            acl.memcpy(out.ctypes.data, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_HOST")
+            alloc.device.call(acl.memcpy, out.ctypes.data, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_HOST")
             check_written(alloc.track)
             return out
         state = resolve_stream(stream, alloc.device)
@@ -478,8 +476,7 @@ class DeviceArray:
             else:
                 _order_after(alloc, None, writers_only=True)
                 check_written(alloc.track)
-                alloc.device.activate()
-                acl.memcpy(dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE")
+                alloc.device.call(acl.memcpy, dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE")
         return out
 
     def fill(self, value: Any, stream: Stream | None = None) -> None:
@@ -508,8 +505,7 @@ class DeviceArray:
                 state.enqueue(alloc, acl.memset_async, self.address, n, 0, n, writes=((alloc.track, self.whole),))
             else:
                 _order_after(alloc, None)
-                alloc.device.activate()
-                acl.memset(self.address, n, 0, n)
+                alloc.device.call(acl.memset, self.address, n, 0, n)
                 if self.whole:  # written now, by the host: whatever faulted before is gone
                     alloc.track.written = ()
             return
@@ -639,8 +635,7 @@ def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState |
         state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE",
                       writes=((alloc.track, whole),))
     else:
-        alloc.device.activate()
-        acl.memcpy(dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
+        alloc.device.call(acl.memcpy, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
         if whole:  # written now, by the host: whatever faulted before is gone (a part: the rest stays)
             alloc.track.written = ()
 
@@ -688,7 +683,7 @@ def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: St
             alloc.used_on(state, write=True)
             state.enqueue(alloc, acl.memset_async, alloc.ptr, n, 0, n, writes=((alloc.track, True),))
         else:
-            acl.memset(alloc.ptr, n, 0, n)
+            alloc.device.call(acl.memset, alloc.ptr, n, 0, n)
     return arr
 
 

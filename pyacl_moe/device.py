@@ -103,8 +103,11 @@ class Device:
         #: without a lock: a launch that misses it fails in CANN, cleanly.
         self.closed = False
         self._torn_down = False
-        self._lock = threading.RLock()  # guards _queues, _attached
+        self._lock = threading.RLock()  # guards _queues, _attached, _inside
         self._queues: set[Queue] = set()
+        # A lock held by each thread inside a CANN call on the device's memory made outside any
+        # stream (Device.call): close() waits for each before it frees memory or resets.
+        self._inside: dict[threading.Lock, None] = {}
         self._attached: dict[str, Any] = {}
         if not _Process.initialized:
             _Process.owns_init = acl.init()
@@ -198,6 +201,24 @@ class Device:
         self.activate()
         Device.synchronize_hook(self)
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a CANN call on the device (a synchronous copy, an allocation) that
+        close() on another thread waits for; ClosedError once the device is closed. The call
+        holds a lock of its own throughout, which a ``with`` block releases whatever
+        interrupts it."""
+        inside = threading.Lock()
+        with inside:
+            with self._lock:
+                if self.closed:
+                    raise ClosedError(f"device {self._id}", _closed_reason())
+                self._inside[inside] = None
+            try:
+                self.activate()
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self._inside.pop(inside, None)
+
     def reclaim(self) -> None:
         """Drop what completed work held on every stream of the device (never waits)."""
         with self._lock:
@@ -231,6 +252,11 @@ class Device:
                 self._torn_down = True
                 return
             errors: list[BaseException] = []
+            with self._lock:
+                inside, self._inside = list(self._inside), {}
+            for lk in inside:  # calls on the device's memory in progress end first
+                with lk:
+                    pass
             for hook in Device.close_hooks:
                 try:
                     hook(self)
