@@ -629,7 +629,8 @@ def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState |
             # change what is copied, and CANN copies from pinned memory asynchronously (from
             # pageable memory aclrtMemcpyAsync returns only once the copy is done).
             stage = pinned_block(alloc.device, n)
-            np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
+            # (through Device.call: the device's close frees its pinned blocks, after this)
+            alloc.device.call(np.copyto, stage[:n], host.reshape(-1).view(np.uint8))
             host = stage
         alloc.used_on(state, write=True)
         state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE",
