@@ -34,6 +34,14 @@ class SharedPlan:
         self._launches = launches
         self._cond = threading.Condition()
 
+    def steps(self, n: int):
+        """The launchers' loop: ``n`` counted steps, then more (10,000 at most) until a launch
+        has met a closed plan, so that closing is exercised however the threads are scheduled."""
+        for step in self._launches.steps(n + 10_000):
+            if step >= n and self.closed_seen:
+                return
+            yield step
+
     def met_closed(self, plan) -> None:
         with self._cond:
             self.closed_seen += 1
@@ -105,7 +113,7 @@ def test_a_shared_plan(device, no_leaks, case, iterations):
 
     def launcher(i, steps):
         with closing(pm.Stream(device)) as own:
-            for _ in launches.steps(steps):
+            for _ in shared.steps(steps):
                 plan = shared.plan
                 s = own if i % 2 else None
                 try:
@@ -283,7 +291,7 @@ def test_the_forward_shared_plan_and_stream_beside_the_backward(device, no_leaks
 
     def launcher(i, steps):
         with closing(pm.Stream(device)) as own:
-            for _ in launches.steps(steps):
+            for _ in current.steps(steps):
                 plan = current.plan
                 s = own if i % 2 else None
                 try:
