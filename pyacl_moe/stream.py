@@ -660,7 +660,7 @@ def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") 
     device's default stream), checked open and on ``device``."""
     if stream is None:
         cur = active_stream(device)
-        return cur.state if cur is not None else device.default_stream.state  # type: ignore[no-any-return]
+        return cur.state if cur is not None else device.default_stream.state
     if not isinstance(stream, Stream):
         raise InvalidArgument(name, f"must be a Stream or None, got {type(stream).__name__}")
     state = stream.state

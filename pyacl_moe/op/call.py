@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import _args, _contract
+from ..allocator import Allocation
 from ..array import DeviceArray, copy_in_native, host_array, new_empty
 from ..device import Device, current_device
 from ..errors import InvalidArgument
@@ -162,10 +163,10 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         elif arrays[i] is not None:
             given.append(arrays[i].span)  # type: ignore[union-attr]
     n_in = len(spec.inputs)
-    allocs = []
-    firsts = []
-    spans = []
-    keep = []  # what the launch holds until it has run: foreign memory's owners (see relaunch)
+    allocs: list[Allocation | None] = []
+    firsts: list[int] = []
+    spans: list[tuple[int, int]] = []
+    keep: list[Allocation] = []  # what the launch holds until it has run: foreign memory's owners (see relaunch)
     parts = []  # the tracks of outputs that are part of their memory
     for i, a in enumerate(arrays):
         if a is None:
@@ -175,7 +176,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             alloc = a.alloc
             allocs.append(alloc)
             if not alloc.owned:  # type: ignore[union-attr]
-                keep.append(alloc)
+                keep.append(alloc)  # type: ignore[arg-type]
             if not a.whole and i >= n_in:
                 parts.append(alloc.track)  # type: ignore[union-attr]
             span = a.span
@@ -183,8 +184,8 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             spans.append(span)
     for lo, hi in given:  # a given output whose bytes meet another array's: the exact check
         meets = 0
-        for a, b in spans:
-            if a <= hi and lo <= b:
+        for first, last in spans:
+            if first <= hi and lo <= last:
                 meets += 1
         if meets > 1:  # (it meets itself)
             check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
