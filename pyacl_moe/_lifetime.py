@@ -133,18 +133,23 @@ def collect() -> None:
     if not (_dead or _later) or forked():
         return
     with _collecting:
-        _collect_dead()
-        with _lock:
-            later = list(_later)
-        for poller in later:
-            try:
-                done = poller.poll()
-            except Exception:
-                done = False
-            if done:
-                with _lock:
-                    _later.remove(poller)
-        _collect_dead()  # what the finished pollers held
+        _collect_and_poll()
+
+
+def _collect_and_poll() -> None:
+    # (_collecting held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    _collect_dead()
+    with _lock:
+        later = list(_later)
+    for poller in later:
+        try:
+            done = poller.poll()
+        except Exception:
+            done = False
+        if done:
+            with _lock:
+                _later.remove(poller)
+    _collect_dead()  # what the finished pollers held
 
 
 def _collect_dead() -> None:
@@ -166,7 +171,8 @@ def _collect_dead() -> None:
 def holders(kind: type) -> list[Any]:
     """The registered holders of ``kind`` (released or not yet: what may still hold a handle)."""
     with _lock:
-        return [h for h in _registry.values() if isinstance(h, kind)]
+        registered = list(_registry.values())
+    return [h for h in registered if isinstance(h, kind)]
 
 
 def unreleased_while(fn: Callable[[], Any]) -> Any:
@@ -179,17 +185,24 @@ def unreleased_while(fn: Callable[[], Any]) -> Any:
 def release_where(predicate: Callable[[Holder], bool]) -> list[BaseException]:
     """Release now every tracked holder for which ``predicate`` is true (a device closing
     releases what it owns). Returns the errors; the caller decides what to raise."""
-    errors: list[BaseException] = []
     with _collecting:
+        return _release_chosen(predicate)
+
+
+def _release_chosen(predicate: Callable[[Holder], bool]) -> list[BaseException]:
+    # (_collecting held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    errors: list[BaseException] = []
+    with _lock:
+        registered = list(_registry.items())
+    for token, holder in registered:
+        if not predicate(holder):
+            continue
+        try:
+            holder.release()
+        except Exception as exc:
+            errors.append(exc)
         with _lock:
-            chosen = [(t, h) for t, h in _registry.items() if predicate(h)]
-        for token, holder in chosen:
-            try:
-                holder.release()
-            except Exception as exc:
-                errors.append(exc)
-            with _lock:
-                _registry.pop(token, None)
+            _registry.pop(token, None)
     return errors
 
 
@@ -216,9 +229,13 @@ class WeakMap(Generic[_K, _V]):
         with self._lock:
             self._refs[weakref.ref(key)] = value
             if len(self._refs) > self._limit:
-                for r in [r for r in self._refs if r() is None]:
-                    del self._refs[r]
-                self._limit = max(16, 2 * len(self._refs))
+                self._prune()
+
+    def _prune(self) -> None:
+        # (_lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+        for r in [r for r in self._refs if r() is None]:
+            del self._refs[r]
+        self._limit = max(16, 2 * len(self._refs))
 
     def add(self, key: _K) -> None:
         self.set(key, None)  # type: ignore[arg-type]

@@ -148,17 +148,22 @@ class BlockCache:
     def free_idle(self, size: int, mem: Any) -> None:
         """Free ``mem`` if it is still idle (no allocation took it meanwhile)."""
         with self.lock:
-            blocks = self.idle.get(size, [])
-            for i, (m, _) in enumerate(blocks):
-                if m is mem:
-                    del blocks[i]
-                    self.bytes_idle -= size
-                    break
-            else:
-                return
+            taken = self._take_idle(size, mem)
+        if not taken:
+            return
         mem.release()  # once per handle
         with self.lock:
             self.made.pop(mem, None)
+
+    def _take_idle(self, size: int, mem: Any) -> bool:
+        # (lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+        blocks = self.idle.get(size, [])
+        for i, (m, _) in enumerate(blocks):
+            if m is mem:
+                del blocks[i]
+                self.bytes_idle -= size
+                return True
+        return False
 
     def freed(self, block: _Block, mem: Any) -> None:
         """``block``'s handle ``mem`` was freed."""
@@ -172,18 +177,7 @@ class BlockCache:
         """Free the idle blocks no queued work uses and the strays (and with ``close``, keep
         nothing from now on). Blocks queued work still uses stay idle until a later trim."""
         with self.lock:
-            busy = {}
-            for size, blocks in self.idle.items():
-                left = [(mem, pending) for mem, pending in blocks if _unfinished(pending)]
-                if left:
-                    busy[size] = left
-            self.idle = busy
-            self.bytes_idle = sum(size * len(b) for size, b in busy.items())
-            if close:
-                self.closed = True
-            held = {b.mem for b in _lifetime.holders(_Block) if b.cache is self}
-            held.update(mem for blocks in busy.values() for mem, _ in blocks)
-            unheld = [m for m in self.made if m not in held]
+            unheld = self._trim_idle(close)
         errors: list[BaseException] = []
         for mem in unheld:
             status = mem.release()  # once per handle: a repeat finds it empty
@@ -195,6 +189,22 @@ class BlockCache:
                 except Exception as exc:
                     errors.append(exc)
         return errors
+
+    def _trim_idle(self, close: bool) -> list[Any]:
+        # (lock held; a loop under a lock is a function of its own: ARCHITECTURE.md) Keep the
+        # idle blocks queued work still uses; return the handles to free (nothing holds them).
+        busy = {}
+        for size, blocks in self.idle.items():
+            left = [(mem, pending) for mem, pending in blocks if _unfinished(pending)]
+            if left:
+                busy[size] = left
+        self.idle = busy
+        self.bytes_idle = sum(size * len(b) for size, b in busy.items())
+        if close:
+            self.closed = True
+        held = {b.mem for b in _lifetime.holders(_Block) if b.cache is self}
+        held.update(mem for blocks in busy.values() for mem, _ in blocks)
+        return [m for m in self.made if m not in held]
 
     def stats(self) -> dict[str, int]:
         with self.lock:

@@ -255,12 +255,16 @@ class StreamState:
                 self._record(fault)
                 self.ripe = max(self.ripe, self.epoch)
                 self._next_epoch()
-            for lk in [lk for lk in self.inside if not lk.locked()]:
-                del self.inside[lk]  # a wait an interrupt cut short
+            self._forget_cut_waits()
             if not self.inside:
                 self.clean = max(self.clean, self.ripe)
         del done  # outside the lock: dropping the last reference may free memory
         return fault
+
+    def _forget_cut_waits(self) -> None:
+        # (lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+        for lk in [lk for lk in self.inside if not lk.locked()]:
+            del self.inside[lk]  # a wait an interrupt cut short
 
     def _synchronize(self, timeout_ms: int | None, closing: bool = False) -> tuple[BaseException | None, Fault | None]:
         """aclrtSynchronizeStream with the bookkeeping: (CANN's error, the fault recorded)."""
@@ -304,18 +308,12 @@ class StreamState:
         if not self.faults:
             return None
         with self.lock:
-            for f in self.faults:
-                if not f.raised:
-                    f.raised = True
-                    return f
-        return None
+            return _first_unraised(self.faults)
 
     def mark_raised(self, error: AclError) -> None:
         """A synchronize raised ``error``: so is this stream's record of it."""
         with self.lock:
-            for f in self.faults:
-                if f.error is error:
-                    f.raised = True
+            _mark_raised(self.faults, error)
 
     def drain_waits(self) -> None:
         """Return once every wait in progress now has ended (recording what CANN told it)."""
@@ -761,6 +759,22 @@ class Event(_lifetime.Owner):
         return _args.instance("start", start, Event, "an Event").elapsed_ms(self)
 
 
+def _first_unraised(faults: list[Fault]) -> Fault | None:
+    # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    for f in faults:
+        if not f.raised:
+            f.raised = True
+            return f
+    return None
+
+
+def _mark_raised(faults: list[Fault], error: AclError) -> None:
+    # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    for f in faults:
+        if f.error is error:
+            f.raised = True
+
+
 def synchronize_device(device: Device, closing: bool = False) -> None:
     """aclrtSynchronizeDevice for ``device``'s streams, with the fault rule: a fault it reports
     is recorded on each of them (CANN does not say which stream's it was), and it raises the
@@ -768,24 +782,9 @@ def synchronize_device(device: Device, closing: bool = False) -> None:
     is raised once)."""
     # It uses no stream handle, so a stream may close meanwhile: those closing are skipped. A
     # wait an interrupt cuts short learns nothing (like one that timed out).
-    tokens = []
-    error: BaseException | None = None
     inside = threading.Lock()
     with inside:
-        for q in device.queues():
-            if isinstance(q, StreamState):
-                try:
-                    tokens.append((q, q.begin_wait(inside, closing)))
-                except ClosedError:
-                    pass
-        try:
-            acl.use_context(device.context)
-            acl.synchronize_device()
-        except AclError as exc:
-            error = exc
-        for s, token in tokens:
-            s.end_wait(token, error, inside)
-    states = [s for s, _ in tokens]
+        states, error = _synchronize_device(device, closing, inside)
     _lifetime.collect()
     if error is not None and not is_fault(error):
         raise error
@@ -793,6 +792,28 @@ def synchronize_device(device: Device, closing: bool = False) -> None:
         pending = s.unraised()
         if pending is not None:
             raise _reported(pending, device)
+
+
+def _synchronize_device(device: Device, closing: bool, inside: threading.Lock
+                        ) -> tuple[list[StreamState], BaseException | None]:
+    # (``inside`` held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    # The streams waited for, and CANN's error.
+    tokens = []
+    error: BaseException | None = None
+    for q in device.queues():
+        if isinstance(q, StreamState):
+            try:
+                tokens.append((q, q.begin_wait(inside, closing)))
+            except ClosedError:
+                pass
+    try:
+        acl.use_context(device.context)
+        acl.synchronize_device()
+    except AclError as exc:
+        error = exc
+    for s, token in tokens:
+        s.end_wait(token, error, inside)
+    return [s for s, _ in tokens], error
 
 
 Device.synchronize_hook = synchronize_device

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -99,8 +100,21 @@ def run_isolated(fn: Callable[..., object], *args: object, env: Mapping[str, str
     fork, exit) and wait for it: the finished process, its output as text. It runs from the
     repository's root, so it imports this checkout's pyacl_moe and tests; ``env`` is added to
     this process's environment (a None value removes the variable)."""
-    return subprocess.run(child_command(fn, *args), capture_output=True, text=True, env=_child_env(env),
-                          timeout=timeout, cwd=str(ROOT))
+    full = _child_env(env)
+    full.setdefault("PYTHONFAULTHANDLER", "1")  # a hung child, sent SIGABRT, prints its threads' stacks
+    with subprocess.Popen(child_command(fn, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=full, cwd=str(ROOT)) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise AssertionError(f"{fn.__name__} hung for {timeout:g} s; its threads:\n{err[-20000:]}\n{out[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def start_isolated(fn: Callable[..., object], *args: object,

@@ -52,13 +52,18 @@ def declare() -> None:
     """Give headers/ (and any provider's declarations) to cdef, once."""
     if _pending or not _texts:
         with _lock:
-            if not _texts:
-                for name in HEADER_FILES:
-                    _cdef_locked((headers_dir() / name).read_text(), ())
-                _cdef_locked("void free(void *);", _TYPE_NAMES)
-            while _pending:
-                text, type_names = _pending.pop(0)
-                _cdef_locked(text, type_names)
+            _declare_locked()
+
+
+def _declare_locked() -> None:
+    # (_lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    if not _texts:
+        for name in HEADER_FILES:
+            _cdef_locked((headers_dir() / name).read_text(), ())
+        _cdef_locked("void free(void *);", _TYPE_NAMES)
+    while _pending:
+        text, type_names = _pending.pop(0)
+        _cdef_locked(text, type_names)
 
 
 def add_declarations(text: str, type_names: tuple[str, ...] = ()) -> None:

@@ -441,6 +441,11 @@ class _ExecutorCache:
     def __init__(self) -> None:
         self.entries: collections.OrderedDict[Any, _Cached] = collections.OrderedDict()
 
+    def evict(self) -> None:
+        """Destroy the least recently used executors beyond SIZE (the stream's lock held)."""
+        while len(self.entries) > self.SIZE:
+            self.entries.popitem(last=False)[1].core.destroy()
+
     def release(self, idle: bool) -> list[Any]:
         """Destroy the executors now: launches already queued captured what they need."""
         entries = list(self.entries.values())
@@ -471,22 +476,7 @@ def relaunch(spec: OpSpec, key: Any, firsts: Sequence[int], allocs: Sequence[All
         entry = cache.entries.get(key) if cache is not None else None
         if entry is None or entry.call is None or state.closing:
             return False
-        # The stream uses the inputs and writes the outputs (Allocation.used_on, only when new),
-        # and the outputs' latest write is this launch (StreamState.stamp): a launch that then
-        # fails leaves a mark no fault can be recorded for.
-        for a in allocs[:n_in]:
-            if a is not None and state not in a.track.users:
-                a.used_on(state, False)
-        mark = state.mark
-        for a in allocs[n_in:]:
-            if a is not None:
-                t = a.track
-                if state not in t.writers:
-                    a.used_on(state, True)
-                if not parts or t not in parts:
-                    t.written = mark
-        if parts:
-            state.stamp((t, False) for t in parts)
+        _mark_launch(state, allocs, n_in, parts)
         if _thread.context is not state.context:
             state.device.activate()
         if firsts != entry.bound:
@@ -500,6 +490,26 @@ def relaunch(spec: OpSpec, key: Any, firsts: Sequence[int], allocs: Sequence[All
         done = ledger.after_enqueue() if ledger.count >= ledger.next_fence else None
     del done  # outside the lock: dropping the last reference may free memory
     return True
+
+
+def _mark_launch(state: StreamState, allocs: Sequence[Allocation | None], n_in: int, parts: Sequence[Any]) -> None:
+    """The stream uses the inputs and writes the outputs (Allocation.used_on, only when new),
+    and the outputs' latest write is this launch (StreamState.stamp): a launch that then fails
+    leaves a mark no fault can be recorded for. (The stream's lock held; a loop under a lock
+    is a function of its own: ARCHITECTURE.md.)"""
+    for a in allocs[:n_in]:
+        if a is not None and state not in a.track.users:
+            a.used_on(state, False)
+    mark = state.mark
+    for a in allocs[n_in:]:
+        if a is not None:
+            t = a.track
+            if state not in t.writers:
+                a.used_on(state, True)
+            if not parts or t not in parts:
+                t.written = mark
+    if parts:
+        state.stamp((t, False) for t in parts)
 
 
 def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
@@ -543,8 +553,7 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
                 if built is None:
                     continue  # evicted since it was looked up: make one
                 cache.entries[key] = entry = built
-                while len(cache.entries) > _ExecutorCache.SIZE:
-                    cache.entries.popitem(last=False)[1].core.destroy()
+                cache.evict()
             else:
                 entry = current  # ours, if made, goes
             if entry.size > size:
