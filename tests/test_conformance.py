@@ -14,7 +14,7 @@ import pytest
 
 import pyacl_moe as pm
 from pyacl_moe import cli
-from pyacl_moe.tools import conformance
+from pyacl_moe.tools import conformance, precision
 
 
 @pytest.fixture
@@ -203,7 +203,7 @@ def test_exact_mode_fails_a_result_inside_the_tolerances(device, clean_emulator)
     # but does not keep every bit.
     pm.emulator.set_mutation("fp16-accumulate")
     name = "active-float16-h16"
-    loose = conformance.run("quick", name_filter=name, progress=None)
+    loose = conformance.run("quick", name_filter=name, progress=None, standard="pyacl")
     assert loose.ok and loose.cases[0].max_abs_error > 0, loose.table()
     exact = conformance.run("quick", name_filter=name, progress=None, exact=True)
     assert not exact.ok and "differ in their bits" in exact.cases[0].detail
@@ -227,9 +227,10 @@ def test_compare_exact_nan_payloads_match_and_the_sign_of_zero_counts():
 
 def test_tolerance_overrides_apply_to_their_dtype_only(device, clean_emulator):
     pm.emulator.set_mutation("fp16-accumulate")
-    base = conformance.run("quick", name_filter="dropless-float32-k64", progress=None)
+    base = conformance.run("quick", name_filter="dropless-float32-k64", progress=None, standard="pyacl")
     assert base.cases[0].outcome == "fail"
-    looser = conformance.run("quick", name_filter="-k64", progress=None, rtol={"float32": 0.1}, atol={"float32": 0.1})
+    looser = conformance.run("quick", name_filter="-k64", progress=None, rtol={"float32": 0.1}, atol={"float32": 0.1},
+                             standard="pyacl")
     outcome = {c.name: c.outcome for c in looser.cases}
     assert outcome["dropless-float32-k64"] == "pass" and outcome["dropless-bfloat16-k64"] == "fail"
     assert looser.standards["float32"]["rtol"] == 0.1 and looser.standards["float16"]["rtol"] == 1e-3
@@ -326,16 +327,16 @@ def test_junit_validates_and_tells_errors_from_failures(device, clean_emulator, 
 # ---------------------------------------------------------------------------- baseline
 
 def test_baseline_of_the_same_build_changes_nothing_and_a_wrong_kernel_is_named(device, clean_emulator, tmp_path):
-    first = conformance.run("quick", name_filter="dropless-float32", progress=None)
+    first = conformance.run("quick", name_filter="dropless-float32", progress=None, standard="pyacl")
     first.write_json(str(tmp_path / "old.json"))
     old = conformance.load_baseline(str(tmp_path / "old.json"))
-    again = conformance.run("quick", name_filter="dropless-float32", progress=None, baseline=old)
+    again = conformance.run("quick", name_filter="dropless-float32", progress=None, baseline=old, standard="pyacl")
     assert again.baseline["changed"] == [] and again.baseline["regressed"] == []
     assert again.baseline["compared"] == len(again.cases)
     with_negatives = conformance.run("quick", name_filter="null", progress=None, baseline=old)
     assert with_negatives.baseline["compared"] == 0 and with_negatives.baseline["new"]
     pm.emulator.set_mutation("fp16-accumulate")
-    wrong = conformance.run("quick", name_filter="dropless-float32", progress=None, baseline=old)
+    wrong = conformance.run("quick", name_filter="dropless-float32", progress=None, baseline=old, standard="pyacl")
     changed = set(wrong.baseline["changed"])
     # Sums that overflow stay infinite whatever the accumulator; the K=1 case passes but its
     # bits went through float16.
@@ -436,3 +437,37 @@ def test_vendor_cases_fail_when_the_emulator_breaks_their_rules(device, clean_em
     pm.emulator.set_mutation("fp16-accumulate")
     report = conformance.run(cases=_vendor_cases("positive"), progress=None)
     assert not any(c.passed for c in report.cases if c.dtype == "float32")
+
+
+METRIC_KEYS = {"mere", "mare", "rmse", "max_abs_error", "max_rel_error", "mismatch_ratio", "nan_inf_match"}
+
+
+@pytest.mark.parametrize("standard", ["stat-rel-err", "mixed", "close"])
+def test_every_standard_passes_the_emulator_and_each_numeric_case_carries_its_metrics(device, standard, tmp_path):
+    report = conformance.run("quick", progress=None, standard=standard)
+    assert report.ok, report.table()
+    report.write_json(str(tmp_path / "r.json"))
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["standard"] == standard
+    numeric = [c for c in data["cases"] if c["kind"] == "positive" and c["outcome"] != "skipped"]
+    assert numeric and all(METRIC_KEYS <= set(c["metrics"]) for c in numeric)
+    backward = [c for c in numeric if c["op"] == "backward"]
+    assert backward and {c["standard"] for c in backward} == {standard}
+    assert all(c["thresholds"] == precision.thresholds(standard, c["dtype"]) for c in backward)
+    # the forward only moves data: bit for bit under every standard
+    assert {c["standard"] for c in numeric if c["op"] == "forward"} == {"exact"}
+
+
+def test_stat_rel_err_fails_a_float16_accumulator_on_float32_cases(device, clean_emulator):
+    pm.emulator.set_mutation("fp16-accumulate")
+    report = conformance.run("quick", name_filter="-float32-", progress=None)
+    failed = [c for c in report.cases if c.outcome == "fail"]
+    assert not report.ok and failed and all(c.dtype == "float32" for c in failed)
+    # the golden-judged ones by the standard (identity cases have bounds of their own)
+    assert all(c.detail.startswith("stat-rel-err: ") for c in failed if c.judged_by == "reference")
+    assert "FAILED dropless-float32-medium: stat-rel-err: mere" in report.table()
+
+
+def test_an_unknown_standard_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="standard must be one of"):
+        conformance.run("quick", progress=None, standard="roughly")

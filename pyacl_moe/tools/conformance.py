@@ -45,10 +45,12 @@ from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v
 from ..release import cann_version
 from ..stream import Stream
 from . import cases as _cases
-from . import pair
+from . import pair, precision
 from .harness import JUDGES, OPS, OUTCOMES, SOURCES, Case, CaseResult, Context, digest
+from .precision import DEFAULT_STANDARD, STANDARD_NAMES
 
-__all__ = ["JUDGES", "OPS", "OUTCOMES", "SOURCES", "Case", "CaseResult", "Context", "Report", "catalogue",
+__all__ = ["DEFAULT_STANDARD", "JUDGES", "OPS", "OUTCOMES", "SOURCES", "STANDARD_NAMES", "Case", "CaseResult",
+           "Context", "Report", "catalogue",
            "compare_baseline", "load_baseline", "run", "select"]
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -145,7 +147,7 @@ def _judge(ctx: Context, name: str, kind: str, dtype: str, case: _cases.Case, go
            t0: float, no_atol: bool = False) -> CaseResult:
     want = reference.moe_init_routing_v2_grad(*case.args())
     scale = None
-    if cancels and not ctx.exact:
+    if cancels and ctx.standard == "pyacl":
         absx = np.abs(case.grad_expanded_x.astype(np.float32))
         scale = reference.moe_init_routing_v2_grad(absx, *case.args()[1:])
     std = ctx.standards[dtype]
@@ -153,16 +155,13 @@ def _judge(ctx: Context, name: str, kind: str, dtype: str, case: _cases.Case, go
         # Tiny values would all pass an absolute tolerance: judge them relatively only, so
         # flushing subnormals to zero shows.
         std = _cases.Standard(std.rtol, 0.0, std.max_share, std.hard_factor)
-    if ctx.exact:
-        cmp = _cases.compare_exact(got, want)
-        why = f"{cmp.mismatches} of {cmp.elements} elements differ in their bits from the reference"
-    else:
-        cmp = _cases.compare(got, want, dtype, scale=scale, standard=std)
-        why = cmp.verdict()
+    j = precision.judge(ctx.standard, got, want, dtype, scale=scale, pyacl=std)
+    m = j.metrics
     return CaseResult(
-        name, kind, dtype, case.scenario, _shape_text(case), cmp.passed, time.perf_counter() - t0,
-        cmp.max_abs_error, cmp.max_rel_error, cmp.mismatches, cmp.elements,
-        detail="" if cmp.passed else why, source="op", digest=digest(got),
+        name, kind, dtype, case.scenario, _shape_text(case), j.passed, time.perf_counter() - t0,
+        m["max_abs_error"], m["max_rel_error"], round(m["mismatch_ratio"] * m["elements"]), m["elements"],
+        detail="" if j.passed else f"{j.standard}: {j.reason}", source="op", digest=digest(got),
+        standard=j.standard, thresholds=j.thresholds, metrics=m,
     )
 
 
@@ -728,6 +727,7 @@ class Report:
     timestamp: str = ""  # start of the run, UTC, ISO 8601
     exact: bool = False
     strict: bool = False
+    standard: str = precision.DEFAULT_STANDARD  # what numeric results were judged by
     standards: dict[str, dict[str, float]] = field(default_factory=dict)
     max_memory: int | None = None
     baseline: dict[str, Any] | None = None
@@ -809,7 +809,7 @@ class Report:
             if self.count(outcome):
                 parts.append(f"{self.count(outcome)} {label}")
         devs = ",".join(map(str, self.devices))
-        mode = ", exact" if self.exact else ""
+        mode = f", judged by {self.standard}"
         free = sum(c.judged_by == "identity" and c.outcome != "skipped" for c in self.cases)
         pair = f"; {free} of them judged by identities between the forward and the backward alone, " \
             "with no golden reference" if free else ""
@@ -1008,16 +1008,22 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
         progress: TextIO | None = sys.stderr, cases: Iterable[Case] | None = None, *,
         devices: Iterable[int] | None = None, exact: bool = False, strict: bool = False,
         rtol: dict[str, float] | None = None, atol: dict[str, float] | None = None,
-        max_memory: int | None = None, baseline: dict[str, Any] | None = None, baseline_path: str = "") -> Report:
+        max_memory: int | None = None, baseline: dict[str, Any] | None = None, baseline_path: str = "",
+        standard: str = precision.DEFAULT_STANDARD) -> Report:
     """Run a profile (or the given cases) and return the report.
 
     ``devices``: ids to run on (default: the current device); with more than one, the cases
     are spread over one worker process per device (spawned, so each initializes CANN afresh)
-    and merged in catalogue order. ``exact``: judge results bit for bit. ``strict``: a case
+    and merged in catalogue order. ``standard``: what numeric results are judged by (one of
+    tools.precision.STANDARD_NAMES); ``exact``: the same as standard="exact". ``strict``: a case
     whose expectation is inferred ("nnopbase") fails the run when CANN differs. ``rtol`` /
     ``atol``: per-dtype overrides of the standard. ``max_memory``: skip cases needing more
     device bytes. ``baseline``: a loaded earlier report to compare output digests with.
     """
+    if exact:
+        standard = "exact"
+    precision.thresholds(standard, "float32")  # refuses an unknown standard before anything runs
+    exact = standard == "exact"
     selected = select(profile, name_filter, cases)
     devs = list(devices) if devices is not None else [current_device().device_id]
     if not devs:
@@ -1025,18 +1031,18 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
     stds = standards(rtol, atol)
     env = _environment(devs)
     report = Report(env.pop("backend"), env.pop("cann_version"), env.pop("soc"), profile, seed,
-                    exact=exact, strict=strict, max_memory=max_memory,
+                    exact=exact, strict=strict, standard=standard, max_memory=max_memory,
                     standards={k: {"rtol": v.rtol, "atol": v.atol, "max_share": v.max_share}
                                for k, v in stds.items()},
                     timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), **env)
     bar = _Progress(len(selected), progress)
     t_all = time.perf_counter()
     if len(devs) == 1:
-        results = _run_here(selected, devs[0], seed, exact, stds, max_memory, bar)
+        results = _run_here(selected, devs[0], seed, standard, stds, max_memory, bar)
     else:
         if cases is not None:
             raise ValueError("a run over several devices takes cases from the catalogue, not a list")
-        opts = {"profile": profile, "seed": seed, "exact": exact, "rtol": rtol, "atol": atol,
+        opts = {"profile": profile, "seed": seed, "standard": standard, "rtol": rtol, "atol": atol,
                 "max_memory": max_memory}
         results = _run_workers(selected, devs, opts, bar)
     bar.close()
@@ -1048,14 +1054,14 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
     return report
 
 
-def _run_here(selected: list[Case], device: int, seed: int, exact: bool, stds: dict[str, _cases.Standard],
+def _run_here(selected: list[Case], device: int, seed: int, standard: str, stds: dict[str, _cases.Standard],
               max_memory: int | None, bar: _Progress, on_result: Callable[[CaseResult], None] | None = None
               ) -> list[CaseResult]:
     dev = Device(device)
     dev.set_current()
     results = []
     with closing(Stream(dev)) as stream:
-        ctx = Context(seed, stream, exact, stds, cann_version().behaviour.behaviour)
+        ctx = Context(seed, stream, standard == "exact", stds, cann_version().behaviour.behaviour, standard)
         for case in selected:
             bar.start(case.name)
             result = _run_case(case, ctx, device, max_memory)
@@ -1079,7 +1085,7 @@ def _worker(device: int, names: list[str], opts: dict[str, Any], backend: str, h
         wanted = set(names)
         mine = [c for c in catalogue(opts["profile"]) if c.name in wanted]
         stds = standards(opts["rtol"], opts["atol"])
-        _run_here(mine, device, opts["seed"], opts["exact"], stds, opts["max_memory"], _Progress(0, None),
+        _run_here(mine, device, opts["seed"], opts["standard"], stds, opts["max_memory"], _Progress(0, None),
                   on_result=lambda r: out.put(("result", device, r.as_dict())))
     except BaseException as exc:
         out.put(("fatal", device, f"{type(exc).__name__}: {exc}"))

@@ -61,6 +61,11 @@ class CaseResult:
     nbytes: int = 0  # inputs and outputs, for --max-memory
     op: str = "backward"  # one of OPS, set by the runner
     judged_by: str = "reference"  # one of JUDGES, set by the runner
+    # A numeric result judged against a golden: the standard applied (tools.precision), its
+    # thresholds and the metrics it read.
+    standard: str | None = None
+    thresholds: dict[str, float] | None = None
+    metrics: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -89,6 +94,8 @@ class Context:
     standards: dict[str, _cases.Standard] = field(default_factory=lambda: dict(_cases.STANDARDS))
     # What the release under test does where releases differ (pyacl_moe.release).
     behaviour: OpBehaviour = BEHAVIOURS[-1]
+    # The precision standard numeric results are judged by (tools.precision.STANDARD_NAMES).
+    standard: str = "pyacl"
 
     def expected(self, status: int | str) -> int:
         """The status the release under test must give: ``status`` itself (every release gives
