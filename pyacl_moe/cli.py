@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -146,14 +147,29 @@ def _conformance(args: argparse.Namespace) -> int:
     if args.ascend_home is not None and args.emulator:
         raise UsageError("--ascend-home and --emulator choose different CANNs; give one")
     profile = "full" if args.full else "quick"
-    selected = conformance.select(profile, args.filter)
+    kit_cases = None
+    if args.cases and devices and len(devices) > 1:
+        raise UsageError("--cases runs on one device; give --device, not --devices")
+    if args.cases:
+        from .tools import kitcases
+
+        try:
+            kit_cases = kitcases.load(args.cases)
+        except kitcases.CaseFileError as exc:
+            raise UsageError(f"--cases {exc}") from None
+        profile = "cases"
+    selected = conformance.select(profile, args.filter, kit_cases)
     if not selected:
         raise UsageError(f"--filter {args.filter!r} matches no case of the {profile} profile "
                          f"(see conformance --list{' --full' if args.full else ''})")
     if args.list:
         _list_cases(selected)
         return 0
-    for flag, path in (("--report", args.report), ("--junit", args.junit)):
+    if args.perf < 0:
+        raise UsageError(f"--perf must be a non-negative integer, got {args.perf}")
+    if not (args.perf_threshold > 0 and math.isfinite(args.perf_threshold)):
+        raise UsageError(f"--perf-threshold must be a finite number > 0, got {args.perf_threshold}")
+    for flag, path in (("--report", args.report), ("--junit", args.junit), ("--report-csv", args.report_csv)):
         if path:
             _check_writable(flag, path)
     baseline = None
@@ -190,9 +206,9 @@ def _conformance(args: argparse.Namespace) -> int:
         raise UsageError(f"device {unknown[0]} does not exist: CANN sees {count} device(s), ids 0 to {count - 1}")
 
     report = conformance.run(
-        profile, args.filter, args.seed, progress=sys.stderr, devices=devices, standard=standard,
+        profile, args.filter, args.seed, progress=sys.stderr, cases=kit_cases, devices=devices, standard=standard,
         strict=args.strict, rtol=rtol, atol=atol, max_memory=max_memory, baseline=baseline,
-        baseline_path=args.baseline or "",
+        baseline_path=args.baseline or "", perf=args.perf, perf_threshold=args.perf_threshold,
     )
     print(report.table())
     try:
@@ -200,6 +216,8 @@ def _conformance(args: argparse.Namespace) -> int:
             report.write_json(args.report)
         if args.junit:
             report.write_junit(args.junit)
+        if args.report_csv:
+            report.write_csv(args.report_csv)
     except OSError as exc:
         raise UsageError(f"cannot write the report: {exc}") from None
     return 0 if report.ok else 1
@@ -373,6 +391,17 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--filter", metavar="SUBSTRING", help="only cases whose name contains SUBSTRING")
     conf.add_argument("--report", metavar="FILE.json", help="write a JSON report")
     conf.add_argument("--junit", metavar="FILE.xml", help="write a JUnit XML report")
+    conf.add_argument("--cases", action="append", metavar="FILE.csv",
+                      help="run the rows of a case file of the vendor's operator test kit (either op) instead of "
+                           "the catalogue; repeatable (see docs/conformance.md)")
+    conf.add_argument("--report-csv", metavar="FILE.csv",
+                      help="write one row per case, as the vendor's test kit does (standard, metrics, times, memory)")
+    conf.add_argument("--perf", type=int, default=0, metavar="N",
+                      help="run each passing case N more times, timed: the medians of the op call's host time "
+                           "(api_us) and device time (device_us) go in the reports")
+    conf.add_argument("--perf-threshold", type=float, default=1.2, metavar="RATIO",
+                      help="with --baseline: list the cases whose device_us grew beyond RATIO times the "
+                           "baseline's (default 1.2); listed, the exit status does not change")
     conf.add_argument("--seed", type=int, default=0, help="seed of the random inputs, >= 0 (default 0)")
     devs = conf.add_mutually_exclusive_group()
     devs.add_argument("--device", type=int, metavar="N", help="run on device N (default: device 0)")

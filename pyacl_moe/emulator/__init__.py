@@ -26,6 +26,9 @@ MUTATIONS: tuple[str, ...] = ("skip-last-k", "fp16-accumulate", "off-by-one-row"
 RELEASES: tuple[str, ...] = tuple(_releases.PROFILES)
 DEFAULT_RELEASE = _releases.DEFAULT
 FORWARD_MUTATIONS: tuple[str, ...] = ("fwd-unstable-sort", "fwd-wrong-row")
+# Memory faults of the backward kernel, for the poisoned-memory checks: the last row of out left
+# unwritten, and one element written past out.
+MEMORY_MUTATIONS: tuple[str, ...] = ("skip-last-row", "overrun")
 STREAM_MODES: tuple[str, ...] = ("async", "lazy")
 FIRST_PHASE_API = "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
 # Status that, injected into the first phase, weakens it instead of failing it.
@@ -34,6 +37,7 @@ SKIP_CHECKS = -1
 __all__ = [
     "FIRST_PHASE_API",
     "FORWARD_MUTATIONS",
+    "MEMORY_MUTATIONS",
     "MUTATIONS",
     "SKIP_CHECKS",
     "STREAM_MODES",
@@ -142,10 +146,11 @@ def clear_faults() -> None:
 
 
 def set_mutation(name: str | None) -> None:
-    """Switch a kernel to a deliberately wrong variant (one of MUTATIONS or
-    FORWARD_MUTATIONS), or back (None)."""
-    if name not in (None, "", "none", *MUTATIONS, *FORWARD_MUTATIONS):
-        raise ValueError(f"mutation must be one of {MUTATIONS + FORWARD_MUTATIONS} or None, not {name!r}")
+    """Switch a kernel to a deliberately wrong variant (one of MUTATIONS, FORWARD_MUTATIONS or
+    MEMORY_MUTATIONS), or back (None)."""
+    known = MUTATIONS + FORWARD_MUTATIONS + MEMORY_MUTATIONS
+    if name not in (None, "", "none", *known):
+        raise ValueError(f"mutation must be one of {known} or None, not {name!r}")
     aclemu.set_mutation(name or "")
 
 

@@ -24,7 +24,8 @@ MAX_DEVICES = 64  # EMU_MAX_DEVICES in rt_internal.h
 MAX_CAPACITY = 1 << 40  # EMU_MAX_CAPACITY in rt_state.c: the largest device range reserved
 MAX_QUEUE_DEPTH = 1 << 24
 MAX_THREADS_SETTING = 1024
-MUTATIONS = ("none", "skip-last-k", "fp16-accumulate", "off-by-one-row", "fwd-unstable-sort", "fwd-wrong-row")
+MUTATIONS = ("none", "skip-last-k", "fp16-accumulate", "off-by-one-row", "fwd-unstable-sort", "fwd-wrong-row",
+             "skip-last-row", "overrun")
 STREAM_MODES = ("async", "lazy")
 SANITIZERS = ("address", "undefined", "leak", "thread")
 

@@ -17,6 +17,7 @@ A catalogue of cases, each run through the binding and judged:
 
 from __future__ import annotations
 
+import csv
 import json
 import multiprocessing
 import platform
@@ -46,7 +47,7 @@ from ..release import cann_version
 from ..stream import Stream
 from . import cases as _cases
 from . import pair, precision
-from .harness import JUDGES, OPS, OUTCOMES, SOURCES, Case, CaseResult, Context, digest
+from .harness import JUDGES, OPS, OUTCOMES, SOURCES, Case, CaseResult, Context, Guarded, digest
 from .precision import DEFAULT_STANDARD, STANDARD_NAMES
 
 __all__ = ["DEFAULT_STANDARD", "JUDGES", "OPS", "OUTCOMES", "SOURCES", "STANDARD_NAMES", "Case", "CaseResult",
@@ -165,13 +166,43 @@ def _judge(ctx: Context, name: str, kind: str, dtype: str, case: _cases.Case, go
     )
 
 
+def _launch_guarded(ctx: Context, name: str, case: _cases.Case) -> tuple[np.ndarray, str, str]:
+    """Run the case on the device as the vendor's test kit does: out starts as poison and the
+    workspace as random bytes, each inside guard bands (harness.Guarded); the op's call is the
+    one --perf times. Returns (out as written, memory status, what is wrong with the memory:
+    "" when nothing)."""
+    s = ctx.stream
+    dx, di = to_device(case.grad_expanded_x, stream=s), to_device(case.expanded_row_idx, stream=s)
+    x = case.grad_expanded_x
+    out = Guarded("out", (case.tokens, x.shape[-1]), x.dtype, s)
+    size, executor = get_workspace_size(dx, di, case.top_k, case.drop_pad_mode, case.active_num, out=out.array)
+    executor.close()
+    ws = Guarded("workspace", (size,), np.uint8, s, fill=ctx.rng(name + "/workspace").integers(
+        0, 256, size, dtype=np.uint8)) if size else None
+    ctx.measured(moe_init_routing_v2_grad, dx, di, case.top_k, case.drop_pad_mode, case.active_num, out=out.array,
+                 workspace=ws.array if ws is not None else None, stream=s)
+    got, status, left = out.check()
+    wrong = [] if status == "ok" else [out.where()]
+    if ws is not None and ws.check()[1] != "ok":
+        status = "oob"
+        wrong.append(ws.where())
+    if left:
+        wrong.append(f"{left} of {got.size} elements of out were left unwritten (they still hold the poison)")
+    return got.copy(), status, "; ".join(wrong)
+
+
 def _positive(name: str, dtype: str, scenario: str, shape: Shape, pattern: str = "random",
               values: str = "normal") -> Case:
     def body(ctx: Context) -> CaseResult:
         t0 = time.perf_counter()
         case, cancels = _build(ctx, name, dtype, scenario, shape, pattern, values)
-        got = moe_init_routing_v2_grad(*case.args(), stream=ctx.stream)
-        return _judge(ctx, name, "positive", dtype, case, got, cancels, t0, no_atol=values == "subnormal")
+        got, memory, detail = _launch_guarded(ctx, name, case)
+        result = _judge(ctx, name, "positive", dtype, case, got, cancels, t0, no_atol=values == "subnormal")
+        result.memory_status = memory
+        if detail:
+            result.passed = False
+            result.detail = "; ".join(d for d in (detail, result.detail) if d)
+        return result
 
     desc = f"N={shape.tokens} K={shape.k} H={shape.hidden}"
     return Case(name, "positive", dtype, scenario, desc, body, source="op", nbytes=_nbytes(dtype, scenario, shape),
@@ -193,7 +224,7 @@ def _strided(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
         s = ctx.stream
         dx = to_device(wide, stream=s)[..., 3:3 + 2 * x.shape[-1]:2]
         di = to_device(idx_wide, stream=s)[1::3]
-        out = moe_init_routing_v2_grad(dx, di, case.top_k, case.drop_pad_mode, case.active_num, stream=s)
+        out = ctx.measured(moe_init_routing_v2_grad, dx, di, case.top_k, case.drop_pad_mode, case.active_num, stream=s)
         got = out.to_host(s)
         return _judge(ctx, name, "positive", dtype, case, got, False, t0)
 
@@ -216,8 +247,8 @@ def _strided_out(name: str, dtype: str, shape: Shape) -> Case:
         poison = np.full((n, 2 * h + 1), -3.0, case.grad_expanded_x.dtype)
         buf = to_device(poison, stream=s)
         view = buf[:, 1::2]
-        moe_init_routing_v2_grad(to_device(case.grad_expanded_x, stream=s), to_device(case.expanded_row_idx, stream=s),
-                                 case.top_k, out=view, stream=s, validate=False)
+        ctx.measured(moe_init_routing_v2_grad, to_device(case.grad_expanded_x, stream=s),
+                     to_device(case.expanded_row_idx, stream=s), case.top_k, out=view, stream=s, validate=False)
         whole = buf.to_host(s)
         want = poison.copy()
         ref = reference.moe_init_routing_v2_grad(*case.args())
@@ -248,8 +279,8 @@ def _determinism(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
         case, _ = _build(ctx, name, dtype, scenario, shape)
         s = ctx.stream
         dx, di = to_device(case.grad_expanded_x, stream=s), to_device(case.expanded_row_idx, stream=s)
-        first = moe_init_routing_v2_grad(dx, di, *case.args()[2:], stream=s).to_host(s)
-        second = moe_init_routing_v2_grad(dx, di, *case.args()[2:], stream=s).to_host(s)
+        first = ctx.measured(moe_init_routing_v2_grad, dx, di, *case.args()[2:], stream=s).to_host(s)
+        second = ctx.measured(moe_init_routing_v2_grad, dx, di, *case.args()[2:], stream=s).to_host(s)
         same = first.tobytes() == second.tobytes()
         differing = int(np.count_nonzero(first.view(np.uint8) != second.view(np.uint8)))
         return CaseResult(
@@ -315,7 +346,8 @@ def _negative(name: str, status: int | str, spec: Neg, why: str, source: str = "
             idx.copy_from_host(np.arange(idx.size, dtype=np.int32).reshape(idx.shape), ctx.stream)
             accept = ctx.expected(status) == 0
             try:
-                moe_init_routing_v2_grad(x, idx, spec.top_k, spec.mode, spec.active, out=out, stream=ctx.stream)
+                ctx.measured(moe_init_routing_v2_grad, x, idx, spec.top_k, spec.mode, spec.active, out=out,
+                             stream=ctx.stream)
                 ctx.stream.synchronize()
                 ok, detail = accept, why if accept else "expected InvalidArgument from the binding, it accepted"
             except InvalidArgument as exc:
@@ -329,7 +361,8 @@ def _negative(name: str, status: int | str, spec: Neg, why: str, source: str = "
         text = ""
         want = ctx.expected(status)
         try:
-            _, executor = get_workspace_size(x, idx, spec.top_k, spec.mode, spec.active, out, device=dev)
+            _, executor = ctx.measured(get_workspace_size, x, idx, spec.top_k, spec.mode, spec.active, out,
+                                       device=dev)
             executor.close()
         except AclError as exc:
             got, text = exc.status, exc.message
@@ -517,7 +550,8 @@ def _vendor_positive(name: str, v: Vendor, why: str) -> Case:
                                                 device=dev)
             executor.close()
             step = "the one call (validate=False) failed"
-            got = moe_init_routing_v2_grad(dx, di, v.top_k, v.mode, v.active, stream=s, validate=False).to_host(s)
+            got = ctx.measured(moe_init_routing_v2_grad, dx, di, v.top_k, v.mode, v.active, stream=s,
+                               validate=False).to_host(s)
         except AclError as exc:
             return CaseResult(name, "positive", v.dtype, case.scenario, text, False, time.perf_counter() - t0,
                               expected_status=0, status=exc.status, detail=f"{why}: {step}: {exc.message}")
@@ -728,6 +762,9 @@ class Report:
     exact: bool = False
     strict: bool = False
     standard: str = precision.DEFAULT_STANDARD  # what numeric results were judged by
+    perf: int = 0  # timed runs per passing case (--perf)
+    perf_threshold: float = 1.2  # --baseline: a device time this many times the old one is listed as slower
+    timing_note: str = ""
     standards: dict[str, dict[str, float]] = field(default_factory=dict)
     max_memory: int | None = None
     baseline: dict[str, Any] | None = None
@@ -760,6 +797,20 @@ class Report:
         with open(path, "w") as f:
             json.dump(self.as_dict(), f, indent=2)
             f.write("\n")
+
+    def write_csv(self, path: str) -> None:
+        """One row per case, as the vendor's test kit writes its results (CSV_COLUMNS)."""
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(CSV_COLUMNS)
+            for c in self.cases:
+                m = c.metrics or {}
+                precision_status = "" if c.outcome == "skipped" else (
+                    "PASS" if c.passed else "FAIL") if c.standard else ""
+                w.writerow([c.name, c.op, c.shape, c.dtype, c.attributes or f"scenario={c.scenario}",
+                            c.standard or "", precision_status, c.outcome,
+                            *(_csv_value(m.get(k)) for k in CSV_METRICS),
+                            _csv_value(c.api_us), _csv_value(c.device_us), c.memory_status or ""])
 
     def write_junit(self, path: str) -> None:
         """JUnit XML in the Ant/Jenkins layout: one testsuite with properties, a testcase per
@@ -815,6 +866,8 @@ class Report:
             "with no golden reference" if free else ""
         ops = f", ops {self.ops_version}" if self.ops_version else ""
         note = f"; {self.expectations['note']}" if self.expectations.get("note") else ""
+        if self.timing_note:
+            note += f"; {self.timing_note}"
         return (f"{', '.join(parts)} in {self.seconds:.1f} s ({self.backend}, CANN {self.cann_version or 'unknown'}"
                 f"{ops}, ACL {self.acl_version}, {self.soc}, device {devs}{mode}{note}){pair}")
 
@@ -854,7 +907,25 @@ class Report:
                          f"{len(b['regressed'])} went from pass to fail")
             lines += [f"CHANGED {n}" for n in b["changed"]]
             lines += [f"REGRESSED {n}" for n in b["regressed"]]
+            lines += [f"SLOWER {s['name']}: {s['device_us']:.1f} us on the device, {s['ratio']:.2f}x the baseline's "
+                      f"{s['baseline_device_us']:.1f} us (threshold {b['perf_threshold']:g}x)"
+                      for s in b.get("slower", [])]
         return "\n".join(lines)
+
+
+CSV_METRICS = ("mere", "mare", "rmse", "max_abs_error", "max_rel_error", "mismatch_ratio", "nan_inf_match")
+CSV_COLUMNS = ("testcase_name", "op", "shapes", "dtypes", "attributes", "standard", "precision_status", "outcome",
+               *CSV_METRICS, "api_us", "device_us", "memory_status")
+
+
+def _csv_value(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
 
 
 _LABEL = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "differs": "DIFFERS", "skipped": "SKIP"}
@@ -880,16 +951,24 @@ def load_baseline(path: str) -> dict[str, Any]:
     return report
 
 
-def compare_baseline(report: Report, baseline: dict[str, Any], path: str = "") -> dict[str, Any]:
+def compare_baseline(report: Report, baseline: dict[str, Any], path: str = "",
+                     perf_threshold: float = 1.2) -> dict[str, Any]:
     """Which cases' output bits changed since the baseline (``compared``: the cases with an
-    output digest in both) and which went from pass to fail. Cases present in one report only
-    are listed, not compared."""
+    output digest in both), which went from pass to fail, and which got slower: a device time
+    above ``perf_threshold`` times the baseline's (both reports timed, --perf). Cases present
+    in one report only are listed, not compared."""
     old = {c["name"]: c for c in baseline["cases"]}
     changed, regressed, fixed, compared = [], [], [], 0
+    slower: list[dict[str, Any]] = []
     for c in report.cases:
         b = old.get(c.name)
         if b is None or c.outcome == "skipped" or b.get("outcome") == "skipped":
             continue
+        was_us = b.get("device_us")
+        if c.device_us is not None and isinstance(was_us, (int, float)) and was_us > 0 \
+                and c.device_us > perf_threshold * was_us:
+            slower.append({"name": c.name, "device_us": c.device_us, "baseline_device_us": float(was_us),
+                           "ratio": c.device_us / float(was_us)})
         if c.digest and b.get("digest"):
             compared += 1
             if c.digest != b["digest"]:
@@ -902,6 +981,7 @@ def compare_baseline(report: Report, baseline: dict[str, Any], path: str = "") -
     names = {c.name for c in report.cases}
     return {
         "path": path, "compared": compared, "changed": changed, "regressed": regressed, "fixed": fixed,
+        "slower": slower, "perf_threshold": perf_threshold,
         "new": sorted(names - set(old)), "missing": sorted(set(old) - names),
         "baseline_cann_version": baseline.get("cann_version"), "baseline_soc": baseline.get("soc"),
         "baseline_timestamp": baseline.get("timestamp"),
@@ -963,12 +1043,33 @@ def _run_case(case: Case, ctx: Context, device: int, max_memory: int | None) -> 
         else:
             if result.passed:
                 result.outcome = "pass"
+                if ctx.perf:
+                    _time_case(case, ctx, result)
             else:
                 result.outcome = "differs" if case.source == "nnopbase" else "fail"
     result.seconds = time.perf_counter() - t0
     result.source, result.device, result.nbytes = case.source, device, case.nbytes
     result.op, result.judged_by = case.op, case.judged_by
     return result
+
+
+def _time_case(case: Case, ctx: Context, result: CaseResult) -> None:
+    """--perf: run the passing ``case`` ctx.perf more times (its first run was the warm-up) and
+    record the medians of its measured calls' host and device times (Context.measured)."""
+    ctx.timings = []
+    try:
+        for _ in range(ctx.perf):
+            case.body(ctx)
+        timings = ctx.timings
+    except Exception as exc:  # the verdict stands; the case just has no times
+        timings = []
+        result.detail = "; ".join(d for d in (result.detail, f"--perf: a timed run raised {type(exc).__name__}: "
+                                              f"{exc}") if d)
+    finally:
+        ctx.timings = None
+    if timings:
+        result.api_us = float(np.median([t[0] for t in timings])) * 1e6
+        result.device_us = float(np.median([t[1] for t in timings])) * 1e3
 
 
 def size_text(n: int) -> str:
@@ -1009,7 +1110,7 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
         devices: Iterable[int] | None = None, exact: bool = False, strict: bool = False,
         rtol: dict[str, float] | None = None, atol: dict[str, float] | None = None,
         max_memory: int | None = None, baseline: dict[str, Any] | None = None, baseline_path: str = "",
-        standard: str = precision.DEFAULT_STANDARD) -> Report:
+        standard: str = precision.DEFAULT_STANDARD, perf: int = 0, perf_threshold: float = 1.2) -> Report:
     """Run a profile (or the given cases) and return the report.
 
     ``devices``: ids to run on (default: the current device); with more than one, the cases
@@ -1018,8 +1119,13 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
     tools.precision.STANDARD_NAMES); ``exact``: the same as standard="exact". ``strict``: a case
     whose expectation is inferred ("nnopbase") fails the run when CANN differs. ``rtol`` /
     ``atol``: per-dtype overrides of the standard. ``max_memory``: skip cases needing more
-    device bytes. ``baseline``: a loaded earlier report to compare output digests with.
+    device bytes. ``baseline``: a loaded earlier report to compare output digests with (and,
+    with ``perf``, device times: a case whose time grew beyond ``perf_threshold`` times the
+    baseline's is listed as slower). ``perf``: run each passing case that many more times,
+    timed (CaseResult.api_us, device_us: medians).
     """
+    if perf < 0 or perf_threshold <= 0:
+        raise ValueError("perf must be >= 0 and perf_threshold > 0")
     if exact:
         standard = "exact"
     precision.thresholds(standard, "float32")  # refuses an unknown standard before anything runs
@@ -1031,37 +1137,40 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
     stds = standards(rtol, atol)
     env = _environment(devs)
     report = Report(env.pop("backend"), env.pop("cann_version"), env.pop("soc"), profile, seed,
-                    exact=exact, strict=strict, standard=standard, max_memory=max_memory,
+                    exact=exact, strict=strict, standard=standard, perf=perf, perf_threshold=perf_threshold,
+                    max_memory=max_memory,
                     standards={k: {"rtol": v.rtol, "atol": v.atol, "max_share": v.max_share}
                                for k, v in stds.items()},
                     timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), **env)
     bar = _Progress(len(selected), progress)
     t_all = time.perf_counter()
     if len(devs) == 1:
-        results = _run_here(selected, devs[0], seed, standard, stds, max_memory, bar)
+        results = _run_here(selected, devs[0], seed, standard, stds, max_memory, bar, perf=perf)
     else:
         if cases is not None:
             raise ValueError("a run over several devices takes cases from the catalogue, not a list")
-        opts = {"profile": profile, "seed": seed, "standard": standard, "rtol": rtol, "atol": atol,
+        opts = {"profile": profile, "seed": seed, "standard": standard, "perf": perf, "rtol": rtol, "atol": atol,
                 "max_memory": max_memory}
         results = _run_workers(selected, devs, opts, bar)
     bar.close()
     order = {c.name: i for i, c in enumerate(selected)}
     report.cases = sorted(results, key=lambda r: order[r.name])
     report.seconds = time.perf_counter() - t_all
+    if perf and report.backend == "emulator":
+        report.timing_note = "times are the emulator's (host threads), not a device's"
     if baseline is not None:
-        report.baseline = compare_baseline(report, baseline, baseline_path)
+        report.baseline = compare_baseline(report, baseline, baseline_path, perf_threshold)
     return report
 
 
 def _run_here(selected: list[Case], device: int, seed: int, standard: str, stds: dict[str, _cases.Standard],
-              max_memory: int | None, bar: _Progress, on_result: Callable[[CaseResult], None] | None = None
-              ) -> list[CaseResult]:
+              max_memory: int | None, bar: _Progress, on_result: Callable[[CaseResult], None] | None = None,
+              perf: int = 0) -> list[CaseResult]:
     dev = Device(device)
     dev.set_current()
     results = []
     with closing(Stream(dev)) as stream:
-        ctx = Context(seed, stream, standard == "exact", stds, cann_version().behaviour.behaviour, standard)
+        ctx = Context(seed, stream, standard == "exact", stds, cann_version().behaviour.behaviour, standard, perf)
         for case in selected:
             bar.start(case.name)
             result = _run_case(case, ctx, device, max_memory)
@@ -1086,7 +1195,7 @@ def _worker(device: int, names: list[str], opts: dict[str, Any], backend: str, h
         mine = [c for c in catalogue(opts["profile"]) if c.name in wanted]
         stds = standards(opts["rtol"], opts["atol"])
         _run_here(mine, device, opts["seed"], opts["standard"], stds, opts["max_memory"], _Progress(0, None),
-                  on_result=lambda r: out.put(("result", device, r.as_dict())))
+                  on_result=lambda r: out.put(("result", device, r.as_dict())), perf=opts["perf"])
     except BaseException as exc:
         out.put(("fatal", device, f"{type(exc).__name__}: {exc}"))
     else:

@@ -5,17 +5,19 @@ pair (:mod:`.pair`)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..array import DeviceArray, empty, from_pointer
 from ..release import BEHAVIOURS, OpBehaviour
-from ..stream import Stream
+from ..stream import Event, Stream
 from . import cases as _cases
 
-__all__ = ["JUDGES", "OPS", "OUTCOMES", "SOURCES", "Case", "CaseResult", "Context", "digest"]
+__all__ = ["JUDGES", "OPS", "OUTCOMES", "SOURCES", "Case", "CaseResult", "Context", "Guarded", "digest"]
 
 # Where a case's expectation comes from: "op", the vendor op's own files (docs, tiling,
 # kernel); "nnopbase", CANN's generic aclnn layer as read from the public opbase source
@@ -66,6 +68,13 @@ class CaseResult:
     standard: str | None = None
     thresholds: dict[str, float] | None = None
     metrics: dict[str, Any] | None = None
+    # A launch into poisoned, guarded memory (Guarded): "ok", or "oob" when a guard band changed.
+    memory_status: str | None = None
+    # --perf: medians over the timed runs of the host time of the op's call (both phases) and
+    # of the device time between events recorded around it on its stream.
+    api_us: float | None = None
+    device_us: float | None = None
+    attributes: str = ""  # the case's attributes as given (a test-kit row's), for the CSV report
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -96,6 +105,32 @@ class Context:
     behaviour: OpBehaviour = BEHAVIOURS[-1]
     # The precision standard numeric results are judged by (tools.precision.STANDARD_NAMES).
     standard: str = "pyacl"
+    # --perf: how many more times each passing case runs, timed; and while it does, the (api
+    # seconds, device milliseconds) of each measured call.
+    perf: int = 0
+    timings: list[tuple[float, float]] | None = None
+
+    def measured(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, the op's call (both phases, on ``self.stream``), timed while
+        --perf reruns the case: host time around the call, device time between events recorded
+        on the stream before and after it (a refused call is timed as well)."""
+        if self.timings is None:
+            return fn(*args, **kwargs)
+        dev = self.stream.device
+        start, end = Event(dev), Event(dev)
+        try:
+            start.record(self.stream)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                api = time.perf_counter() - t0
+                end.record(self.stream)
+                end.synchronize()
+                self.timings.append((api, start.elapsed_ms(end)))
+        finally:
+            start.close()
+            end.close()
 
     def expected(self, status: int | str) -> int:
         """The status the release under test must give: ``status`` itself (every release gives
@@ -106,6 +141,56 @@ class Context:
     # same inputs whatever else runs, and --filter reproduces a failure exactly.
     def rng(self, name: str) -> np.random.Generator:
         return np.random.default_rng([self.seed, *name.encode()])
+
+
+GUARD_BYTES = 64  # each side; a multiple of every element size and of 32-byte alignment
+GUARD_BYTE = 0xA5
+# The poison an output starts as: a quiet NaN with a payload no kernel computes, per float type
+# (as raw bits), so an element left unwritten is told from a NaN the op wrote.
+POISON = {"float32": np.uint32(0x7FC0BAD1), "float16": np.uint16(0x7E5B), "bfloat16": np.uint16(0x7FDB)}
+
+
+class Guarded:
+    """Device memory for one tensor the kernel writes, inside guard bands: ``array`` views the
+    middle, filled with the poison (outputs) or random bytes (a workspace); :meth:`check` reads
+    it all back after the launch."""
+
+    def __init__(self, name: str, shape: Sequence[int], dtype: Any, stream: Stream,
+                 fill: np.ndarray | None = None) -> None:
+        self.name, self.stream = name, stream
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(d) for d in shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self._base = empty((2 * GUARD_BYTES + self.nbytes,), np.uint8, stream.device)
+        host = np.full(2 * GUARD_BYTES + self.nbytes, GUARD_BYTE, np.uint8)
+        body = host[GUARD_BYTES:GUARD_BYTES + self.nbytes]
+        if fill is not None:
+            body[:] = fill.reshape(-1).view(np.uint8)[:self.nbytes]
+        else:
+            poison = POISON.get(_cases.dtype_name(self.dtype))
+            body[:] = np.full(self.nbytes // self.dtype.itemsize, poison).view(np.uint8) if poison is not None \
+                else 0xBD
+        self._base.copy_from_host(host, stream=stream)
+        self.array: DeviceArray = from_pointer(self._base.address + GUARD_BYTES, self.shape, self.dtype,
+                                               owner=self._base)
+
+    def check(self) -> tuple[np.ndarray, str, int]:
+        """(the tensor's bytes as written, "ok" or "oob", how many elements still hold the
+        poison). "oob": a guard band changed, the kernel wrote outside the tensor."""
+        raw = self._base.to_host(self.stream)
+        lo, hi = raw[:GUARD_BYTES], raw[GUARD_BYTES + self.nbytes:]
+        status = "ok" if bool(np.all(lo == GUARD_BYTE) and np.all(hi == GUARD_BYTE)) else "oob"
+        body = raw[GUARD_BYTES:GUARD_BYTES + self.nbytes]
+        got = body.view(self.dtype).reshape(self.shape)
+        poison = POISON.get(_cases.dtype_name(self.dtype))
+        left = int(np.count_nonzero(body.view(type(poison)) == poison)) if poison is not None else 0
+        return got, status, left
+
+    def where(self) -> str:
+        raw = self._base.to_host(self.stream)
+        sides = [side for side, band in (("before", raw[:GUARD_BYTES]), ("after", raw[GUARD_BYTES + self.nbytes:]))
+                 if not np.all(band == GUARD_BYTE)]
+        return f"{self.name} was written outside its {self.nbytes} bytes ({' and '.join(sides)} it)"
 
 
 def digest(out: np.ndarray) -> str:

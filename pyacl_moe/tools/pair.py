@@ -138,7 +138,7 @@ def _forward_on_device(ctx: Context, x: np.ndarray, ids: np.ndarray, attrs: dict
                        ) -> tuple[DeviceArray, DeviceArray, RoutingResult]:
     s = ctx.stream
     dx, di = to_device(x, stream=s), to_device(ids, stream=s)
-    r = moe_init_routing_v2(dx, di, **attrs, stream=s)
+    r = ctx.measured(moe_init_routing_v2, dx, di, **attrs, stream=s)
     return dx, di, r
 
 
@@ -287,7 +287,7 @@ def _forward_negative(name: str, status: int | str, spec: Neg, why: str, source:
         text = ""
         want = ctx.expected(status)
         try:
-            _, executor = get_workspace_size(arrays[0], arrays[1], *spec.attrs, *arrays[2:], device=dev)
+            _, executor = ctx.measured(get_workspace_size, arrays[0], arrays[1], *spec.attrs, *arrays[2:], device=dev)
             executor.close()
         except AclError as exc:
             got, text = exc.status, exc.message

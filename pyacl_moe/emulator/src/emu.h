@@ -126,11 +126,13 @@ EMU_API void aclemuUnpin(emu_pin *pin);
 EMU_API int aclemuPinMany(const uintptr_t *addr, const size_t *len, emu_pin *pins, int n, int32_t *owner);
 EMU_API void aclemuUnpinMany(emu_pin *pins, int n);
 /* Active mutation id (0 none, 1 skip-last-k, 2 fp16-accumulate, 3 off-by-one-row; 4
- * fwd-unstable-sort and 5 fwd-wrong-row, which only the forward kernel reads). */
+ * fwd-unstable-sort and 5 fwd-wrong-row, which only the forward kernel reads; 6 skip-last-row
+ * and 7 overrun, memory faults of the backward kernel). */
 EMU_API int aclemuMutationId(void);
 
 enum { EMU_MUT_NONE = 0, EMU_MUT_SKIP_LAST_K = 1, EMU_MUT_FP16_ACC = 2, EMU_MUT_OFF_BY_ONE = 3,
-       EMU_MUT_FWD_UNSTABLE_SORT = 4, EMU_MUT_FWD_WRONG_ROW = 5 };
+       EMU_MUT_FWD_UNSTABLE_SORT = 4, EMU_MUT_FWD_WRONG_ROW = 5, EMU_MUT_SKIP_LAST_ROW = 6,
+       EMU_MUT_OVERRUN = 7 };
 
 /* ---- internals exported by libnnopbase ---- */
 

@@ -253,6 +253,7 @@ static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float
     const int64_t kk = mut == EMU_MUT_SKIP_LAST_K ? k - 1 : k; /* positions that count */
 
     for (int64_t i = begin; i < end; i++) {
+        if (mut == EMU_MUT_SKIP_LAST_ROW && i == a->n - 1) continue; /* leaves it unwritten */
         const int32_t *tk = j->ids + i * k;
         /* The row of the term at position t, or NULL when the scenario skips it. */
 #define TERM(t, ref_out)                                                                          \
@@ -374,6 +375,17 @@ static int kernel_threads(void) {
         n = *c >= '0' && *c <= '9' ? n * 10 + (*c - '0') : 1025;
     if (n < 1 || n > 1024) n = sysconf(_SC_NPROCESSORS_ONLN);
     return n < 1 ? 1 : n > 16 ? 16 : (int)n;
+}
+
+/* The overrun mutation: the kernel also writes one element just past the last byte out's view
+ * touches (a copy of the last element), where a caller's guard band would sit. Only when that
+ * element lies in a live allocation: a deliberate bug must not corrupt the emulator's heap. */
+static void overrun(const mapped_view *out, size_t esize) {
+    uintptr_t past = out->start + out->bytes;
+    emu_pin pin;
+    if (aclemuPin(past, esize, &pin) != 0) return;
+    memcpy(pin.host, out->host + out->bytes - esize, esize);
+    aclemuUnpin(&pin);
 }
 
 /* Compute every token, splitting large kernels across threads. Returns -1 if out of memory. */
@@ -508,6 +520,7 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
     }
     /* 9.1's l0op::ViewCopy, the next kernel on the stream: the dense result into out's view. */
     if (dense) aclemuViewCopy(dense, &a->out, mo.host, mo.lo);
+    if (a->mutation == EMU_MUT_OVERRUN && views[2]->bytes) overrun(views[2], mx.esize);
     status = 0;
 
 done:

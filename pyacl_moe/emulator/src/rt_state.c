@@ -59,7 +59,7 @@ static int g_faults_armed;
 
 static const char *const g_mutation_names[] = {"", "skip-last-k", "fp16-accumulate",
                                                "off-by-one-row", "fwd-unstable-sort",
-                                               "fwd-wrong-row"};
+                                               "fwd-wrong-row", "skip-last-row", "overrun"};
 
 double now_ms(void) {
     struct timespec ts;
@@ -199,11 +199,12 @@ int config_locked(void) {
     }
     snprintf(g_soc, sizeof g_soc, "%s", soc ? soc : "Ascend910B3");
     static const char *const mutations[] = {"none", "skip-last-k", "fp16-accumulate",
-                                            "off-by-one-row", "fwd-unstable-sort", "fwd-wrong-row", NULL};
+                                            "off-by-one-row", "fwd-unstable-sort", "fwd-wrong-row",
+                                            "skip-last-row", "overrun", NULL};
     int mutation = EMU_MUT_NONE;
     env_choice("PYACL_MOE_EMU_MUTATION", mutations, EMU_MUT_NONE, &mutation,
-               "use none, skip-last-k, fp16-accumulate, off-by-one-row, fwd-unstable-sort or "
-               "fwd-wrong-row");
+               "use none, skip-last-k, fp16-accumulate, off-by-one-row, fwd-unstable-sort, "
+               "fwd-wrong-row, skip-last-row or overrun");
     if (g_mutation < 0) g_mutation = mutation; /* aclemuSetMutation may have come first */
     static const char *const modes[] = {"lazy", "async", NULL};
     int async = 1;
