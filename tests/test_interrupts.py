@@ -141,7 +141,7 @@ def child_with_lock_under_interrupts(interrupts: int) -> None:
 @with_is_interrupt_safe
 def test_an_interrupt_never_skips_the_exit_of_a_with_lock_block(isolated):
     """The interpreter property every lock of the package relies on under interrupts."""
-    r = isolated(child_with_lock_under_interrupts, 300)
+    r = isolated(child_with_lock_under_interrupts, 100)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
 

@@ -174,6 +174,12 @@ class Guarded:
         self.array: DeviceArray = from_pointer(self._base.address + GUARD_BYTES, self.shape, self.dtype,
                                                owner=self._base)
 
+    def guards_intact(self) -> bool:
+        """Whether both guard bands still hold their pattern (reads only them back)."""
+        n = GUARD_BYTES + self.nbytes
+        return bool(np.all(self._base[:GUARD_BYTES].to_host(self.stream) == GUARD_BYTE)
+                    and np.all(self._base[n:].to_host(self.stream) == GUARD_BYTE))
+
     def check(self) -> tuple[np.ndarray, str, int]:
         """(the tensor's bytes as written, "ok" or "oob", how many elements still hold the
         poison). "oob": a guard band changed, the kernel wrote outside the tensor."""
