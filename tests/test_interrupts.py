@@ -255,8 +255,9 @@ def child_keyboard_interrupt_anywhere(iterations: int) -> None:
 
 
 @with_is_interrupt_safe
-def test_keyboard_interrupt_anywhere_leaks_nothing_and_frees_nothing_early(isolated):
-    r = isolated(child_keyboard_interrupt_anywhere, 2000, timeout=120)
+@pytest.mark.parametrize("iterations", [1000, pytest.param(4000, marks=pytest.mark.slow)], ids=["short", "long"])
+def test_keyboard_interrupt_anywhere_leaks_nothing_and_frees_nothing_early(isolated, iterations):
+    r = isolated(child_keyboard_interrupt_anywhere, iterations, timeout=120 + iterations // 20)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
     print(r.stdout)
