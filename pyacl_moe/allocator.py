@@ -423,9 +423,19 @@ def allocate(device: Device, nbytes: int, state: Any = None) -> Allocation:
         t = alloc.track
         for s in streams:
             t.users[s] = t.writers[s] = None
-    mem = block.mem
-    alloc.ptr = mem.ptr or mem.address  # (an interrupted malloc may not have set .ptr)
+    alloc.ptr = _address(block, device)
     return alloc
+
+
+def _address(block: _Block, device: Device) -> int:
+    """The address of ``block``'s memory, just taken or made; ClosedError if the device closed
+    meanwhile (its close marks it closed, then frees every block, this one too)."""
+    mem = block.mem
+    address = mem.address if mem is not None else 0  # the handle itself: 0 once freed (.ptr is not cleared)
+    if not address:
+        device.check_open()
+        raise AssertionError("a block lost its memory on an open device")  # never: only a close frees it
+    return address
 
 
 Device.attachments["borrowed"] = lambda device: _lifetime.WeakMap()
@@ -473,7 +483,7 @@ def pinned_block(device: Device, nbytes: int) -> np.ndarray:
         cache.made_for(block, mem)
         _fresh(device, acl.malloc_host, mem, size)
     owner.__array_interface__ = {"version": 3, "shape": (nbytes,), "typestr": "|u1",
-                                 "data": (block.mem.address, False)}
+                                 "data": (_address(block, device), False)}
     return np.asarray(owner)
 
 

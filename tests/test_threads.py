@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from contextlib import closing
 
 import numpy as np
@@ -226,8 +227,8 @@ def _close_under_load(x: np.ndarray, idx: np.ndarray, threads: int, iterations: 
                     pm.moe_init_routing_v2_grad(x, idx, 4)
             except pm.ClosedError:
                 pass
-            except Exception as e:
-                unexpected.append(repr(e))
+            except Exception:
+                unexpected.append(traceback.format_exc())
 
     def closer(i, steps):
         for e in nearly_done:
