@@ -204,3 +204,26 @@ def forward_inputs(seed: int = 0, n: int = 8, k: int = 2, h: int = 4, experts: i
 
     x = np.random.default_rng(seed).standard_normal((n, h)).astype(np.float32)
     return x, pyacl_moe.routing.random_top_k(n, k, experts, seed=seed)
+
+
+@pytest.fixture
+def clean_emulator():
+    """No mutation or injected fault outlives the test."""
+    yield
+    pyacl_moe.emulator.set_mutation(None)
+    pyacl_moe.emulator.clear_faults()
+
+
+@pytest.fixture
+def main(device, capsys):
+    """pyacl_moe.cli.main in this process: (exit status, stdout, stderr)."""
+    from pyacl_moe import cli
+
+    def call(*args: str) -> tuple[int, str, str]:
+        code = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    call.readouterr = capsys.readouterr  # type: ignore[attr-defined]  # after a SystemExit
+    yield call
+    pyacl_moe.emulator.set_mutation(None)

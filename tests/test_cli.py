@@ -23,20 +23,6 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           timeout=300)
 
 
-@pytest.fixture
-def main(device, capsys):
-    """cli.main in this process: (exit status, stdout, stderr)."""
-
-    def call(*args: str) -> tuple[int, str, str]:
-        code = cli.main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    call.readouterr = capsys.readouterr  # type: ignore[attr-defined]  # after a SystemExit
-    yield call
-    pm.emulator.set_mutation(None)
-
-
 def test_info_json(main):
     code, out, err = main("--emulator", "info", "--json")
     assert code == 0, err

@@ -17,13 +17,6 @@ from pyacl_moe import cli
 from pyacl_moe.tools import conformance, precision
 
 
-@pytest.fixture
-def clean_emulator():
-    yield
-    pm.emulator.set_mutation(None)
-    pm.emulator.clear_faults()
-
-
 def test_quick_profile_passes_and_covers_the_catalogue(device):
     report = conformance.run("quick", progress=None)
     assert report.ok, report.table()

@@ -10,27 +10,7 @@ import json
 import pytest
 
 import pyacl_moe as pm
-from pyacl_moe import cli
 from pyacl_moe.tools import conformance, kitcases, precision
-
-
-@pytest.fixture
-def clean_emulator():
-    yield
-    pm.emulator.set_mutation(None)
-
-
-@pytest.fixture
-def main(device, capsys):
-    """cli.main in this process: (exit status, stdout, stderr)."""
-
-    def call(*args: str) -> tuple[int, str, str]:
-        code = cli.main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    yield call
-    pm.emulator.set_mutation(None)
 
 HEADER = ("testcase_name,api_name,tensor_view_shapes,tensor_dtypes,attributes,precision_tolerances,"
           "absolute_precision,input_data_ranges,output_tensor_indexes")
