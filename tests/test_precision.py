@@ -97,3 +97,9 @@ def test_exact_compares_bits_and_pyacl_the_binding_tolerances():
     assert precision.judge("pyacl", near, golden, "float32").passed
     with pytest.raises(ValueError, match="standard must be one of"):
         precision.judge("nearly", near, golden, "float32")
+
+
+def test_a_result_of_another_size_fails_every_standard_with_its_shapes():
+    for standard in precision.STANDARD_NAMES:
+        j = precision.judge(standard, np.ones(3, np.float32), np.ones(4, np.float32), "float32")
+        assert not j.passed and j.reason == "shape (3,) against (4,)" and j.metrics["mismatch_ratio"] == 1.0

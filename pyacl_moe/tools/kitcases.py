@@ -215,10 +215,6 @@ def _note(row: KitRow) -> str:
     return f"test-kit case {row.file} row {row.row}"
 
 
-def _attributes_text(row: KitRow) -> str:
-    return row.text["attributes"]
-
-
 def _case(row: KitRow) -> Case:
     shape_text = row.text["tensor_view_shapes"]
     if row.api == BACKWARD_API:
@@ -267,7 +263,7 @@ def _run_backward(ctx: Context, row: KitRow) -> CaseResult:
                       time.perf_counter() - t0, m["max_abs_error"], m["max_rel_error"],
                       round(m["mismatch_ratio"] * m["elements"]), m["elements"],
                       detail=note if j.passed else f"{j.standard}: {j.reason}; {note}", digest=digest(got),
-                      standard=j.standard, thresholds=j.thresholds, metrics=m, attributes=_attributes_text(row))
+                      standard=j.standard, thresholds=j.thresholds, metrics=m, attributes=row.text["attributes"])
 
 
 def _backward_call(x: np.ndarray, idx: np.ndarray, k: int, mode: int, active: int, s: Any) -> np.ndarray:
@@ -315,4 +311,4 @@ def _run_forward(ctx: Context, row: KitRow) -> CaseResult:
                       detail="; ".join([*wrong, note]), standard="exact", thresholds={}, metrics=m,
                       digest=digest(np.concatenate([np.ascontiguousarray(o).view(np.uint8).reshape(-1)
                                                     for o in got if o is not None])),
-                      attributes=_attributes_text(row))
+                      attributes=row.text["attributes"])

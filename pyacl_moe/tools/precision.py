@@ -81,7 +81,10 @@ def metrics(actual: np.ndarray, golden: np.ndarray) -> dict[str, Any]:
     """The metrics every standard reads (see the module docstring), ``mismatch_ratio`` aside.
     Over no finite element, the error metrics are 0."""
     a, g = _pair(actual, golden)
-    finite, misplaced = _specials(a, g)
+    return _metrics(a, g, *_specials(a, g))
+
+
+def _metrics(a: np.ndarray, g: np.ndarray, finite: np.ndarray, misplaced: np.ndarray) -> dict[str, Any]:
     d = np.abs(a[finite] - g[finite])
     ag = np.abs(g[finite])
     e = d / (ag + FLOOR)
@@ -136,12 +139,14 @@ def judge(standard: str, actual: np.ndarray, golden: np.ndarray, dtype: str, *, 
     and ``pyacl``: the magnitude of the summed terms and the tolerances the pyacl standard
     uses (see :func:`.cases.compare`)."""
     th = thresholds(standard, dtype, rtol, ptol, atol)
-    m = metrics(actual, golden)
     a, g = _pair(actual, golden)
-    if a.shape != g.shape:
-        m["mismatch_ratio"] = 1.0
+    if a.size != g.size:
+        inf = float("inf")
+        m: dict[str, Any] = {"mere": inf, "mare": inf, "rmse": inf, "max_abs_error": inf, "max_rel_error": inf,
+                             "nan_inf_match": False, "elements": int(g.size), "mismatch_ratio": 1.0}
         return Judgement(standard, False, th, m, f"shape {np.shape(actual)} against {np.shape(golden)}")
-    finite, misplaced = _specials(a, g)
+    finite, misplaced = _specials(a, g)  # once, for the metrics and the standard alike
+    m = _metrics(a, g, finite, misplaced)
     n = a.size
     with np.errstate(invalid="ignore"):
         d = np.where(finite, np.abs(a - g), 0.0)
