@@ -720,9 +720,11 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
                  owner: Any = None, device: Device | int | None = None) -> DeviceArray:
     """Wrap device memory allocated elsewhere (a torch_npu tensor's ``data_ptr()``, say).
 
-    ``ptr`` is the storage base, ``strides``/``offset`` are in elements. The memory is
-    borrowed: it is never freed here, and ``owner`` is kept alive as long as any array viewing
-    it (or queued work using it), so the memory cannot go away underneath.
+    ``ptr`` is the storage base. ``strides`` are in bytes, as :attr:`DeviceArray.strides`,
+    NumPy and CuPy have them (each a multiple of the item size; default: row-major); ``offset``
+    is in elements from ``ptr``, as :attr:`DeviceArray.offset` and torch's ``storage_offset()``.
+    The memory is borrowed: it is never freed here, and ``owner`` is kept alive as long as any
+    array viewing it (or queued work using it), so the memory cannot go away underneath.
     """
     p = _args.integer("ptr", ptr, 1, 2**64 - 1)
     dt = _dtype(dtype)
@@ -730,9 +732,15 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
     if strides is None:
         st = _contiguous_strides(shp)
     else:
-        st = _args.shape("strides", strides)
-        if len(st) != len(shp):
-            raise InvalidArgument("strides", f"must have {len(shp)} entries, one per dimension, got {len(st)}")
+        byte_strides = _args.shape("strides", strides)
+        if len(byte_strides) != len(shp):
+            raise InvalidArgument("strides", f"must have {len(shp)} entries, one per dimension, got "
+                                             f"{len(byte_strides)}")
+        if any(b % dt.itemsize for b in byte_strides):
+            # A silent floor division would make a view of other elements than the caller's.
+            raise InvalidArgument("strides", f"are in bytes and must be multiples of the item size "
+                                             f"({dt.itemsize} for {dt}), got {byte_strides}")
+        st = tuple(b // dt.itemsize for b in byte_strides)
     off = _args.int64("offset", offset, lo=0)
     dev = resolve_device(device)
     extent = off + (sum((n - 1) * s for n, s in zip(shp, st)) + 1 if all(shp) else 0)
@@ -772,6 +780,7 @@ def from_torch(tensor: Any) -> DeviceArray:
     if dt is None:
         raise InvalidArgument("tensor", f"has dtype {tensor.dtype}, which CANN's tensors here do not take")
     base = int(tensor.untyped_storage().data_ptr())
-    return from_pointer(base, tuple(int(n) for n in tensor.shape), dt, tuple(int(s) for s in tensor.stride()),
+    return from_pointer(base, tuple(int(n) for n in tensor.shape), dt,
+                        tuple(int(s) * dt.itemsize for s in tensor.stride()),  # torch's are in elements
                         int(tensor.storage_offset()), owner=tensor,
                         device=where.index if where.index is not None else None)

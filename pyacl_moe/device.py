@@ -380,10 +380,26 @@ def soc_name() -> str | None:
     return acl.soc_name()
 
 
+def _daemon_threads_end_quietly() -> None:
+    """From the exit on, a daemon thread that the teardown below stops (its next call raises
+    ClosedError) ends without a traceback: the interpreter is about to end it anyway, and
+    non-daemon threads were joined before atexit ran, so no thread whose work matters is
+    silenced. Any other exception, and any thread that is not a daemon, is reported as before."""
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        if isinstance(args.exc_value, ClosedError) and args.thread is not None and args.thread.daemon:
+            return
+        previous(args)
+
+    threading.excepthook = hook
+
+
 def _close_all_at_exit() -> None:
     """Release every open device in id order, then aclFinalize if this process called aclInit."""
     if _lifetime.forked():
         return
+    _daemon_threads_end_quietly()
     with _Process.lock:
         for dev in sorted([*_Process.open_devices.values(), *_closing], key=lambda d: d.device_id):
             try:

@@ -136,15 +136,19 @@ def host_view(obj: Any, name: str) -> tuple[np.ndarray, Family]:
         if getattr(device, "type", "cpu") != "cpu":
             raise InvalidArgument(name, f"is a torch tensor on {device}: wrap NPU memory with pm.from_torch(tensor) "
                                         "and pass the DeviceArray")
+        layout = str(getattr(obj, "layout", "torch.strided"))
+        if layout != "torch.strided":  # sparse and mkldnn tensors have no strided memory to read
+            raise InvalidArgument(name, f"is a torch tensor of layout {layout}, which has no dense memory to read: "
+                                        "pass tensor.to_dense()")
         t = obj.detach()
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        return _from_capsule(t.__dlpack__(), name), TORCH
+        return _from_capsule(_export(t, name), name), TORCH
     if hasattr(obj, "__dlpack__") and not hasattr(obj, "__array_interface__") and not hasattr(obj, "__array__"):
         dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else (_DL_CPU, 0)
         if int(dev[0]) not in (_DL_CPU, _DL_CPU_PINNED):
             raise InvalidArgument(name, f"is a DLPack tensor on device type {int(dev[0])}, not host memory")
-        return _from_capsule(obj.__dlpack__(), name), NUMPY
+        return _from_capsule(_export(obj, name), name), NUMPY
     try:
         arr = np.asarray(obj)
     except (TypeError, ValueError) as exc:
@@ -153,6 +157,15 @@ def host_view(obj: Any, name: str) -> tuple[np.ndarray, Family]:
     if arr.dtype == object:
         raise InvalidArgument(name, f"must be an array of numbers, got {type(obj).__name__} (dtype object)")
     return arr, NUMPY
+
+
+def _export(obj: Any, name: str) -> Any:
+    """``obj.__dlpack__()``, its refusal (BufferError by the protocol; some producers raise
+    others) turned into one naming the parameter."""
+    try:
+        return obj.__dlpack__()
+    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidArgument(name, f"cannot export its memory through DLPack ({type(obj).__name__}: {exc})") from None
 
 
 def in_family(result: np.ndarray, family: Family) -> Any:

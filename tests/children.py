@@ -161,3 +161,29 @@ def child_numpy_inputs_import_no_torch() -> None:
     idx = np.arange(4, dtype=np.int32)
     pm.moe_init_routing_v2_grad(x, idx, 1)
     print("torch" in sys.modules)
+
+
+def child_daemon_threads_launching_at_exit():
+    import threading
+
+    import numpy as np
+
+    import pyacl_moe as pm
+
+    pm.use_emulator()
+    x = pm.to_device(np.ones((64, 256), np.float32))
+    idx = pm.to_device(np.arange(64, dtype=np.int32))
+    started = threading.Barrier(4)
+
+    def launch_forever(sync: bool) -> None:
+        s = pm.Stream()
+        started.wait()
+        while True:
+            pm.moe_init_routing_v2_grad(x, idx, 1, stream=s)
+            if sync:
+                s.synchronize()
+
+    for sync in (True, False, True):
+        threading.Thread(target=launch_forever, args=(sync,), daemon=True).start()
+    started.wait()
+    print("exiting with three daemon threads launching")

@@ -190,7 +190,7 @@ def test_memory_is_freed_when_last_array_goes(device):
 def test_from_pointer_borrows_and_keeps_owner_alive(device, no_leaks, uncached):
     owner = pm.to_device(np.arange(16, dtype=np.float32))
     ptr = owner.data_ptr
-    borrowed = pm.DeviceArray.from_pointer(ptr, (2, 4), np.float32, strides=(8, 1), offset=4, owner=owner)
+    borrowed = pm.DeviceArray.from_pointer(ptr, (2, 4), np.float32, strides=(32, 4), offset=4, owner=owner)
     also = pm.from_pointer(ptr, (16,), np.float32)  # the module-level spelling, no owner
     np.testing.assert_array_equal(also.to_host(), np.arange(16, dtype=np.float32))
     del also
@@ -205,7 +205,9 @@ def test_from_pointer_borrows_and_keeps_owner_alive(device, no_leaks, uncached):
     with pytest.raises(pm.InvalidArgument, match="ptr"):
         pm.DeviceArray.from_pointer(0, (2,), np.float32)
     with pytest.raises(pm.InvalidArgument, match="strides"):
-        pm.DeviceArray.from_pointer(ptr, (2,), np.float32, strides=(1, 1))
+        pm.DeviceArray.from_pointer(ptr, (2,), np.float32, strides=(4, 4))
+    with pytest.raises(pm.InvalidArgument, match="strides.*in bytes.*multiples of the item size"):
+        pm.DeviceArray.from_pointer(ptr, (2, 2), np.float32, strides=(8, 1))  # element strides: refused
     with pytest.raises(pm.InvalidArgument, match="ptr"):
         pm.from_pointer(2**64 - 4, (2,), np.float32)  # runs past the address space
     with pytest.raises(pm.InvalidArgument, match="ptr"):

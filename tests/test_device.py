@@ -296,3 +296,14 @@ def test_switching_devices_does_not_grow_aclrtsetdevice_references(isolated):
     assert r.returncode == 0, r.stderr
     base, after = r.stdout.split()
     assert base == after == "2"
+
+
+def test_daemon_threads_still_launching_at_exit_print_nothing(isolated):
+    # The exit closes the devices under the daemon threads' feet: each one's next call raises
+    # ClosedError, which ends it; the interpreter ends them a moment later anyway, so nothing
+    # is printed for them (it printed one ClosedError traceback per thread).
+    for _ in range(2):
+        r = isolated(children.child_daemon_threads_launching_at_exit)
+        assert r.returncode == 0, r.stderr
+        assert "exiting with three daemon threads" in r.stdout
+        assert r.stderr == "", r.stderr

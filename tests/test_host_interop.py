@@ -139,3 +139,22 @@ def test_from_torch_wraps_an_npu_tensor_on_torch_npus_stream():
     s = pm.Stream.from_handle(torch_npu.npu.current_stream().npu_stream, device=tx.device.index)
     out = pm.moe_init_routing_v2_grad(pm.from_torch(tx), pm.from_torch(ti), 2, stream=s)
     np.testing.assert_array_equal(out.to_host(s), reference.moe_init_routing_v2_grad(x, idx, 2))
+
+
+def test_a_tensor_that_cannot_export_its_memory_is_refused_by_parameter_name(device):
+    idx = torch.arange(8, dtype=torch.int32)
+    sparse = torch.ones(8, 4).to_sparse()
+    with pytest.raises(pm.InvalidArgument, match=r"grad_expanded_x: .*layout torch.sparse_coo.*to_dense\(\)"):
+        pm.moe_init_routing_v2_grad(sparse, idx, 1)
+    with pytest.raises(pm.InvalidArgument, match=r"x: .*layout torch.sparse_coo"):
+        pm.moe_init_routing_v2(torch.ones(8, 4).to_sparse(), idx.reshape(8, 1), expert_num=8)
+
+    class Refuses:  # a DLPack producer whose memory cannot be exported (the protocol's BufferError)
+        def __dlpack__(self, **kwargs):
+            raise BufferError("this buffer is not exportable")
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    with pytest.raises(pm.InvalidArgument, match="expanded_row_idx: cannot export its memory through DLPack"):
+        pm.moe_init_routing_v2_grad(torch.ones(8, 4), Refuses(), 1)

@@ -34,7 +34,8 @@ from .executor import execute as execute
 from .plan import Plan, check_no_overlap
 from .spec import OpSpec, Param
 
-__all__ = ["SPEC", "MoeInitRoutingV2", "RoutingResult", "execute", "get_workspace_size", "moe_init_routing_v2"]
+__all__ = ["SPEC", "MoeInitRoutingV2", "RoutingResult", "execute", "get_workspace_size", "moe_init_routing_v2",
+           "output_shapes"]
 
 SPEC = OpSpec(
     "aclnnMoeInitRoutingV2",
@@ -250,6 +251,22 @@ def _shapes(n: int, k: int, h: int, attrs: dict[str, Any]) -> dict[str, tuple[in
         "expert_tokens_before_capacity": (num,) if attrs["drop_pad_mode"] == 1
         and attrs["expert_tokens_before_capacity_flag"] else None,
     }
+
+
+def output_shapes(x_shape: tuple[int, ...], expert_idx_shape: tuple[int, ...], active_num: int = 0,
+                  expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
+                  expert_tokens_count_or_cumsum_flag: int = 0,
+                  expert_tokens_before_capacity_flag: bool = False) -> RoutingResult:
+    """The shape of each output the op writes for inputs of these shapes and these attributes
+    (None where the scenario writes none), as :func:`moe_init_routing_v2` allocates them:
+    for callers that allocate the outputs themselves (an ``out=`` of their own, a framework's
+    shape function)."""
+    attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
+                   expert_tokens_before_capacity_flag)
+    n = x_shape[0] if x_shape else 0
+    h = x_shape[1] if len(x_shape) == 2 else 0
+    k = expert_idx_shape[1] if len(expert_idx_shape) == 2 else 0
+    return RoutingResult(**_shapes(n, k, h, attrs))
 
 
 def _dtype_of(name: str, x_dtype: np.dtype) -> np.dtype:
