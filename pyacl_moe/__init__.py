@@ -49,10 +49,11 @@ def use_emulator() -> None:
 def __getattr__(name: str) -> Any:
     # ``pm.emulator`` imports the emulator package on first use (PEP 562): importing pyacl_moe
     # itself neither builds it nor declares its extras.
-    if name == "emulator":
+    # ``pm.torch`` likewise imports torch and registers the operators only when asked for.
+    if name in ("emulator", "torch"):
         import importlib
 
-        return importlib.import_module(".emulator", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [

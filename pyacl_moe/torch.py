@@ -138,7 +138,7 @@ _forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
 def _grad_op(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int, drop_pad_mode: int,
              active_num: int) -> Tensor:
     if _on_npu(grad_expanded_x):
-        out = _grad_fake(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
+        out = _new_grad_x(grad_expanded_x, expanded_row_idx, top_k)
         _routing_grad(from_torch(grad_expanded_x), from_torch(expanded_row_idx), top_k, drop_pad_mode, active_num,
                       out=from_torch(out), stream=_npu_stream(grad_expanded_x))
         return out
@@ -147,10 +147,15 @@ def _grad_op(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int, drop
     return out
 
 
+def _new_grad_x(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int) -> Tensor:
+    """A new [N, H] result, N = len(expanded_row_idx) / top_k."""
+    return grad_expanded_x.new_empty((expanded_row_idx.shape[0] // top_k, grad_expanded_x.shape[-1]))
+
+
 @_grad_op.register_fake
 def _grad_fake(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int, drop_pad_mode: int,
                active_num: int) -> Tensor:
-    return grad_expanded_x.new_empty((expanded_row_idx.shape[0] // top_k, grad_expanded_x.shape[-1]))
+    return _new_grad_x(grad_expanded_x, expanded_row_idx, top_k)
 
 
 def _grad_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: Tensor) -> None:

@@ -16,6 +16,7 @@ CHECKED = {"quickstart.py": "max abs difference", "streams_and_workspace.py": "m
            "moe_layer.py": "moe layer: grad_x matches the plain NumPy loop in both modes"}
 if importlib.util.find_spec("torch") is not None:  # CI installs the CPU build; without it the example says so
     CHECKED["torch_cpu.py"] = "max abs difference from the reference: 0.0"
+    CHECKED["torch_autograd.py"] = "moe layer training step: loss and gradients match the plain PyTorch loop"
 
 
 def test_every_checked_example_exists():

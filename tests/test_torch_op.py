@@ -1,0 +1,158 @@
+"""pyacl_moe.torch: the routing pair as torch operators, the forward differentiable in x.
+
+The gradient is checked bit for bit against the NumPy reference's backward (the bit-exact
+model of the kernel, conformance --exact's), eager and under torch.compile(backend="aot_eager").
+NPU tensors run on torch_npu's stream: tests marked cann.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyacl_moe as pm
+
+torch = pytest.importorskip("torch", reason="torch (CPU build) is a test extra: pip install torch==2.13.0+cpu")
+pmt = pytest.importorskip("pyacl_moe.torch")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+N, K, H, E = 24, 3, 40, 6
+# The forward's attributes for each scenario, and the backward's (top_k, drop_pad_mode, active_num).
+SCENARIOS = {
+    "dropless": ({"expert_tokens_count_or_cumsum_flag": 2}, (K, 0, 0)),
+    "active": ({"active_num": 50, "expert_tokens_count_or_cumsum_flag": 1}, (K, 0, 50)),
+    "drop-pad": ({"drop_pad_mode": 1, "expert_capacity": 9, "expert_tokens_before_capacity_flag": True}, (K, 1, 0)),
+}
+
+
+def _np(t):
+    """A CPU tensor's values as NumPy, bfloat16 as ml_dtypes'."""
+    t = t.detach()
+    return t.view(torch.int16).numpy().view(pm.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _inputs(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((N, H), dtype=np.float32)).to(dtype)
+    ids = torch.from_numpy(pm.routing.random_top_k(N, K, E, seed=seed))
+    return x, ids
+
+
+def _step(x, ids, w, attrs):
+    r = pmt.moe_init_routing_v2(x, ids, expert_num=E, **attrs)
+    return r, (r.expanded_x * w).sum()
+
+
+def _bits_equal(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(np.ascontiguousarray(a).view(np.uint8),
+                                                                       np.ascontiguousarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_x_grad_is_the_backward_of_the_incoming_gradient_bit_for_bit(device, scenario, dtype):
+    attrs, grad_args = SCENARIOS[scenario]
+    x, ids = _inputs(DTYPES[dtype])
+    x.requires_grad_()
+    want = pm.moe_init_routing_v2(_np(x), ids.numpy(), expert_num=E, **attrs)
+    r, loss = _step(x, ids, torch.ones(1, dtype=x.dtype), attrs)
+    for name, got in zip(pm.RoutingResult._fields, r):  # the forward's outputs: the NumPy call's
+        ref = getattr(want, name)
+        assert (got is None) == (ref is None), name
+        if got is not None:
+            assert isinstance(got, torch.Tensor) and _bits_equal(_np(got), ref), name
+    w = torch.from_numpy(np.random.default_rng(1).standard_normal(tuple(r.expanded_x.shape), np.float32)).to(x.dtype)
+    r, loss = _step(x, ids, w, attrs)
+    loss.backward()
+    # d loss / d expanded_x is w itself: x.grad must be the kernel's backward of w.
+    expected = pm.reference.moe_init_routing_v2_grad(_np(w), _np(r.expanded_row_idx), *grad_args)
+    assert x.grad.dtype == x.dtype and _bits_equal(_np(x.grad), expected)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_torch_compile_aot_eager_gives_the_same_result_and_gradient(device, scenario):
+    attrs, _ = SCENARIOS[scenario]
+    torch._dynamo.reset()
+    for dtype in DTYPES.values():
+        x, ids = _inputs(dtype, seed=2)
+        w = torch.randn(pmt.moe_init_routing_v2(x, ids, expert_num=E, **attrs).expanded_x.shape).to(dtype)
+
+        def step(x, ids, w):
+            r, loss = _step(x, ids, w, attrs)
+            return loss, r.expanded_x, r.expanded_row_idx
+
+        results = []
+        for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+            xi = x.clone().requires_grad_()
+            loss, ex, row = fn(xi, ids, w)
+            loss.backward()
+            results.append((loss, ex, row, xi.grad))
+        for eager, compiled in zip(*results):
+            assert _bits_equal(_np(eager), _np(compiled))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_operators_pass_torch_library_opcheck(device, scenario):
+    # Schema, fake (meta) implementation against the real one, autograd registration, and
+    # AOT dispatch with dynamic shapes, as torch checks its own custom operators.
+    attrs, grad_args = SCENARIOS[scenario]
+    x, ids = _inputs(torch.float32, seed=3)
+    full = {"active_num": 0, "expert_capacity": 0, "expert_num": E, "drop_pad_mode": 0,
+            "expert_tokens_count_or_cumsum_flag": 0, "expert_tokens_before_capacity_flag": False, **attrs}
+    torch.library.opcheck(torch.ops.pyacl_moe.moe_init_routing_v2.default,
+                          (x.requires_grad_(), ids, *full.values()))
+    r = pmt.moe_init_routing_v2(x.detach(), ids, expert_num=E, **attrs)
+    g = torch.randn(r.expanded_x.shape, requires_grad=True)
+    torch.library.opcheck(torch.ops.pyacl_moe.moe_init_routing_v2_grad.default, (g, r.expanded_row_idx, *grad_args))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_backward_alone_is_an_operator_with_a_derivative(device, scenario):
+    attrs, grad_args = SCENARIOS[scenario]
+    x, ids = _inputs(torch.bfloat16, seed=4)
+    r = pmt.moe_init_routing_v2(x, ids, expert_num=E, **attrs)
+    g = torch.randn(r.expanded_x.shape).to(torch.bfloat16).requires_grad_()
+    grad_x = pmt.moe_init_routing_v2_grad(g, r.expanded_row_idx, *grad_args)
+    assert _bits_equal(_np(grad_x), pm.reference.moe_init_routing_v2_grad(_np(g), _np(r.expanded_row_idx), *grad_args))
+    # Its derivative gathers grad_x's gradient back to the rows each slot named: the
+    # forward's own gather, so the gradient of g is the forward of v (zero where nothing lands).
+    v = torch.randn(grad_x.shape).to(torch.bfloat16)
+    (grad_x.float() * v.float()).sum().backward()
+    gathered = pmt.moe_init_routing_v2(v, ids, expert_num=E, **attrs).expanded_x
+    assert torch.equal(g.grad, gathered)
+
+
+def test_bad_input_is_refused_by_parameter_name(device):
+    x, ids = _inputs(torch.float32)
+    with pytest.raises(pm.InvalidArgument, match="expert_idx: dtype must be int32"):
+        pmt.moe_init_routing_v2(x, ids.long(), expert_num=E)
+    with pytest.raises(pm.InvalidArgument, match="x: must be a torch tensor"):
+        pmt.moe_init_routing_v2(x.numpy(), ids, expert_num=E)
+    with pytest.raises(pm.InvalidArgument, match="expert_tokens_before_capacity_flag: must be a bool"):
+        pmt.moe_init_routing_v2(x, ids, expert_num=E, expert_tokens_before_capacity_flag=1)
+    with pytest.raises(pm.InvalidArgument, match="top_k: must be greater than 0"):
+        pmt.moe_init_routing_v2_grad(x, ids.reshape(-1), 0)
+    with pytest.raises(pm.InvalidArgument, match="expanded_row_idx: must be a torch tensor"):
+        pmt.moe_init_routing_v2_grad(x, [1, 2], 1)
+
+
+def test_importing_the_package_imports_no_torch_and_pm_torch_is_the_module():
+    code = ("import sys, pyacl_moe as pm; assert 'torch' not in sys.modules and 'pyacl_moe.torch' not in sys.modules; "
+            "import pyacl_moe.torch as pmt; assert pm.torch is pmt and 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.cann
+def test_npu_tensors_run_in_place_on_torch_npus_stream():
+    torch_npu = pytest.importorskip("torch_npu")
+    x, ids = _inputs(torch.bfloat16)
+    attrs, grad_args = SCENARIOS["active"]
+    xn = x.to("npu").requires_grad_()
+    r = pmt.moe_init_routing_v2(xn, ids.to("npu"), expert_num=E, **attrs)
+    assert r.expanded_x.device.type == "npu"
+    w = torch.randn(r.expanded_x.shape).to(torch.bfloat16)
+    (r.expanded_x * w.to("npu")).sum().backward()  # no synchronize: the same stream as torch's kernels
+    torch_npu.npu.synchronize()
+    expected = pm.reference.moe_init_routing_v2_grad(_np(w), _np(r.expanded_row_idx.cpu()), *grad_args)
+    assert _bits_equal(_np(xn.grad.cpu()), expected)
