@@ -24,6 +24,7 @@ The derivative of the forward in ``x`` is the backward op on the incoming gradie
 (a gather, in torch), so second derivatives go through.
 """
 
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -49,14 +50,30 @@ class RoutingTensors(NamedTuple):
     expert_tokens_before_capacity: Optional[Tensor]
 
 
+# The borrowed wrappers of torch_npu's streams, one per (device, aclrtStream): a wrapper holds
+# the stream's workspace and executor cache, and one that died would be closed, which waits
+# for its stream; so each is made once and kept. torch_npu takes its streams from a fixed pool
+# per device, which bounds the dict. Guarded by _streams_lock.
+_streams: dict[tuple[int, int], Stream] = {}
+_streams_lock = threading.Lock()
+
+
 def _npu_stream(t: Tensor) -> Stream:
     """torch_npu's current stream on ``t``'s device, borrowed: the op queues where torch's
     kernels are, so nothing has to synchronize in between."""
     import torch_npu  # type: ignore[import-not-found]  # present: the tensor is on an NPU
 
     index = t.device.index if t.device.index is not None else torch_npu.npu.current_device()
-    handle = torch_npu.npu.current_stream(index).npu_stream
-    return Stream.from_handle(int(handle), device=index)
+    key = (int(index), int(torch_npu.npu.current_stream(index).npu_stream))
+    with _streams_lock:
+        stream = _streams.get(key)
+    if stream is None or stream.closed:
+        made = Stream.from_handle(key[1], device=key[0])  # outside the lock: it may reach CANN
+        with _streams_lock:
+            stream = _streams.setdefault(key, made)
+            if stream.closed:
+                stream = _streams[key] = made
+    return stream
 
 
 def _on_npu(t: Tensor) -> bool:

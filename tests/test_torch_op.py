@@ -156,3 +156,25 @@ def test_npu_tensors_run_in_place_on_torch_npus_stream():
     torch_npu.npu.synchronize()
     expected = pm.reference.moe_init_routing_v2_grad(_np(w), _np(r.expanded_row_idx.cpu()), *grad_args)
     assert _bits_equal(_np(xn.grad.cpu()), expected)
+
+
+def test_torch_npus_stream_is_borrowed_once_per_device_and_handle(device, monkeypatch):
+    # On an Ascend host the operators queue on torch_npu's current stream: one borrowed
+    # wrapper per (device, handle), kept, so that its workspace and executors are reused and
+    # no dropped wrapper's close waits for torch's stream. torch_npu is stood in for here.
+    import types
+
+    own = [pm.Stream(device), pm.Stream(device)]
+    current = {"stream": own[0]}
+    npu = types.SimpleNamespace(current_device=lambda: 0,
+                                current_stream=lambda index=None: types.SimpleNamespace(
+                                    npu_stream=current["stream"].handle))
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    on_npu = types.SimpleNamespace(device=types.SimpleNamespace(type="npu", index=0))
+    first = pmt._npu_stream(on_npu)
+    assert first.handle == own[0].handle and pmt._npu_stream(on_npu) is first
+    current["stream"] = own[1]
+    second = pmt._npu_stream(on_npu)
+    assert second.handle == own[1].handle and second is not first
+    current["stream"] = own[0]
+    assert pmt._npu_stream(on_npu) is first
