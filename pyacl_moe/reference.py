@@ -5,7 +5,13 @@ device kernel.
 -1 in drop/pad mode and indices >= active_num in active mode. The terms are widened to
 float32 exactly, added in float32 in the kernel's own order, and the sum is rounded once to
 the output dtype, to nearest even. With the kernel's order the result is the device's bit
-for bit (NaN payloads aside; subnormals are kept, as IEEE has them), not merely close to it.
+for bit (NaN bits aside, below; subnormals are kept, as IEEE has them), not merely close to it.
+
+NaN: every NaN of the result is the positive canonical quiet NaN of the output dtype (float32
+0x7FC00000, float16 0x7E00, bfloat16 0x7FC0), whatever the signs and payloads of the NaN
+terms: the emulator's rule (docs/emulator.md, "NaN results"), which this model shares bit for
+bit. The device's own NaN bits are not known (unverified), which is why conformance lets any NaN
+match any NaN.
 
 The kernel's order, as read from the vendor's source (github:repo-mirror-test/ops-transformer,
 moe/moe_init_routing_v2_grad/op_host/moe_init_routing_v2_grad_tiling.cpp for the buffer count,
@@ -68,6 +74,10 @@ __all__ = ["moe_init_routing_v2", "moe_init_routing_v2_grad"]
 _WORKING_SET_BYTES = 2 * 1024 * 1024
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+
+# The NaN every NaN sum becomes before the rounding (the module's NaN rule). Its narrowing is
+# the other types' canonical NaN, 0x7E00 and 0x7FC0: the casts keep a NaN's top mantissa bits.
+_NAN32 = np.array(0x7FC00000, np.uint32).view(np.float32)
 
 # The vendor's tiling: below this K the buffer count follows K; from it on it is fixed.
 _K_FIXED_BUFFERS = 128
@@ -216,6 +226,12 @@ def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, o
                 step = 2 * stride
                 np.add(acc[0:b:step], acc[stride:b:step], out=acc[0:b:step])
                 stride = step
+            # Which sums are NaN does not depend on the order of the additions, but their sign
+            # and payload do (NumPy's loops, like the host's compiler, pick the operand order):
+            # the rule replaces them all.
+            nan = np.isnan(acc[0])
+            if nan.any():
+                acc[0][nan] = _NAN32
             out[t0:t1, c0:c1] = acc[0]  # the one rounding to the output dtype (nearest even)
 
 

@@ -8,6 +8,14 @@
  * drop/pad mode, index >= activeNum in active mode) contribute nothing. Summing in the same
  * order makes float32 results bit-identical to a kernel that follows that order.
  *
+ * NaN: every NaN of the result is the positive canonical quiet NaN of the output type (float32
+ * 0x7FC00000, float16 0x7E00, bfloat16 0x7FC0), whatever the signs and payloads of the NaN
+ * terms. IEEE 754 leaves a computed NaN's sign and payload open, and the host's choice follows
+ * the operand order the compiler picked for each addition (x86 returns the first NaN operand,
+ * and a vectorized `dst += src` may be emitted either way round), so only a fixed encoding is
+ * reproducible; whether a value is NaN does not depend on that order. The rule is applied
+ * where the float32 sum is stored or narrowed (docs/emulator.md, "NaN results").
+ *
  * An index that addresses no row of gradExpandedX is what a device reports as an AI Core
  * exception: the emulator checks every index before writing anything, leaves `out` untouched,
  * and fails the task with ACL_ERROR_RT_AICORE_EXCEPTION naming the index.
@@ -75,27 +83,37 @@ static void init_tables(void) {
  * inf/NaN) are all computed and selected with masks. Normal: rebias the exponent and round
  * the 13 dropped mantissa bits to even. Subnormal: adding 0.5f aligns the value so that the
  * float addition itself rounds it to units of 2^-24. Checked against a step-by-step
- * conversion on all 2^32 inputs. */
+ * conversion on all 2^32 inputs. A NaN becomes the canonical 0x7E00, its sign and payload
+ * dropped (the kernel's NaN rule, above). */
 static inline uint16_t float_to_half(float f) {
     uint32_t x = float_to_bits(f);
     uint32_t ax = x & 0x7fffffffu;
     uint32_t normal = ((ax - (112u << 23)) + 0xfffu + ((ax >> 13) & 1u)) >> 13;
     uint32_t sub = float_to_bits(bits_to_float(ax) + 0.5f) - (126u << 23);
-    uint32_t special = ax > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    uint32_t is_nan = 0u - (uint32_t)(ax > 0x7f800000u);
+    uint32_t special = (0x7e00u & is_nan) | (0x7c00u & ~is_nan);
     uint32_t is_sub = 0u - (uint32_t)(ax < 0x38800000u);
     uint32_t is_big = 0u - (uint32_t)(ax >= 0x47800000u); /* 2^16 and up: inf or NaN */
     uint32_t r = (normal & ~is_sub) | (sub & is_sub);
     r = (r & ~is_big) | (special & is_big);
-    return (uint16_t)(r | ((x >> 16) & 0x8000u));
+    return (uint16_t)(r | ((x >> 16) & 0x8000u & ~is_nan));
 }
 
-/* float32 -> bfloat16, round to nearest even, NaN kept quiet; branch-free like the above. */
+/* float32 -> bfloat16, round to nearest even, a NaN the canonical 0x7FC0; branch-free like the
+ * above (the rounding addition would carry a NaN's payload into the exponent or the sign). */
 static inline uint16_t float_to_bf16(float f) {
     uint32_t x = float_to_bits(f);
     uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-    uint32_t quiet = (x >> 16) | 0x40u;
     uint32_t is_nan = 0u - (uint32_t)((x & 0x7fffffffu) > 0x7f800000u);
-    return (uint16_t)((rounded & ~is_nan) | (quiet & is_nan));
+    return (uint16_t)((rounded & ~is_nan) | (0x7fc0u & is_nan));
+}
+
+/* A float32 result as stored: its bits, a NaN the canonical 0x7FC00000. Branch-free, so the
+ * store loop vectorizes as the copy it replaces did. */
+static inline uint32_t float_to_f32_bits(float f) {
+    uint32_t x = float_to_bits(f);
+    uint32_t is_nan = 0u - (uint32_t)((x & 0x7fffffffu) > 0x7f800000u);
+    return (x & ~is_nan) | (0x7fc00000u & is_nan);
 }
 
 /* ------------------------------------------------------------------ row arithmetic */
@@ -318,6 +336,11 @@ static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float
         /* One rounding to the output type. */
         unsigned char *orow = j->out_base + i * h * (int64_t)j->es;
         if (dt == ACL_FLOAT) {
+            /* Even a token whose one term was copied, not added, stores a canonical NaN: one
+             * rule for every K and dtype. The buffer is this thread's own, so it is rewritten
+             * in place (the quiet NaN goes through a float unchanged) and copied out whole:
+             * out may be at any address. */
+            for (int64_t c = 0; c < h; c++) bins[c] = bits_to_float(float_to_f32_bits(bins[c]));
             memcpy(orow, bins, (size_t)h * sizeof(float));
         } else if ((uintptr_t)orow % sizeof(uint16_t)) {
             /* An output address that is not 2-byte aligned: no uint16_t stores. */

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "rt_internal.h"
 
@@ -89,8 +90,18 @@ EMU_API aclError aclrtGetDeviceCount(uint32_t *count) {
 /* The device's default context and stream, created when its count goes 0 -> 1. */
 static int device_open_locked(const char *api, int32_t d) {
     emu_device *dev = &g_devices[d];
-    if (reserve_va_locked(dev)) {
-        aclemuSetErrMsg(api, ACL_ERROR_RT_MEMORY_ALLOCATION, "cannot reserve a device address range");
+    size_t tried = 0;
+    if (reserve_va_locked(dev, &tried)) {
+        /* Under `ulimit -v` the cause is nearly always the capacity: say which knob to turn. */
+        struct rlimit rl;
+        char limit[64] = "none";
+        if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+            snprintf(limit, sizeof limit, "%llu bytes", (unsigned long long)rl.rlim_cur);
+        aclemuSetErrMsg(api, ACL_ERROR_RT_MEMORY_ALLOCATION,
+                        "cannot reserve a device address range of %zu bytes for device %d's %zu "
+                        "bytes of memory (the process's address-space limit, ulimit -v: %s); "
+                        "lower PYACL_MOE_EMU_MEMORY",
+                        tried, (int)d, g_capacity, limit);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
     emu_context *c = calloc(1, sizeof *c);

@@ -195,7 +195,7 @@ void stream_release_all_of_device_locked(int32_t d);
 
 emu_block *find_block_locked(uintptr_t addr, size_t *index);
 void block_release_locked(emu_block *b);
-int reserve_va_locked(emu_device *dev);
+int reserve_va_locked(emu_device *dev, size_t *tried);
 void release_device_blocks_locked(int32_t d);
 
 #pragma GCC visibility pop

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "rt_internal.h"
@@ -81,9 +82,25 @@ void block_release_locked(emu_block *b) {
     }
 }
 
-int reserve_va_locked(emu_device *dev) {
+/* The device's address range. Without an address-space limit it is as large as the host allows
+ * (1 TiB, halved until the mmap succeeds: a PROT_NONE, MAP_NORESERVE range costs no memory),
+ * so that bump allocation goes a long way before addresses are reused. Under a limit
+ * (RLIMIT_AS, `ulimit -v`) the range counts against it like any mapping, so it is sized from
+ * the capacity: twice it plus 1 MiB, room for every block's alignment and guard gap, halved
+ * when that does not fit, down to the capacity plus 1 MiB (or 16 GiB, the old floor, for a
+ * larger capacity, which then runs out of addresses before it runs out of bytes). 0, or -1
+ * with *tried the smallest size refused. */
+int reserve_va_locked(emu_device *dev, size_t *tried) {
     if (dev->va_base) return 0;
-    for (size_t size = (size_t)1 << 40; size >= ((size_t)1 << 34); size >>= 1) {
+    const size_t mib = (size_t)1 << 20, most = (size_t)1 << 40;
+    size_t cap = (g_capacity + mib - 1) & ~(mib - 1);
+    size_t least = cap + mib < ((size_t)16 << 30) ? cap + mib : (size_t)16 << 30;
+    size_t want = most;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && cap < most / 2)
+        want = 2 * cap + mib;
+    if (want < least) want = least;
+    for (size_t size = want;; size = size / 2 > least ? size / 2 : least) {
         void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (p != MAP_FAILED) {
             dev->va_base = p;
@@ -91,7 +108,9 @@ int reserve_va_locked(emu_device *dev) {
             dev->va_bump = EMU_VA_GAP;
             return 0;
         }
+        if (size == least) break;
     }
+    *tried = least;
     return -1;
 }
 

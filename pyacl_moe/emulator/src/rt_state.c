@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "rt_internal.h"
@@ -161,6 +162,22 @@ static int env_size(const char *name, size_t dflt, size_t *out) {
     return 0;
 }
 
+/* The capacity a device has when PYACL_MOE_EMU_MEMORY is not set: 32 GiB, or, when the process
+ * has an address-space limit (RLIMIT_AS, `ulimit -v`), an eighth of the limit shared by the
+ * devices, if that is less. A device's memory is host memory and its address range is reserved
+ * address space (reserve_va_locked: about twice the capacity), both counted by that limit: a
+ * 32 GiB device cannot exist under `ulimit -v 6000000`, and what is left must still hold the
+ * Python process itself, its libraries and its threads' stacks and malloc arenas. */
+static size_t default_capacity(int devices) {
+    size_t dflt = (size_t)32 << 30;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_AS, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return dflt;
+    size_t share = (size_t)(rl.rlim_cur / 8 / (rlim_t)(devices > 1 ? devices : 1));
+    share &= ~(((size_t)1 << 20) - 1); /* whole MiB, as one would write it */
+    if (share < ((size_t)1 << 20)) share = (size_t)1 << 20;
+    return share < dflt ? share : dflt;
+}
+
 /* One of `names` (NULL-terminated); its index, or dflt when unset. */
 static int env_choice(const char *name, const char *const *names, int dflt, int *out,
                       const char *forms) {
@@ -185,7 +202,7 @@ int config_locked(void) {
     env_int("PYACL_MOE_EMU_DEVICES", 0, EMU_MAX_DEVICES, 1, &count,
             "use a whole number of devices from 0 to 64");
     g_device_count = (int)count;
-    env_size("PYACL_MOE_EMU_MEMORY", (size_t)32 << 30, &g_capacity);
+    env_size("PYACL_MOE_EMU_MEMORY", default_capacity(g_device_count), &g_capacity);
     const char *soc = env_value("PYACL_MOE_EMU_SOC");
     int soc_ok = 1;
     for (const char *c = soc; c && *c; c++)
