@@ -72,19 +72,27 @@ def _info(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import pyacl_moe as pm
 
-    from .tools.cases import compare, make_case
+    from .tools.cases import compare, make_case, too_large, x_shape
 
     if args.active_num is not None and args.mode != "active":
-        raise UsageError(f"--active-num applies to --mode active, not {args.mode}")
+        raise UsageError(f"applies to --mode active, not {args.mode}", "--active-num")
     for flag, value in (("--experts", args.experts), ("--capacity", args.capacity)):
         if value is not None and args.mode != "drop-pad":
-            raise UsageError(f"{flag} applies to --mode drop-pad, not {args.mode}")
+            raise UsageError(f"applies to --mode drop-pad, not {args.mode}", flag)
     if args.active_num is not None and args.active_num > args.tokens * args.top_k:
-        raise UsageError(f"--active-num must be at most N*K = {args.tokens * args.top_k}, got {args.active_num}")
-    case = make_case(
-        args.tokens, args.top_k, args.hidden, args.dtype, args.mode,
-        active_num=args.active_num, experts=args.experts, capacity=args.capacity, seed=args.seed,
-    )
+        raise UsageError(f"must be at most N*K = {args.tokens * args.top_k}, got {args.active_num}", "--active-num")
+    sizes = {"tokens": args.tokens, "top_k": args.top_k, "hidden": args.hidden, "mode": args.mode,
+             "active_num": args.active_num, "experts": args.experts, "capacity": args.capacity}
+    # Refused here, in one line naming the flags, rather than as NumPy's MemoryError from deep
+    # inside make_case.
+    why = too_large(dtype=args.dtype, **sizes)
+    if why:
+        shape = x_shape(**sizes)  # the values --active-num, --experts and --capacity default to
+        named = {"--tokens": args.tokens, "--top-k": args.top_k, "--hidden": args.hidden,
+                 **{"dropless": {}, "active": {"--active-num": shape[0]},
+                    "drop-pad": {"--experts": shape[0], "--capacity": shape[1]}}[args.mode]}
+        raise UsageError(f"{' '.join(map(str, named.values()))} ({args.mode}, {args.dtype}): {why}", "/".join(named))
+    case = make_case(dtype=args.dtype, seed=args.seed, **sizes)
     dev = pm.current_device()
     # The first call loads and warms up; time the second, which is what a loop would see.
     pm.moe_init_routing_v2_grad(*case.args())
@@ -127,48 +135,53 @@ def _run(args: argparse.Namespace) -> int:
 
 
 class UsageError(Exception):
-    """A bad flag value or an environment that cannot run: exit 2 before any case runs."""
+    """A bad flag value or an environment that cannot run: exit 2 before any case runs.
+
+    With ``flag``, the value of that flag (or of that pair, "--rtol/--atol") is what is wrong:
+    main reports it as argparse reports a value it refuses itself, so that every refused
+    value reads the same whichever check found it."""
+
+    def __init__(self, message: str, flag: str | None = None) -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 def _conformance(args: argparse.Namespace) -> int:
     from .tools import conformance
+    from .tools.cases import size_text
 
-    if args.seed < 0:
-        raise UsageError(f"--seed must be a non-negative integer, got {args.seed}")
-    rtol, atol = _tolerances("--rtol", args.rtol), _tolerances("--atol", args.atol)
-    max_memory = _size("--max-memory", args.max_memory) if args.max_memory is not None else None
+    # Each item gave (dtype, value) pairs; a later item wins.
+    rtol = dict(pair for item in args.rtol or [] for pair in item)
+    atol = dict(pair for item in args.atol or [] for pair in item)
+    max_memory = args.max_memory
     if args.exact and args.standard not in (None, "exact"):
-        raise UsageError(f"--exact is --standard exact; it cannot be given with --standard {args.standard}")
+        raise UsageError(f"is --standard exact; it cannot be given with --standard {args.standard}", "--exact")
     standard = "exact" if args.exact else args.standard or conformance.DEFAULT_STANDARD
     if (rtol or atol) and standard != "pyacl":
-        raise UsageError(f"--rtol and --atol override the pyacl standard's tolerances; the {standard} standard "
-                         f"has its own (docs/conformance.md): give --standard pyacl")
-    devices = _device_list(args)
+        raise UsageError(f"override the pyacl standard's tolerances; the {standard} standard "
+                         f"has its own (docs/conformance.md): give --standard pyacl", "--rtol/--atol")
+    devices = args.devices if args.devices is not None else [args.device] if args.device is not None else None
     if args.ascend_home is not None and args.emulator:
-        raise UsageError("--ascend-home and --emulator choose different CANNs; give one")
+        raise UsageError("--ascend-home and --emulator choose different CANNs; give one", "--ascend-home")
     profile = "full" if args.full else "quick"
     kit_cases = None
     if args.cases and devices and len(devices) > 1:
-        raise UsageError("--cases runs on one device; give --device, not --devices")
+        raise UsageError("--cases runs on one device; give --device, not --devices", "--devices")
     if args.cases:
         from .tools import kitcases
 
         try:
             kit_cases = kitcases.load(args.cases)
         except kitcases.CaseFileError as exc:
-            raise UsageError(f"--cases {exc}") from None
+            raise UsageError(str(exc), "--cases") from None
         profile = "cases"
     selected = conformance.select(profile, args.filter, kit_cases)
     if not selected:
-        raise UsageError(f"--filter {args.filter!r} matches no case of the {profile} profile "
-                         f"(see conformance --list{' --full' if args.full else ''})")
+        raise UsageError(f"{args.filter!r} matches no case of the {profile} profile "
+                         f"(see conformance --list{' --full' if args.full else ''})", "--filter")
     if args.list:
         _list_cases(selected)
         return 0
-    if args.perf < 0:
-        raise UsageError(f"--perf must be a non-negative integer, got {args.perf}")
-    if not (args.perf_threshold > 0 and math.isfinite(args.perf_threshold)):
-        raise UsageError(f"--perf-threshold must be a finite number > 0, got {args.perf_threshold}")
     for flag, path in (("--report", args.report), ("--junit", args.junit), ("--report-csv", args.report_csv)):
         if path:
             _check_writable(flag, path)
@@ -177,24 +190,25 @@ def _conformance(args: argparse.Namespace) -> int:
         try:
             baseline = conformance.load_baseline(args.baseline)
         except ValueError as exc:
-            raise UsageError(str(exc)) from None
+            raise UsageError(str(exc), "--baseline") from None
         if baseline.get("seed", args.seed) != args.seed:
-            raise UsageError(f"--baseline {args.baseline} was made with --seed {baseline['seed']}, this run uses "
-                             f"{args.seed}: the inputs differ, so would every bit; pass --seed {baseline['seed']}")
+            raise UsageError(f"{args.baseline} was made with --seed {baseline['seed']}, this run uses "
+                             f"{args.seed}: the inputs differ, so would every bit; pass --seed {baseline['seed']}",
+                             "--baseline")
     if max_memory is not None and all(c.nbytes > max_memory for c in selected):
-        raise UsageError(f"--max-memory {args.max_memory} leaves no case to run (the smallest needs "
-                         f"{min(c.nbytes for c in selected)} bytes)")
+        raise UsageError(f"{size_text(max_memory)} leaves no case to run (the smallest needs "
+                         f"{size_text(min(c.nbytes for c in selected))})", "--max-memory")
 
     import pyacl_moe as pm
 
     try:
         if args.ascend_home is not None:
             if not os.path.isdir(args.ascend_home):
-                raise UsageError(f"--ascend-home {args.ascend_home}: no such folder")
+                raise UsageError(f"{args.ascend_home}: no such folder", "--ascend-home")
             try:
                 pm.load(ascend_home=args.ascend_home, emulator=False)
             except RuntimeError as exc:  # another CANN is loaded already (a library caller)
-                raise UsageError(f"--ascend-home {args.ascend_home}: {exc}") from None
+                raise UsageError(f"{args.ascend_home}: {exc}", "--ascend-home") from None
         count = pm.device_count()
     except pm.CannNotFoundError as exc:
         # One line for a CI log: where it looked, and the three ways out.
@@ -203,7 +217,8 @@ def _conformance(args: argparse.Namespace) -> int:
                          f"PATH, or use --emulator") from None
     unknown = [d for d in devices if not 0 <= d < count] if devices else []
     if unknown:
-        raise UsageError(f"device {unknown[0]} does not exist: CANN sees {count} device(s), ids 0 to {count - 1}")
+        raise UsageError(f"device {unknown[0]} does not exist: CANN sees {count} device(s), ids 0 to {count - 1}",
+                         "--devices" if args.devices is not None else "--device")
 
     report = conformance.run(
         profile, args.filter, args.seed, progress=sys.stderr, cases=kit_cases, devices=devices, standard=standard,
@@ -224,7 +239,7 @@ def _conformance(args: argparse.Namespace) -> int:
 
 
 def _list_cases(selected: list[Any]) -> None:
-    from .tools.conformance import size_text
+    from .tools.cases import size_text
 
     rows = [("case", "kind", "dtype", "scenario", "shape", "source", "memory")]
     for c in selected:
@@ -236,47 +251,66 @@ def _list_cases(selected: list[Any]) -> None:
     print(f"{len(selected)} cases")
 
 
-def _tolerances(flag: str, values: list[str] | None) -> dict[str, float]:
-    """``[DTYPE=]VALUE`` items: a VALUE alone applies to every dtype, later items win."""
+def _tolerance(text: str) -> list[tuple[str, float]]:
+    """An argparse type for ``[DTYPE=]VALUE``: (dtype, value) pairs, every dtype's for a VALUE alone."""
     from .tools.cases import STANDARDS
 
-    out: dict[str, float] = {}
-    for item in values or []:
-        name, sep, text = item.rpartition("=")
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (value >= 0 and value != float("inf")):
-            raise UsageError(f"{flag} {item}: the value must be a finite number >= 0")
-        if sep and name not in STANDARDS:
-            raise UsageError(f"{flag} {item}: the dtype must be one of {', '.join(STANDARDS)}")
-        for dt in ([name] if sep else list(STANDARDS)):
-            out[dt] = value
-    return out
+    name, sep, number = text.rpartition("=")
+    try:
+        value = float(number)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text}: the value must be a finite number >= 0")
+    if sep and name not in STANDARDS:
+        raise argparse.ArgumentTypeError(f"{text}: the dtype must be one of {', '.join(STANDARDS)}")
+    return [(name, value)] if sep else [(dt, value) for dt in STANDARDS]
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def _size(flag: str, text: str) -> int:
-    """Bytes from '512M', '1.5GiB', '4096' (binary units: K = 1024)."""
+def _size(text: str) -> int:
+    """An argparse type: bytes from '512M', '1.5GiB', '4096' (binary units: K = 1024)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
     if not m:
-        raise UsageError(f"{flag} {text}: give a size such as 4096, 512M or 2GiB")
+        raise argparse.ArgumentTypeError(f"{text}: give a size such as 4096, 512M or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def _device_list(args: argparse.Namespace) -> list[int] | None:
-    if args.devices is None:
-        return [args.device] if args.device is not None else None
+def _device_ids(text: str) -> list[int]:
+    """An argparse type: distinct device ids, comma-separated."""
     try:
-        ids = [int(v) for v in args.devices.split(",")]
+        ids = [int(v) for v in text.split(",")]
     except ValueError:
         ids = [-1]
-    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-        raise UsageError(f"--devices {args.devices}: give distinct non-negative device ids separated by commas")
+    if min(ids) < 0 or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"{text}: give distinct non-negative device ids separated by commas")
     return ids
+
+
+def _integer(lo: int) -> Any:
+    """An argparse type: an integer >= lo (argparse names the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+    return parse
+
+
+def _ratio(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def _check_writable(flag: str, path: str) -> None:
@@ -284,13 +318,13 @@ def _check_writable(flag: str, path: str) -> None:
     exist: the only test that answers for permissions, full file systems and missing folders."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+        raise UsageError(f"{path}: the folder {folder} does not exist", flag)
     existed = os.path.exists(path)
     try:
         with open(path, "a"):
             pass
     except OSError as exc:
-        raise UsageError(f"{flag} {path}: not writable ({exc.strerror or exc})") from None
+        raise UsageError(f"{path}: not writable ({exc.strerror or exc})", flag) from None
     if not existed:
         os.unlink(path)
 
@@ -314,28 +348,31 @@ def _emulator(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count(name: str, lo: int = 1) -> Any:
-    """An argparse type: an integer >= lo, refused in one line naming the flag."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {value}")
-        return value
-    parse.__name__ = name  # what argparse names in "invalid <name> value"
-    return parse
+class _HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)", but only where there is a default to state and the help does
+    not state it already: not "(default: False)" on a flag, nor "(default: None)" on an option
+    whose help says what its absence means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
-_HELP = argparse.ArgumentDefaultsHelpFormatter
+def _name_subcommands(sub: Any) -> None:
+    """Let a missing subcommand be reported by its choices ("required: {build,path}"), not by
+    the dest nobody types ("required: emulator_command"); the usage line reads the same."""
+    sub.metavar = "{" + ",".join(sub.choices) + "}"
 
 
 class _Parser(argparse.ArgumentParser):
     """One line on a usage error, like every other error of the command."""
 
     def error(self, message: str) -> Any:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, self.error_line(message))
+
+    def error_line(self, message: str) -> str:
+        return f"{self.prog}: error: {message} (see {self.prog} --help)\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -361,17 +398,17 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one random case and check it against the NumPy reference",
                          formatter_class=_HELP)
     run.add_argument("--emulator", **emulator_flag)
-    run.add_argument("--tokens", type=_count("--tokens"), default=64, help="N, tokens")
-    run.add_argument("--top-k", type=_count("--top-k"), default=4, help="K, experts per token")
-    run.add_argument("--hidden", type=_count("--hidden"), default=256, help="H, hidden size")
+    run.add_argument("--tokens", type=_integer(1), default=64, help="N, tokens")
+    run.add_argument("--top-k", type=_integer(1), default=4, help="K, experts per token")
+    run.add_argument("--hidden", type=_integer(1), default=256, help="H, hidden size")
     run.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float32", help="element type")
     run.add_argument("--mode", choices=("dropless", "active", "drop-pad"), default="dropless", help="scenario")
-    run.add_argument("--active-num", type=_count("--active-num"), default=None,
-                     help="A, rows in active mode, at most N*K (None: N*K/2)")
-    run.add_argument("--experts", type=_count("--experts"), default=None, help="E in drop-pad mode (None: 8)")
-    run.add_argument("--capacity", type=_count("--capacity"), default=None,
-                     help="C in drop-pad mode (None: N*K/E)")
-    run.add_argument("--seed", type=_count("--seed", 0), default=0, help="seed of the random inputs")
+    run.add_argument("--active-num", type=_integer(1), default=None,
+                     help="A, rows in active mode, at most N*K (default: N*K/2)")
+    run.add_argument("--experts", type=_integer(1), default=None, help="E in drop-pad mode (default: 8)")
+    run.add_argument("--capacity", type=_integer(1), default=None,
+                     help="C in drop-pad mode (default: N*K/E)")
+    run.add_argument("--seed", type=_integer(0), default=0, help="seed of the random inputs")
     run.add_argument("--json", action="store_true", help="print JSON")
     run.set_defaults(func=_run)
 
@@ -396,31 +433,32 @@ def build_parser() -> argparse.ArgumentParser:
                            "the catalogue; repeatable (see docs/conformance.md)")
     conf.add_argument("--report-csv", metavar="FILE.csv",
                       help="write one row per case, as the vendor's test kit does (standard, metrics, times, memory)")
-    conf.add_argument("--perf", type=int, default=0, metavar="N",
+    conf.add_argument("--perf", type=_integer(0), default=0, metavar="N",
                       help="run each passing case N more times, timed: the medians of the op call's host time "
                            "(api_us) and device time (device_us) go in the reports")
-    conf.add_argument("--perf-threshold", type=float, default=1.2, metavar="RATIO",
+    conf.add_argument("--perf-threshold", type=_ratio, default=1.2, metavar="RATIO",
                       help="with --baseline: list the cases whose device_us grew beyond RATIO times the "
-                           "baseline's (default 1.2); listed, the exit status does not change")
-    conf.add_argument("--seed", type=int, default=0, help="seed of the random inputs, >= 0 (default 0)")
+                           "baseline's; listed, the exit status does not change")
+    conf.add_argument("--seed", type=_integer(0), default=0, help="seed of the random inputs, >= 0")
     devs = conf.add_mutually_exclusive_group()
-    devs.add_argument("--device", type=int, metavar="N", help="run on device N (default: device 0)")
-    devs.add_argument("--devices", metavar="N,M,...",
+    devs.add_argument("--device", type=_integer(0), metavar="N", help="run on device N (default: device 0)")
+    devs.add_argument("--devices", type=_device_ids, metavar="N,M,...",
                       help="spread the cases over these devices, one process each, in parallel; one report")
     conf.add_argument("--ascend-home", metavar="PATH", help="load CANN from this toolkit home (what set_env.sh "
                                                            "exports as ASCEND_HOME_PATH)")
     conf.add_argument("--standard", choices=("stat-rel-err", "mixed", "close", "exact", "pyacl"),
-                      help="the precision standard numeric results are judged by (default stat-rel-err, the "
+                      help="the precision standard numeric results are judged by (default: stat-rel-err, the "
                            "one the vendor judges this op by; see docs/conformance.md)")
     conf.add_argument("--exact", action="store_true", help="the same as --standard exact: bit for bit against "
                                                            "the reference (any NaN matches any NaN)")
-    conf.add_argument("--rtol", action="append", metavar="[DTYPE=]VALUE",
+    conf.add_argument("--rtol", action="append", type=_tolerance, metavar="[DTYPE=]VALUE",
                       help="with --standard pyacl: override a dtype's rtol, e.g. bfloat16=0.01 (no DTYPE: every "
                            "dtype); repeatable")
-    conf.add_argument("--atol", action="append", metavar="[DTYPE=]VALUE", help="override atol, as --rtol")
+    conf.add_argument("--atol", action="append", type=_tolerance, metavar="[DTYPE=]VALUE",
+                      help="override atol, as --rtol")
     conf.add_argument("--strict", action="store_true",
                       help="fail the run when CANN differs from a rule inferred from the opbase source")
-    conf.add_argument("--max-memory", metavar="SIZE",
+    conf.add_argument("--max-memory", type=_size, metavar="SIZE",
                       help="skip cases whose inputs and outputs exceed SIZE on the device (e.g. 512M, 2G)")
     conf.add_argument("--baseline", metavar="OLD.json",
                       help="a report of an earlier run: list the cases whose output bits changed and those "
@@ -435,12 +473,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the figures as JSON")
     bench.set_defaults(func=_bench)
 
-    emu = sub.add_parser("emulator", help="build the bundled emulator or print where it is")
+    emu = sub.add_parser("emulator", help="build the bundled emulator or print where it is", formatter_class=_HELP)
     emu_sub = emu.add_subparsers(dest="emulator_command", required=True)
-    b = emu_sub.add_parser("build", help="compile it (cached) and print its home")
+    b = emu_sub.add_parser("build", help="compile it (cached) and print its home", formatter_class=_HELP)
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     b.set_defaults(func=_emulator)
-    emu_sub.add_parser("path", help="print its home, building first if needed").set_defaults(func=_emulator)
+    emu_sub.add_parser("path", help="print its home, building first if needed",
+                       formatter_class=_HELP).set_defaults(func=_emulator)
+    _name_subcommands(emu_sub)
+    _name_subcommands(sub)
+    # Each command's own parser, to report a UsageError naming a flag as argparse would.
+    for parser in (*sub.choices.values(), *emu_sub.choices.values()):
+        parser.set_defaults(parser=parser)
     return p
 
 
@@ -455,8 +499,19 @@ def main(argv: list[str] | None = None) -> int:
 
             use_emulator()
         return int(args.func(args) or 0)
-    except (PyaclMoeError, EmulatorBuildError, UsageError) as exc:
+    except UsageError as exc:
+        if exc.flag:  # in the words of argparse's own refusals
+            sys.stderr.write(args.parser.error_line(f"argument {exc.flag}: {exc}"))
+        else:
+            print(f"pyacl-moe: error: {exc}", file=sys.stderr)
+        return 2
+    except (PyaclMoeError, EmulatorBuildError) as exc:
         print(f"pyacl-moe: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:
+        # A size the up-front check let through (it refuses only the certain cases) and the
+        # allocation then refused: one line, not NumPy's traceback.
+        print(f"pyacl-moe: error: out of memory: {exc}; give smaller sizes", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pyacl-moe: interrupted", file=sys.stderr)

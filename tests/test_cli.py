@@ -4,6 +4,7 @@ in a fresh interpreter."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -124,31 +125,41 @@ def no_case_may_run(monkeypatch):
     monkeypatch.setattr(conformance, "run", refuse)
 
 
+def refused(main, *args: str) -> tuple[int, str, str]:
+    """main's (exit status, stdout, stderr), whether argparse refused the command line (it exits)
+    or the command did (it returns)."""
+    try:
+        return main(*args)
+    except SystemExit as exc:
+        return (int(exc.code or 0), *main.readouterr())
+
+
 @pytest.mark.parametrize("args, says", [
-    (["--seed", "-1"], "--seed must be a non-negative integer"),
-    (["--report", "{tmp}/missing/r.json"], "the folder {tmp}/missing does not exist"),
-    (["--junit", "{tmp}"], "not writable"),
-    (["--filter", "nomatch"], "--filter 'nomatch' matches no case"),
-    (["--device", "5"], "device 5 does not exist: CANN sees 1 device(s)"),
-    (["--device=-1"], "device -1 does not exist"),
-    (["--devices", "0,1"], "device 1 does not exist"),
-    (["--devices", "0,0"], "--devices 0,0: give distinct non-negative device ids"),
-    (["--rtol", "float8=0.1"], "the dtype must be one of float32, float16, bfloat16"),
-    (["--atol", "bfloat16=-1"], "--atol bfloat16=-1: the value must be a finite number >= 0"),
-    (["--max-memory", "lots"], "--max-memory lots: give a size"),
-    (["--exact", "--rtol", "0.1"], "--rtol and --atol override the pyacl standard"),
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["--report", "{tmp}/missing/r.json"], "argument --report: {tmp}/missing/r.json: the folder {tmp}/missing does "
+                                           "not exist"),
+    (["--junit", "{tmp}"], "argument --junit: {tmp}: not writable"),
+    (["--filter", "nomatch"], "argument --filter: 'nomatch' matches no case"),
+    (["--device", "5"], "argument --device: device 5 does not exist: CANN sees 1 device(s)"),
+    (["--device=-1"], "argument --device: must be >= 0, got -1"),
+    (["--devices", "0,1"], "argument --devices: device 1 does not exist"),
+    (["--devices", "0,0"], "argument --devices: 0,0: give distinct non-negative device ids"),
+    (["--rtol", "float8=0.1"], "argument --rtol: float8=0.1: the dtype must be one of float32, float16, bfloat16"),
+    (["--atol", "bfloat16=-1"], "argument --atol: bfloat16=-1: the value must be a finite number >= 0"),
+    (["--max-memory", "lots"], "argument --max-memory: lots: give a size"),
+    (["--exact", "--rtol", "0.1"], "argument --rtol/--atol: override the pyacl standard"),
     (["--rtol", "0.1"], "give --standard pyacl"),
-    (["--exact", "--standard", "mixed"], "--exact is --standard exact"),
-    (["--max-memory", "1", "--filter", "dropless-float32"], "leaves no case to run"),
-    (["--baseline", "{tmp}/none.json"], "cannot read it"),
-    (["--ascend-home", "{tmp}/none"], "--ascend-home and --emulator choose different CANNs"),
+    (["--exact", "--standard", "mixed"], "argument --exact: is --standard exact"),
+    (["--max-memory", "1", "--filter", "dropless-float32"], "argument --max-memory: 1 B leaves no case to run"),
+    (["--baseline", "{tmp}/none.json"], "argument --baseline: {tmp}/none.json: cannot read it"),
+    (["--ascend-home", "{tmp}/none"], "argument --ascend-home: --ascend-home and --emulator choose different CANNs"),
 ])
 def test_usage_errors_exit_2_with_one_line_before_any_case(main, no_case_may_run, tmp_path, args, says):
     args = [a.format(tmp=tmp_path) for a in args]
-    code, out, err = main("--emulator", "conformance", *args)
+    code, out, err = refused(main, "--emulator", "conformance", *args)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("pyacl-moe: error: ") and says.format(tmp=tmp_path) in err
+    assert err.startswith("pyacl-moe conformance: error: ") and says.format(tmp=tmp_path) in err
     assert not (tmp_path / "r.json").exists()
 
 
@@ -156,7 +167,7 @@ def test_a_bad_flag_value_is_one_line_too(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["conformance", "--seed", "abc"])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and "invalid int value: 'abc'" in err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "argument --seed: must be an integer, got 'abc'" in err
 
 
 def test_a_baseline_of_another_seed_is_refused(main, no_case_may_run, tmp_path):
@@ -248,22 +259,123 @@ def test_full_help_gives_the_real_input_size():
     assert "inputs up to 1 GiB" in conf.help and 1 << 30 < largest < 3 << 29
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--experts", "0"], "--experts must be >= 1, got 0"),
-    (["--active-num", "0", "--mode", "active"], "--active-num must be >= 1, got 0"),
-    (["--tokens", "-3"], "--tokens must be >= 1, got -3"),
-    (["--hidden", "x"], "--hidden must be an integer, got 'x'"),
-    (["--seed", "-1"], "--seed must be >= 0, got -1"),
-    (["--mode", "dropless", "--experts", "4"], "--experts applies to --mode drop-pad, not dropless"),
-    (["--mode", "active", "--active-num", "1000"], "--active-num must be at most N*K = 256, got 1000"),
-])
-def test_run_refuses_bad_numbers_in_one_line(main, flags, says):
-    try:
-        code, out, err = main("--emulator", "run", *flags)
-    except SystemExit as exc:  # argparse's own refusal: one line on stderr, then exit
-        code, (out, err) = int(exc.code or 0), main.readouterr()
-    assert code == 2, out + err
-    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+# Every numeric flag of every command, with values it must refuse. Whichever check finds one
+# (argparse's type, a check against another flag, the size check), the line reads the same.
+HUGE = "99999999999999999999"
+NUMERIC_REFUSALS = [
+    ("run", ["--tokens", "-3"], "--tokens", "must be >= 1, got -3"),
+    ("run", ["--tokens", "0"], "--tokens", "must be >= 1, got 0"),
+    ("run", ["--tokens", "x"], "--tokens", "must be an integer, got 'x'"),
+    ("run", ["--tokens", "1.5"], "--tokens", "must be an integer, got '1.5'"),
+    ("run", ["--top-k", "0"], "--top-k", "must be >= 1, got 0"),
+    ("run", ["--top-k", "four"], "--top-k", "must be an integer"),
+    ("run", ["--hidden", "-1"], "--hidden", "must be >= 1, got -1"),
+    ("run", ["--hidden", "x"], "--hidden", "must be an integer, got 'x'"),
+    ("run", ["--seed", "-1"], "--seed", "must be >= 0, got -1"),
+    ("run", ["--seed", "s"], "--seed", "must be an integer"),
+    ("run", ["--mode", "active", "--active-num", "0"], "--active-num", "must be >= 1, got 0"),
+    ("run", ["--mode", "active", "--active-num", "300"], "--active-num", "must be at most N*K = 256, got 300"),
+    ("run", ["--active-num", "4"], "--active-num", "applies to --mode active, not dropless"),
+    ("run", ["--mode", "drop-pad", "--experts", "0"], "--experts", "must be >= 1, got 0"),
+    ("run", ["--experts", "4"], "--experts", "applies to --mode drop-pad, not dropless"),
+    ("run", ["--mode", "drop-pad", "--capacity", "-2"], "--capacity", "must be >= 1, got -2"),
+    ("run", ["--mode", "active", "--capacity", "2"], "--capacity", "applies to --mode drop-pad, not active"),
+    # Huge: buffers no machine of today holds, and a row count past the int32 index.
+    ("run", ["--tokens", "100000000", "--hidden", "100000"], "--tokens/--top-k/--hidden",
+     "the inputs and the output alone need 200001600000000 bytes (181.9 TiB), more than the"),
+    ("run", ["--hidden", HUGE], "--tokens/--top-k/--hidden", "bytes"),
+    ("run", ["--tokens", "3000000000", "--hidden", "1"], "--tokens/--top-k/--hidden",
+     "12000000000 rows to address, more than the int32 expanded_row_idx can"),
+    ("run", ["--mode", "active", "--tokens", HUGE, "--active-num", "1"], "--tokens/--top-k/--hidden/--active-num",
+     "rows to address"),
+    ("run", ["--mode", "drop-pad", "--capacity", "100000000", "--hidden", "1000"],
+     "--tokens/--top-k/--hidden/--experts/--capacity", "3200000257024 bytes"),
+    ("run", ["--mode", "drop-pad", "--experts", HUGE], "--tokens/--top-k/--hidden/--experts/--capacity", "rows"),
+    ("conformance", ["--seed", "-1"], "--seed", "must be >= 0, got -1"),
+    ("conformance", ["--seed", "abc"], "--seed", "must be an integer, got 'abc'"),
+    ("conformance", ["--perf", "-1"], "--perf", "must be >= 0, got -1"),
+    ("conformance", ["--perf", "2.5"], "--perf", "must be an integer, got '2.5'"),
+    ("conformance", ["--perf-threshold", "0"], "--perf-threshold", "must be a finite number > 0, got 0"),
+    ("conformance", ["--perf-threshold", "-1"], "--perf-threshold", "must be a finite number > 0, got -1"),
+    ("conformance", ["--perf-threshold", "nan"], "--perf-threshold", "must be a finite number > 0, got nan"),
+    ("conformance", ["--perf-threshold", "inf"], "--perf-threshold", "must be a finite number > 0, got inf"),
+    ("conformance", ["--perf-threshold", "x"], "--perf-threshold", "must be a number, got 'x'"),
+    ("conformance", ["--device", "-1"], "--device", "must be >= 0, got -1"),
+    ("conformance", ["--device", "x"], "--device", "must be an integer, got 'x'"),
+    ("conformance", ["--device", HUGE], "--device", f"device {HUGE} does not exist"),
+    ("conformance", ["--devices", "0,-1"], "--devices", "0,-1: give distinct non-negative device ids"),
+    ("conformance", ["--devices", "a,b"], "--devices", "a,b: give distinct non-negative device ids"),
+    ("conformance", ["--devices", f"0,{HUGE}"], "--devices", f"device {HUGE} does not exist"),
+    ("conformance", ["--rtol", "-1", "--standard", "pyacl"], "--rtol", "-1: the value must be a finite number >= 0"),
+    ("conformance", ["--rtol", "x", "--standard", "pyacl"], "--rtol", "x: the value must be a finite number >= 0"),
+    ("conformance", ["--atol", "1e999", "--standard", "pyacl"], "--atol", "the value must be a finite number >= 0"),
+    ("conformance", ["--atol", "int8=0.1", "--standard", "pyacl"], "--atol", "the dtype must be one of"),
+    ("conformance", ["--max-memory", "-1"], "--max-memory", "-1: give a size such as 4096, 512M or 2GiB"),
+    ("conformance", ["--max-memory", "1", "--filter", "dropless-float32"], "--max-memory", "1 B leaves no case to run"),
+    ("conformance", ["--max-memory", "12Q"], "--max-memory", "12Q: give a size"),
+]
+
+
+@pytest.mark.parametrize("command, flags, flag, says", NUMERIC_REFUSALS,
+                         ids=[" ".join([c, *f]) for c, _, f, _ in [(r[0], 0, r[1], 0) for r in NUMERIC_REFUSALS]])
+def test_every_numeric_flag_is_refused_in_one_style(main, no_case_may_run, command, flags, flag, says):
+    code, out, err = refused(main, "--emulator", command, *flags)
+    assert code == 2 and out == "", out + err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"pyacl-moe {command}: error: argument {flag}: ") and says in err, err
+    assert err.endswith(f" (see pyacl-moe {command} --help)\n"), err
+
+
+def test_the_size_check_refuses_only_what_cannot_fit():
+    from pyacl_moe.tools.cases import too_large
+
+    # inputs 64*4*256*4 + 64*4*4 bytes, output 64*256*4: 328704 bytes in all.
+    assert too_large(64, 4, 256, memory=328704) is None
+    assert "need 328704 bytes" in too_large(64, 4, 256, memory=328703)
+    assert too_large(2**31 - 1, 1, 1, memory=2**40) is None  # the last row the int32 index addresses
+    assert "rows to address" in too_large(2**31, 1, 1, memory=2**40)
+
+
+def test_a_memory_error_past_the_check_is_one_line(main, monkeypatch):
+    from pyacl_moe.tools import cases
+
+    def out_of_memory(*a, **k):
+        raise MemoryError("Unable to allocate 20 GiB for an array")
+
+    monkeypatch.setattr(cases, "make_case", out_of_memory)
+    code, out, err = main("--emulator", "run")
+    assert code == 2 and out == ""
+    assert err == "pyacl-moe: error: out of memory: Unable to allocate 20 GiB for an array; give smaller sizes\n"
+
+
+def _parsers(parser=None, prog="pyacl-moe"):
+    """(prog, parser) of the command and of every subcommand, at any depth."""
+    parser = parser or cli.build_parser()
+    yield prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{prog} {name}")
+
+
+@pytest.mark.parametrize("prog, parser", list(_parsers()), ids=lambda v: v if isinstance(v, str) else "")
+def test_help_states_each_default_once(prog, parser):
+    text = parser.format_help()
+    assert "(default: False)" not in text and "(default: None)" not in text, text
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            shown = formatter._expand_help(action)
+            assert shown.count("(default") <= 1, f"{prog} {action.option_strings}: {shown}"
+
+
+@pytest.mark.parametrize("command, names", [([], "{info,run,conformance,bench,emulator}"),
+                                            (["emulator"], "{build,path}")])
+def test_a_missing_subcommand_is_named_by_its_choices(main, command, names):
+    code, out, err = refused(main, *command)
+    prog = " ".join(["pyacl-moe", *command])
+    assert code == 2 and out == ""
+    assert err == f"{prog}: error: the following arguments are required: {names} (see {prog} --help)\n"
 
 
 def test_emulator_flag_after_the_subcommand_and_defaults_in_help():

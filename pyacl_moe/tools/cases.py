@@ -4,6 +4,8 @@ reference. Pure NumPy: used by the CLI, the conformance harness, the benchmarks 
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +95,20 @@ def drop_pad_indices(rng: np.random.Generator, tokens: int, top_k: int, experts:
     return idx
 
 
+def x_shape(tokens: int, top_k: int, hidden: int, mode: str = "dropless", active_num: int | None = None,
+            experts: int | None = None, capacity: int | None = None) -> tuple[int, ...]:
+    """The shape of grad_expanded_x that make_case makes, with its defaults filled in."""
+    bsk = tokens * top_k
+    if mode == "dropless":
+        return (bsk, hidden)
+    if mode == "active":
+        return (active_num if active_num is not None else max(1, bsk // 2), hidden)
+    if mode == "drop-pad":
+        e = experts if experts is not None else 8
+        return (e, capacity if capacity is not None else max(1, bsk // e), hidden)
+    raise ValueError(f"mode must be 'dropless', 'active' or 'drop-pad', not {mode!r}")
+
+
 def make_case(
     tokens: int,
     top_k: int,
@@ -105,22 +121,51 @@ def make_case(
     seed: int = 0,
 ) -> Case:
     """A random valid case of the given scenario ('dropless', 'active' or 'drop-pad')."""
+    shape = x_shape(tokens, top_k, hidden, mode, active_num, experts, capacity)
     rng = np.random.default_rng(seed)
     dt = DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
     bsk = tokens * top_k
     if mode == "dropless":
         idx = rng.permutation(bsk).astype(np.int32)
-        return Case(random_values(rng, (bsk, hidden), dt), idx, top_k)
+        return Case(random_values(rng, shape, dt), idx, top_k)
     if mode == "active":
-        a = active_num if active_num is not None else max(1, bsk // 2)
         idx = rng.permutation(bsk).astype(np.int32)
-        return Case(random_values(rng, (a, hidden), dt), idx, top_k, 0, a)
-    if mode == "drop-pad":
-        e = experts if experts is not None else 8
-        c = capacity if capacity is not None else max(1, bsk // e)
-        idx = drop_pad_indices(rng, tokens, top_k, e, c)
-        return Case(random_values(rng, (e, c, hidden), dt), idx, top_k, 1, 0)
-    raise ValueError(f"mode must be 'dropless', 'active' or 'drop-pad', not {mode!r}")
+        return Case(random_values(rng, shape, dt), idx, top_k, 0, shape[0])
+    idx = drop_pad_indices(rng, tokens, top_k, shape[0], shape[1])
+    return Case(random_values(rng, shape, dt), idx, top_k, 1, 0)
+
+
+def too_large(tokens: int, top_k: int, hidden: int, dtype: str = "float32", mode: str = "dropless",
+              active_num: int | None = None, experts: int | None = None, capacity: int | None = None,
+              memory: int | None = None) -> str | None:
+    """Why make_case and one op call on these sizes cannot work, or None. Only the certain
+    cases: a row the int32 expanded_row_idx cannot address, or inputs and output that alone
+    exceed ``memory`` (default: this machine's physical memory). The run needs more than that
+    (the float32 draw, device copies, the reference), so a None is no promise it fits, but a
+    refusal never turns away a size that could have run."""
+    shape = x_shape(tokens, top_k, hidden, mode, active_num, experts, capacity)
+    rows = tokens * top_k if mode != "drop-pad" else shape[0] * shape[1]
+    if rows > np.iinfo(np.int32).max:
+        return f"{rows} rows to address, more than the int32 expanded_row_idx can ({np.iinfo(np.int32).max})"
+    item = DTYPES[dtype].itemsize
+    need = math.prod(shape) * item + tokens * top_k * 4 + tokens * hidden * item
+    memory = physical_memory() if memory is None else memory
+    if need > memory:
+        return (f"the inputs and the output alone need {need} bytes ({size_text(need)}), more than the "
+                f"{size_text(memory)} of memory this machine has")
+    return None
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (swap not counted: a run that lives in it never ends)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def size_text(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"
 
 
 @dataclass

@@ -47,6 +47,7 @@ from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v
 from ..release import cann_version
 from ..stream import Stream
 from . import cases as _cases
+from .cases import size_text
 from . import pair, precision
 from .harness import JUDGES, OPS, OUTCOMES, SOURCES, Case, CaseResult, Context, Guarded, digest
 from .precision import DEFAULT_STANDARD, STANDARD_NAMES
@@ -948,14 +949,14 @@ def load_baseline(path: str) -> dict[str, Any]:
         with open(path) as f:
             data = json.load(f)
     except OSError as exc:
-        raise ValueError(f"--baseline {path}: cannot read it ({exc.strerror or exc})") from None
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     except ValueError as exc:
-        raise ValueError(f"--baseline {path}: not a JSON report ({exc})") from None
+        raise ValueError(f"{path}: not a JSON report ({exc})") from None
     cases = data.get("cases") if isinstance(data, dict) else None
     if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c for c in cases):
-        raise ValueError(f"--baseline {path}: not a conformance report (no list of cases with names)")
+        raise ValueError(f"{path}: not a conformance report (no list of cases with names)")
     if not any(c.get("digest") for c in cases):
-        raise ValueError(f"--baseline {path}: its cases carry no output digest (a report of pyacl-moe 0.2.0 "
+        raise ValueError(f"{path}: its cases carry no output digest (a report of pyacl-moe 0.2.0 "
                          f"or older); write a new one")
     report: dict[str, Any] = data
     return report
@@ -1080,13 +1081,6 @@ def _time_case(case: Case, ctx: Context, result: CaseResult) -> None:
     if timings:
         result.api_us = float(np.median([t[0] for t in timings])) * 1e6
         result.device_us = float(np.median([t[1] for t in timings])) * 1e3
-
-
-def size_text(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{n} B"
 
 
 def standards(rtol: dict[str, float] | None = None, atol: dict[str, float] | None = None) -> dict[str, _cases.Standard]:
