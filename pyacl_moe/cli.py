@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         named = {"--tokens": args.tokens, "--top-k": args.top_k, "--hidden": args.hidden,
                  **{"dropless": {}, "active": {"--active-num": shape[0]},
                     "drop-pad": {"--experts": shape[0], "--capacity": shape[1]}}[args.mode]}
-        raise UsageError(f"{' '.join(map(str, named.values()))} ({args.mode}, {args.dtype}): {why}", "/".join(named))
+        raise UsageError(f"{'/'.join(map(str, named.values()))} ({args.mode}, {args.dtype}): {why}", "/".join(named))
     case = make_case(dtype=args.dtype, seed=args.seed, **sizes)
     dev = pm.current_device()
     # The first call loads and warms up; time the second, which is what a loop would see.
