@@ -39,6 +39,10 @@ from .stream import Stream
 
 __all__ = ["RoutingTensors", "moe_init_routing_v2", "moe_init_routing_v2_grad"]
 
+if not hasattr(torch.library, "custom_op") or not hasattr(torch.library, "register_autograd"):
+    raise ImportError(f"pyacl_moe.torch needs torch 2.4 or later (torch.library.custom_op and register_autograd); "
+                      f"this is torch {torch.__version__}")
+
 
 class RoutingTensors(NamedTuple):
     """The forward's outputs as torch tensors, the fields of :class:`pyacl_moe.RoutingResult`
