@@ -96,6 +96,17 @@ TARGETS = {
     "forward kernel": ("fwd_kernel_s", None, "fwd_kernel_copy_s", 4.0),
 }
 
+# Targets that the --quick sizes cannot measure meaningfully: --quick reports their figures and
+# says why it does not judge them (name: why); the full run judges every target.
+QUICK_UNJUDGED = {
+    # The baseline is np.copy of the input and an output-sized array: 144 MiB at --quick, a few
+    # tens of ms taken three times, on fresh pages each time. Its speed per byte swings from run
+    # to run far more than the reference's time does (14-17 ms in issue 23, 31-44 ms in
+    # BENCHMARKS.md's runs), so for the same reference --quick read 1.3 to 5.7 times the copy
+    # where the 512 MiB run reads 1.3 to 1.6: the quick figure says more about the copy.
+    "reference": "its 144 MiB copy baseline swings too much from run to run (the 512 MiB full run judges it)",
+}
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -449,7 +460,7 @@ def run(quick: bool = False, log: Callable[[str], None] | None = None,
     return {k: res[k] for k in KEYS}, extra
 
 
-def report(res: dict[str, Any], extra: dict[str, Any]) -> str:
+def report(res: dict[str, Any], extra: dict[str, Any], quick: bool = False) -> str:
     unit = res["ffi_call_ns"]
     lines = [
         f"backend                {res['backend']}",
@@ -492,13 +503,24 @@ def report(res: dict[str, Any], extra: dict[str, Any]) -> str:
         f"{res['fwd_droppad_kernel_s'] / res['fwd_droppad_copy_s']:.2f}",
         "",
     ]
+    held = _held(res)
+    unjudged = [] if not quick else [name for name in held if name in QUICK_UNJUDGED]
+
+    def verdict(name: str) -> str:
+        if name in unjudged:
+            return f"not judged at --quick ({'within' if held[name] else 'beyond'} the target)"
+        return "met" if held[name] else "MISSED"
+
     for name, (num, sub, den, factor) in TARGETS.items():
         ratio = _ratio(res, num, sub, den)
         lhs = f"{num} - {sub}" if sub else num
-        lines.append(f"target {name:<19} {lhs} <= {factor:g} x {den}: {ratio:.2f} x  "
-                     f"{'met' if ratio <= factor else 'MISSED'}")
+        lines.append(f"target {name:<19} {lhs} <= {factor:g} x {den}: {ratio:.2f} x  {verdict(name)}")
     for name, key in ZERO.items():
-        lines.append(f"target {name:<19} {key} == 0: {res[key]:g}  {'met' if res[key] == 0 else 'MISSED'}")
+        lines.append(f"target {name:<19} {key} == 0: {res[key]:g}  {verdict(name)}")
+    if unjudged:
+        lines.append(f"--quick judges {len(held) - len(unjudged)} of {len(held)} targets; the exit status "
+                     "leaves out:")
+        lines += [f"  {name}: {QUICK_UNJUDGED[name]}" for name in unjudged]
     return "\n".join(lines)
 
 
@@ -506,6 +528,19 @@ def _ratio(res: dict[str, Any], num: str, sub: str | None, den: str) -> float:
     return float((res[num] - (res[sub] if sub else 0.0)) / res[den])
 
 
-def targets_met(res: dict[str, Any]) -> bool:
-    return all(res[key] == 0 for key in ZERO.values()) and all(
-        _ratio(res, num, sub, den) <= factor for num, sub, den, factor in TARGETS.values())
+def _held(res: dict[str, Any]) -> dict[str, bool]:
+    """Every target by name: whether its figures hold it."""
+    held = {name: _ratio(res, num, sub, den) <= factor for name, (num, sub, den, factor) in TARGETS.items()}
+    held.update({name: res[key] == 0 for name, key in ZERO.items()})
+    return held
+
+
+def judged(quick: bool = False) -> list[str]:
+    """The targets a run judges: all of them, less QUICK_UNJUDGED with ``quick``."""
+    return [name for name in (*TARGETS, *ZERO) if not (quick and name in QUICK_UNJUDGED)]
+
+
+def targets_met(res: dict[str, Any], quick: bool = False) -> bool:
+    """Whether every judged target holds (the bench's exit status)."""
+    held = _held(res)
+    return all(held[name] for name in judged(quick))
