@@ -178,3 +178,59 @@ def test_torch_npus_stream_is_borrowed_once_per_device_and_handle(device, monkey
     assert second.handle == own[1].handle and second is not first
     current["stream"] = own[0]
     assert pmt._npu_stream(on_npu) is first
+    # Threads asking at once for a stream never seen get one wrapper between them.
+    import threading
+
+    current["stream"] = own2 = pm.Stream(device)
+    got, barrier = [], threading.Barrier(8)
+
+    def ask():
+        barrier.wait()
+        for _ in range(50):
+            got.append(pmt._npu_stream(on_npu))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 400 and len({id(w) for w in got}) == 1 and got[0].handle == own2.handle
+
+
+def test_a_gradient_torch_hands_over_strided_is_taken(device):
+    # expanded_x.sum() hands the backward an expanded (stride 0) gradient of ones.
+    x, ids = _inputs(torch.float16, seed=5)
+    x.requires_grad_()
+    r = pmt.moe_init_routing_v2(x, ids, expert_num=E)
+    r.expanded_x.sum().backward()
+    ones = np.ones(tuple(r.expanded_x.shape), np.float16)
+    assert _bits_equal(_np(x.grad), pm.reference.moe_init_routing_v2_grad(ones, _np(r.expanded_row_idx), K))
+
+
+def test_threads_train_through_the_operators_at_once(device):
+    # Each thread its own tensors, the operators and the process's one device shared: every
+    # gradient is still the kernel's, bit for bit. Bounded by iterations.
+    import threading
+
+    errors = []
+
+    def worker(seed):
+        try:
+            for i in range(6):
+                attrs, grad_args = list(SCENARIOS.values())[(seed + i) % 3]
+                x, ids = _inputs(torch.bfloat16, seed=seed * 10 + i)
+                x.requires_grad_()
+                r = pmt.moe_init_routing_v2(x, ids, expert_num=E, **attrs)
+                w = torch.randn(r.expanded_x.shape).to(torch.bfloat16)
+                (r.expanded_x * w).sum().backward()
+                want = pm.reference.moe_init_routing_v2_grad(_np(w), _np(r.expanded_row_idx), *grad_args)
+                assert _bits_equal(_np(x.grad), want)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
