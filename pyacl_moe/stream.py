@@ -431,8 +431,11 @@ class StreamState:
     def close(self) -> None:
         """Wait for the stream, then destroy it (an explicit close: raises what the wait
         reports, after releasing everything)."""
-        if self.device.closed:  # its device closed it (or this is a fork() child)
-            self.closing = self.closed = True
+        if self.device.closed:
+            # Its device's close waits for it and destroys it (or this is a fork() child).
+            # Not ``closed``: its queued work may not have run yet, and the memory that work
+            # uses is kept while a stream that is not closed has it pending.
+            self.closing = True
             return
         if self.closed:  # a close an interrupt cut short, or a drop's: finish it
             check(self.destroy(self.shut()), "aclrtDestroyStream")
@@ -452,8 +455,7 @@ class StreamState:
         """The Stream was dropped without close(): release without blocking (the holder's
         release, called from collect())."""
         if self.device.closed:
-            self.closed = True
-            return 0
+            return 0  # its device's close waits for it and destroys it (see close)
         _lifetime.retiring(_Retiring(self, self.shut()))  # (closed: a destroy cut short, finished there)
         return 0
 
@@ -498,8 +500,7 @@ class _Retiring:
     def poll(self) -> bool:
         s = self.state
         if s.device.closed:
-            s.closed = True
-            return True
+            return True  # its device's close waits for it and destroys it (see StreamState.close)
         if not s.closed:  # (closed: a destroy was cut short, its work had run)
             acl.use_context(s.context)
             if not acl.query_stream(s.handle):

@@ -187,3 +187,33 @@ def child_daemon_threads_launching_at_exit():
         threading.Thread(target=launch_forever, args=(sync,), daemon=True).start()
     started.wait()
     print("exiting with three daemon threads launching")
+
+
+def child_a_stream_dropped_while_its_device_closes():
+    # The window the exit opened to daemon threads: a thread's stream, with kernels still
+    # queued, dropped after its device began to close and before the close waited for it.
+    import gc
+
+    import numpy as np
+
+    import pyacl_moe as pm
+    from pyacl_moe import _lifetime
+    from pyacl_moe.device import Device
+
+    pm.use_emulator()
+    pm.emulator.set_stream_mode("lazy")  # queued kernels run at the next wait
+    dev = pm.Device(0)
+    x = pm.to_device(np.ones((64, 256), np.float32))
+    idx = pm.to_device(np.arange(64, dtype=np.int32))
+    streams = [pm.Stream(dev)]
+    for _ in range(5):  # each output dropped at once: an idle block that queued work still writes
+        pm.moe_init_routing_v2_grad(x, idx, 1, stream=streams[0])
+
+    def drop_the_stream(device):
+        streams.clear()
+        gc.collect()
+        _lifetime.collect()
+
+    Device.close_hooks.insert(0, drop_the_stream)
+    dev.close()
+    print("closed cleanly")

@@ -307,3 +307,12 @@ def test_daemon_threads_still_launching_at_exit_print_nothing(isolated):
         assert r.returncode == 0, r.stderr
         assert "exiting with three daemon threads" in r.stdout
         assert r.stderr == "", r.stderr
+
+
+def test_a_stream_dropped_while_its_device_closes_keeps_its_queued_work_memory(isolated):
+    # A stream dropped with kernels queued, between the device's close starting and its wait:
+    # its work has not run, so the memory that work writes must not be freed before the wait
+    # (it was: the dropped stream counted as finished, 5 kernels wrote freed memory and the
+    # close raised their fault). What the exit did to a daemon thread's stream.
+    r = isolated(children.child_a_stream_dropped_while_its_device_closes)
+    assert r.returncode == 0 and "closed cleanly" in r.stdout, r.stdout + r.stderr
