@@ -26,6 +26,13 @@ import pyacl_moe
 from .emu_raw import Emu
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite starts a few hundred fresh interpreters (children, the CLI, the README's snippets,
+# the examples). Under PYTHONDONTWRITEBYTECODE each of them compiles every module of the
+# package from source again (about 0.2 s of CPU apiece); the bytecode cache (in __pycache__/,
+# ignored by git) lets them load it. Read here, before pytest-xdist starts its workers, so
+# they and every child inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 BACKEND = os.environ.get("PYACL_MOE_TEST_BACKEND", "emulator")
 
 if BACKEND == "emulator":
