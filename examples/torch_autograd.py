@@ -6,8 +6,8 @@ The gate picks each token's top-k experts; pyacl_moe.torch.moe_init_routing_v2 s
 tokens into expert order (aclnnMoeInitRoutingV2); each expert's rows go through its two
 matmuls; the outputs are gathered back to the tokens and mixed by the gate's weights.
 loss.backward() runs the routing's derivative, aclnnMoeInitRoutingV2Grad, with no hand-written
-backward. The same step as a plain PyTorch loop over tokens must give the same loss and the
-same gradients; then both take one SGD step.
+backward. The same step as a plain PyTorch loop over tokens must give the same loss, the
+same gradients and the same weights after one SGD step.
 
 Needs torch (the CPU build is enough); without it, it says so and exits. On CPU tensors the
 routing runs through the host path; torch_npu tensors would run in place on torch_npu's stream.
@@ -73,9 +73,12 @@ def moe_layer_plain(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def training_step(layer: Callable[[torch.Tensor], torch.Tensor], lr: float = 0.1) -> tuple[float, dict[str, torch.Tensor]]:
-    """The loss, the gradients of x and of every parameter, then one SGD step (undone after,
-    so that both layers start from the same weights)."""
+Layer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def training_step(layer: Layer, lr: float = 0.1) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss, the gradients of x and of every parameter, and the weights one SGD step
+    gives (computed, not applied: both layers start from the same weights)."""
     for t in (x, *params.values()):
         t.grad = None
     loss = torch.nn.functional.mse_loss(layer(x), target)

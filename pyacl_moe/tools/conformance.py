@@ -47,8 +47,8 @@ from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v
 from ..release import cann_version
 from ..stream import Stream
 from . import cases as _cases
-from .cases import size_text
 from . import pair, precision
+from .cases import size_text
 from .harness import JUDGES, OPS, OUTCOMES, SOURCES, Case, CaseResult, Context, Guarded, digest
 from .precision import DEFAULT_STANDARD, STANDARD_NAMES
 
