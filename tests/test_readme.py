@@ -66,3 +66,12 @@ def test_a_readme_snippet_runs_on_its_own(lang, code):
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(ROOT), timeout=240)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_test_time_the_readme_gives_is_a_measurement():
+    # A figure with where and when it was measured, not a guess ("about a minute and a half"
+    # had gone stale: the run took two minutes).
+    text = " ".join(README.read_text().split())
+    m = re.search(r"`pytest` runs the default suite \(([\d,]+) tests: (\d+) s on two cores, measured by "
+                  r"`\.ci/run` on (\d{4}-\d{2}-\d{2})", text)
+    assert m, "the README's test-time sentence gives no measured figure"
