@@ -56,7 +56,10 @@ def test_each_wrong_kernel_fails_and_is_named(device, clean_emulator, mutation):
     assert all(name.endswith(("-n3k2", "-wide")) for name in missed), missed
 
 
-@pytest.mark.parametrize("mutation", _one_by_default(pm.emulator.FORWARD_MUTATIONS, "fwd-wrong-row"))
+# All in the slow step: the backward's wrong kernel (below) keeps the default run's check that
+# a mutation is caught, and test_reference_exact catches one against the model.
+@pytest.mark.slow
+@pytest.mark.parametrize("mutation", pm.emulator.FORWARD_MUTATIONS)
 def test_each_wrong_forward_fails_its_cases_and_the_pair_catches_a_wrong_row(device, clean_emulator, mutation):
     pm.emulator.set_mutation(mutation)
     report = conformance.run("quick", progress=None)
@@ -174,6 +177,7 @@ def test_positive_and_determinism_cases_come_from_the_op():
 
 # ---------------------------------------------------------------------------- exact mode
 
+@pytest.mark.slow  # the default run checks the quick catalogue bit for bit in test_reference_exact
 def test_quick_profile_passes_bit_for_bit_and_strict(device):
     # The reference models the kernel's summation order, so every result matches its bits.
     report = conformance.run("quick", progress=None, exact=True, strict=True)
@@ -435,7 +439,8 @@ def test_vendor_cases_fail_when_the_emulator_breaks_their_rules(device, clean_em
 METRIC_KEYS = {"mere", "mare", "rmse", "max_abs_error", "max_rel_error", "mismatch_ratio", "nan_inf_match"}
 
 
-@pytest.mark.parametrize("standard", ["stat-rel-err", "mixed", "close"])
+@pytest.mark.parametrize("standard", ["stat-rel-err", pytest.param("mixed", marks=pytest.mark.slow),
+                                      pytest.param("close", marks=pytest.mark.slow)])  # the default run: the default standard
 def test_every_standard_passes_the_emulator_and_each_numeric_case_carries_its_metrics(device, standard, tmp_path):
     # The dropless cases: every dtype and shape, the forward's too (the whole quick profile
     # passes under the default standard in test_quick_profile_passes_and_covers_the_catalogue).

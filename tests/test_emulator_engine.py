@@ -628,7 +628,7 @@ def child_fork_while_a_thread_is_inside(mode: str) -> None:
     print(json.dumps(out))
 
 
-@pytest.mark.parametrize("mode", ["lazy", "async"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("lazy", marks=pytest.mark.slow)])  # lazy: slow step
 def test_fork_child_never_hangs_and_starts_without_devices(isolated, mode):
     # A parent thread is inside the emulator at fork time: in lazy mode it runs a slow kernel
     # while synchronizing, in async mode the engine runs it; either way a second thread waits

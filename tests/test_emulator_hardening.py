@@ -191,7 +191,7 @@ def child_a_chain_of_8000_stream_waits(mode: str) -> None:
     print(json.dumps({"sync": st, "head": list(head), "pending": emu.stats()["pending_tasks"]}))
 
 
-@pytest.mark.parametrize("mode", ["lazy", "async"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("lazy", marks=pytest.mark.slow)])  # lazy: slow step
 def test_a_chain_of_8000_stream_waits_resolves_without_recursion(isolated, mode):
     # Stream i waits for an event recorded on stream i+1, 8,000 deep, all queued in lazy mode
     # so nothing has run. Lazy: stream 0, the far end of the chain, is synchronized; resolved by

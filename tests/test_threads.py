@@ -391,7 +391,7 @@ def test_the_executor_cache(device, no_leaks, iterations):
     assert not errors, errors[0]
 
 
-@pytest.mark.parametrize("mode", ["async", "lazy"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("lazy", marks=pytest.mark.slow)])  # lazy: slow step
 def test_a_synchronize_on_one_thread_never_frees_what_another_thread_queued(device, mode):
     """Synchronizing a stream dropped everything kept alive, including what another thread
     queued during the wait: the NumPy path then copied a freed host temporary."""
