@@ -229,6 +229,7 @@ def test_ascend_home_loads_cann_from_there(tmp_path):
     assert data["toolkit_version"] == data["ops_version"] == "9.0.0"
 
 
+@pytest.mark.slow  # the logic: test_conformance's baseline tests; here the flags end to end
 def test_baseline_names_what_changed_under_another_kernel(main, tmp_path):
     old, same = str(tmp_path / "old.json"), str(tmp_path / "same.json")
     r = run_cli("--emulator", "conformance", "--filter", "dropless-float32", "--report", old,

@@ -462,7 +462,7 @@ def child_keyboard_interrupt_anywhere_in_the_forward(iterations: int) -> None:
 
 
 @with_is_interrupt_safe
-@pytest.mark.parametrize("iterations", [600, pytest.param(6000, marks=pytest.mark.slow)], ids=["short", "long"])
+@pytest.mark.parametrize("iterations", [300, pytest.param(6000, marks=pytest.mark.slow)], ids=["short", "long"])
 def test_keyboard_interrupt_anywhere_in_the_forward_leaks_nothing_and_frees_nothing_early(isolated, iterations):
     """test_08's method on the forward: its one call on host arrays and on DeviceArrays (with
     and without out=, dropless and drop/pad), its plan (launched, rebound, closed) and
