@@ -326,7 +326,7 @@ def child_work_queued_by_objects_in_a_cycle() -> None:
     pm.emulator.set_stream_mode("lazy")  # the work stays queued until something waits
     dev = pm.Device(0)
     faults = pm.emulator.stats()["device_faults"]
-    for _ in range(50):
+    for _ in range(25):
         s = pm.Stream(dev)
         x = pm.to_device(np.ones((64, 32), np.float32), stream=s)
         idx = pm.to_device(np.arange(64, dtype=np.int32), stream=s)
