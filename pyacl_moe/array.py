@@ -593,29 +593,32 @@ def _order_after(alloc: Allocation, state: StreamState | None, writers_only: boo
     writes it, for a read): on ``state`` through events; without a stream, by waiting. A
     stream-less write's wait is a synchronize of those streams (it raises a fault no
     synchronize raised yet); a read's wait only records one (the read raises the fault of its
-    memory's latest write, if any: check_written). A stream closed meanwhile has run
-    everything and needs nothing."""
+    memory's latest write, if any: check_written). A stream destroyed meanwhile has run
+    everything and needs nothing; one another thread is closing is waited for on the host (it
+    takes no new work, and its close's own wait may not have run the work yet)."""
     track = alloc.track
     for other in list(track.writers if writers_only else track.users):
         if other is state:
             continue  # stream order
-        if other.closing or other.device.closed:
+        if other.closed or other.device.closed:
             track.forget(other)
             continue
-        try:
-            if state is None:
-                # A synchronize even when the stream looks idle: it is what reports a device
-                # fault of the work that used the memory (a query does not).
-                other.wait(report=not writers_only)
-            else:
+        if state is not None and not other.closing:
+            try:
                 ev = Event(other.device)
                 core = ev.core()
                 other.enqueue(core, acl.record_event, core.handle)
                 state.enqueue(core, acl.stream_wait_event, core.handle)
+                continue
+            except ClosedError:
+                if state.closing or state.device.closed:
+                    raise  # the caller's own stream
+        try:
+            # A synchronize even when the stream looks idle: it is what reports a device
+            # fault of the work that used the memory (a query does not).
+            other.wait(report=not writers_only, closing=True)
         except ClosedError:
-            if state is not None and (state.closing or state.device.closed):
-                raise  # the caller's own stream
-            track.forget(other)
+            track.forget(other)  # destroyed meanwhile
 
 
 def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None, whole: bool) -> None:

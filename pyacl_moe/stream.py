@@ -98,8 +98,13 @@ def check_written(track: Any, waiting: bool = True) -> None:
     (without raising that stream's other faults): a read on another stream, ordered after the
     write by an event, would never learn of the write's fault otherwise."""
     for state, epoch in track.written:
-        if waiting and not state.confirmed(epoch) and not (state.closing or state.device.closed):
-            state.wait(report=False)
+        if waiting and not state.confirmed(epoch) and not state.device.closed:
+            # A stream being closed by another thread is waited for too (its close's own wait
+            # may not have run the write yet); one destroyed meanwhile has run everything.
+            try:
+                state.wait(report=False, closing=True)
+            except ClosedError:
+                pass
             if state.fault_at(epoch) is None and not state.confirmed(epoch):
                 state.drain_waits()  # one of them may have been told of the write's fault
         fault = state.fault_at(epoch)
@@ -225,7 +230,7 @@ class StreamState:
         ended: (ledger count, epoch ending, clean so far). A close's own wait (``closing``)
         begins on a stream already refusing work."""
         with self.lock:
-            if not closing:
+            if not closing or self.closed:  # a destroyed stream has no handle to wait on
                 self.check_open()
             self.inside[inside] = None
             token = (self.ledger.count, self.epoch, self.clean)
@@ -327,11 +332,13 @@ class StreamState:
         """Whether writes stamped ``epoch`` are known complete (their faults recorded)."""
         return epoch <= self.clean
 
-    def wait(self, timeout_ms: int | None = None, report: bool = True) -> None:
+    def wait(self, timeout_ms: int | None = None, report: bool = True, closing: bool = False) -> None:
         """Wait for everything queued on the stream (aclrtSynchronizeStream). With ``report``
         (a synchronize), raise the fault CANN reported to this wait, or else one an earlier
-        wait recorded and no synchronize raised yet; without (a read's wait), only record."""
-        error, fault = self._synchronize(timeout_ms)
+        wait recorded and no synchronize raised yet; without (a read's wait), only record.
+        With ``closing``, a stream refusing new work is waited for too (ClosedError only once
+        it is destroyed)."""
+        error, fault = self._synchronize(timeout_ms, closing)
         _lifetime.collect()
         if error is not None and fault is None:
             raise error  # not a fault: a timeout, a closed stream
@@ -441,7 +448,10 @@ class StreamState:
             check(self.destroy(self.shut()), "aclrtDestroyStream")
             return
         caches = self.shut()
-        error, fault = self._synchronize(None, closing=True)
+        try:
+            error, fault = self._synchronize(None, closing=True)
+        except ClosedError:
+            return  # another thread's close destroyed it meanwhile
         if error is not None and fault is None:
             _lifetime.retiring(_Retiring(self, caches))  # its work may not have run: later
             raise error

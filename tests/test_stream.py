@@ -217,6 +217,20 @@ def test_closing_a_stream_waits_for_it(device, lazy_streams, no_leaks):
     del x, idx, out
 
 
+def test_a_read_waits_for_a_stream_another_thread_is_closing(device, lazy_streams, no_leaks):
+    # A close refuses new work first, then waits for the stream. A read of memory the stream
+    # writes, made in between on another thread, waited for nothing and read what was there
+    # before the write (and under threads raised ClosedError once the close went on).
+    data = np.arange(4096, dtype=np.float32)
+    x = pm.zeros(data.shape, data.dtype, device)
+    s = pm.Stream(device)
+    x.copy_from_host(data, stream=s)  # queued; lazy: not run until something waits
+    s.state.shut()  # where another thread's close() is before its wait
+    assert np.array_equal(x.to_host(), data)
+    s.close()
+    s.close()  # and a second close once it is destroyed is still nothing
+
+
 def test_an_asynchronous_call_never_blocks_and_a_fault_keeps_its_own_error(device, lazy_streams):
     case = make_case(8, 2, 16, "float32", "dropless", seed=7)
     with closing(pm.Stream(device)) as s:
