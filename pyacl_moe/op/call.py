@@ -52,6 +52,9 @@ class _Memo:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        # (cache key, first addresses) of the last call whose given outputs were checked apart
+        # from its other tensors; published whole (a stale read only checks again).
+        self.apart: tuple[Any, ...] = ()
 
     def put(self, key: tuple[Any, ...], made: tuple[Any, ...]) -> None:
         with self.lock:
@@ -120,16 +123,23 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     outputs in ``spec.outputs`` order. The list is the caller's to give away: it is filled in."""
     spec = op.spec
     dev = None
+    # One pass over the arrays: the layout key, the allocations, the first elements' addresses.
     key: list[Any] = []
+    allocs: list[Allocation | None] = []
+    firsts: list[int] = []
     for a in arrays:
         if a is None:
             key.append(-1)
+            allocs.append(None)
+            firsts.append(0)
             continue
         alloc = a.alloc
         if alloc is None or dev is not None and alloc.device is not dev:
-            dev = _device_of(spec, arrays, workspace)  # raises, naming the array
+            _device_of(spec, arrays, workspace)  # raises, naming the array
         dev = alloc.device  # type: ignore[union-attr]
         key.append(a.layout_id)
+        allocs.append(alloc)
+        firsts.append(a.span[0])
     if dev is None or workspace is not None:
         dev = _device_of(spec, arrays, workspace)
     if stream is None:
@@ -141,6 +151,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             resolve_stream(stream, dev)  # raises, naming the devices
     if not validate:
         return _run_unchecked(op, arrays, values, state, workspace, dev)
+    n = len(arrays)
     for v in values:  # the key tells True from 1: a bool goes in as (bool, v)
         t = type(v)
         if t is int:
@@ -148,54 +159,50 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         elif t is bool:
             key.append(_BOOLS[v])
         else:  # NumPy integers, or what the checks refuse: every value goes in with its type
-            del key[len(arrays):]
+            del key[n:]
             key += [(type(v), v) for v in values]
             break
-    made = op.memo.checked.get(tuple(key))
+    memo = op.memo
+    cache_key = tuple(key)
+    made = memo.checked.get(cache_key)
     if made is None:
         made = _checked(op, arrays, values)
-        op.memo.put(tuple(key), made)
-    given = []  # the given outputs' byte ranges
+        memo.put(cache_key, made)
+    given = fresh = False
     for i, want in zip(spec.output_positions, made):
         if want is not None:
+            fresh = True
             new = arrays[i] = new_empty(want[0], want[1], dev, state)
             key[i] = new.layout_id
+            allocs[i] = new.alloc
+            firsts[i] = new.span[0]
         elif arrays[i] is not None:
-            given.append(arrays[i].span)  # type: ignore[union-attr]
-    n_in = len(spec.inputs)
-    allocs: list[Allocation | None] = []
-    firsts: list[int] = []
-    spans: list[tuple[int, int]] = []
-    keep: list[Allocation] = []  # what the launch holds until it has run: foreign memory's owners (see relaunch)
-    parts = []  # the tracks of outputs that are part of their memory
-    for i, a in enumerate(arrays):
-        if a is None:
-            allocs.append(None)
-            firsts.append(0)
-        else:
-            alloc = a.alloc
-            allocs.append(alloc)
-            if not alloc.owned:  # type: ignore[union-attr]
-                keep.append(alloc)  # type: ignore[arg-type]
-            if not a.whole and i >= n_in:
-                parts.append(alloc.track)  # type: ignore[union-attr]
-            span = a.span
-            firsts.append(span[0])
-            spans.append(span)
-    for lo, hi in given:  # a given output whose bytes meet another array's: the exact check
-        meets = 0
-        for first, last in spans:
-            if first <= hi and lo <= last:
-                meets += 1
-        if meets > 1:  # (it meets itself)
-            check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
-            break
+            given = True
+    if fresh:
+        cache_key = tuple(key)  # with the made outputs' layouts
+    if given and memo.apart != (cache_key, firsts):
+        # A given output must share no memory with another tensor. The outcome depends only on
+        # the layouts and the addresses, so the last pair that passed is not checked again.
+        _check_outputs_apart(spec, arrays)
+        memo.apart = (cache_key, firsts)
     if workspace is not None:
         check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
-    cache_key = tuple(key)
-    if workspace is not None or not relaunch(spec, cache_key, firsts, allocs, keep, state, parts):
+    if workspace is not None or not relaunch(spec, cache_key, firsts, allocs, arrays, state):
         launch_cached(spec, cache_key, arrays, tuple(allocs), tuple(firsts), values, state, workspace)
-    return arrays[n_in:]
+    return arrays[len(spec.inputs):]
+
+
+def _check_outputs_apart(spec: OpSpec, arrays: list[DeviceArray | None]) -> None:
+    """check_no_overlap, run only when a given output's bytes meet another array's."""
+    spans = [a.span for a in arrays if a is not None]
+    for i in spec.output_positions:
+        out = arrays[i]
+        if out is None:
+            continue
+        lo, hi = out.span
+        if sum(1 for first, last in spans if first <= hi and lo <= last) > 1:  # (it meets itself)
+            check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
+            return
 
 
 def _device_of(spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray | None) -> Device:

@@ -455,28 +455,27 @@ class _ExecutorCache:
         return []
 
 
-def relaunch(spec: OpSpec, key: Any, firsts: Sequence[int], allocs: Sequence[Allocation | None],
-             keep: list[Allocation], state: StreamState, parts: Sequence[Any] = ()) -> bool:
-    """The steady state of :func:`launch_cached` (its arguments, and ``keep``): launch the stream's cached
-    executor for ``key`` with one bound foreign call and return True; False, launching
-    nothing, when the stream has none for ``key`` yet (or a fault was recorded anywhere: the
-    inputs are checked the long way). A key is cached only once its layout was validated, so
-    a caller may check the layout only when this returns False.
+def relaunch(spec: OpSpec, key: Any, firsts: list[int], allocs: list[Allocation | None],
+             arrays: list[DeviceArray | None], state: StreamState) -> bool:
+    """The steady state of :func:`launch_cached` (its arguments, the allocations and arrays in
+    lists): launch the stream's cached executor for ``key`` with one bound foreign call and
+    return True; False, launching nothing, when the stream has none for ``key`` yet (or a
+    fault was recorded anywhere: the inputs are checked the long way). A key is cached only
+    once its layout was validated, so a caller may check the layout only when this returns
+    False.
 
-    ``parts``: the tracks of outputs that are part of their memory (StreamState.stamp). The
-    launch holds only ``keep`` (the allocations of foreign memory, whose owners must
-    outlive it): the binding's own memory, once its arrays are gone, goes back to the block
-    cache at once, reusable by later work on this stream only until this launch has run
+    The launch holds only the allocations of foreign memory (whose owners must outlive it):
+    the binding's own memory, once its arrays are gone, goes back to the block cache at once,
+    reusable by later work on this stream only until this launch has run
     (:func:`~.allocator.allocate`)."""
     if state.device.closed or any_fault[0]:
         return False  # before the lock: in a fork() child a parent thread may have held it
-    n_in = len(spec.inputs)
     with state.lock:
         cache = state.caches.get(spec.api)  # a closing stream has none
         entry = cache.entries.get(key) if cache is not None else None
         if entry is None or entry.call is None or state.closing:
             return False
-        _mark_launch(state, allocs, n_in, parts)
+        keep = _mark_launch(state, allocs, arrays, len(spec.inputs))
         if _thread.context is not state.context:
             state.device.activate()
         if firsts != entry.bound:
@@ -492,24 +491,32 @@ def relaunch(spec: OpSpec, key: Any, firsts: Sequence[int], allocs: Sequence[All
     return True
 
 
-def _mark_launch(state: StreamState, allocs: Sequence[Allocation | None], n_in: int, parts: Sequence[Any]) -> None:
+def _mark_launch(state: StreamState, allocs: list[Allocation | None], arrays: list[DeviceArray | None],
+                 n_in: int) -> list[Allocation] | None:
     """The stream uses the inputs and writes the outputs (Allocation.used_on, only when new),
     and the outputs' latest write is this launch (StreamState.stamp): a launch that then fails
-    leaves a mark no fault can be recorded for. (The stream's lock held; a loop under a lock
-    is a function of its own: ARCHITECTURE.md.)"""
-    for a in allocs[:n_in]:
-        if a is not None and state not in a.track.users:
-            a.used_on(state, False)
+    leaves a mark no fault can be recorded for. Returns the allocations of foreign memory, for
+    the launch to hold. (The stream's lock held; a loop under a lock is a function of its own:
+    ARCHITECTURE.md.)"""
+    keep = None
     mark = state.mark
-    for a in allocs[n_in:]:
-        if a is not None:
-            t = a.track
-            if state not in t.writers:
-                a.used_on(state, True)
-            if not parts or t not in parts:
-                t.written = mark
-    if parts:
-        state.stamp((t, False) for t in parts)
+    for i, a in enumerate(allocs):
+        if a is None:
+            continue
+        t = a.track
+        if not a.owned:
+            keep = [a] if keep is None else [*keep, a]
+        if i < n_in:
+            if state not in t.users:
+                a.used_on(state, False)
+            continue
+        if state not in t.writers:
+            a.used_on(state, True)
+        if arrays[i].whole:  # type: ignore[union-attr]
+            t.written = mark
+        else:
+            state.stamp(((t, False),))
+    return keep
 
 
 def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
