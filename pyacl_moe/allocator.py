@@ -100,21 +100,25 @@ class BlockCache:
         uses (stream order puts the new work after it). Returns the streams whose work may
         still use it (the new allocation's Track takes them), or None when none is idle."""
         with self.lock:
-            blocks = self.idle.get(block.size)
-            if blocks:
-                for i in range(len(blocks) - 1, -1, -1):
-                    mem, pending = blocks[i]
-                    streams = _unfinished(pending)
-                    if streams and any(s is not state for s in streams):
-                        continue
-                    del blocks[i]
-                    block.mem = mem
-                    self.bytes_idle -= block.size
-                    self.bytes_in_use += block.size
-                    self.hits += 1
-                    return streams
-            self.misses += 1
-            return None
+            return self._take(block, state)
+
+    def _take(self, block: _Block, state: Any) -> tuple[Any, ...] | None:
+        # (lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+        blocks = self.idle.get(block.size)
+        if blocks:
+            for i in range(len(blocks) - 1, -1, -1):
+                mem, pending = blocks[i]
+                streams = _unfinished(pending) if pending else ()
+                if streams and (len(streams) > 1 or streams[0] is not state):
+                    continue
+                del blocks[i]
+                block.mem = mem
+                self.bytes_idle -= block.size
+                self.bytes_in_use += block.size
+                self.hits += 1
+                return streams
+        self.misses += 1
+        return None
 
     def made_for(self, block: _Block, mem: Any) -> None:
         """``block`` gets a new (not yet allocated) handle."""
@@ -256,14 +260,10 @@ class _Block:
     def pending(self) -> tuple[Any, ...]:
         """(stream, ledger point) for each stream whose queued work may still use the memory."""
         t = self.track
-        if t is None:
+        if t is None or not t.users:
             return ()
-        with t.lock:
-            if not t.users:
-                return ()
-            users = list(t.users)
         out = []
-        for s in users:
+        for s in t.users:
             with s.lock:
                 point = s.ledger.count
             if s.ledger.completed < point and not s.closed:
@@ -340,8 +340,9 @@ def _fresh(device: Device, make: Callable[[Any, int], None], mem: Any, size: int
 class Track:
     """What the binding knows of queued work on one piece of memory (see the module docstring).
 
-    ``lock`` guards ``users`` and ``writers`` (streams, as ordered sets), which only grow
-    (reads need no lock: a stream missed is registered again under it). ``written`` is the
+    ``users`` and ``writers`` (tuples of streams) are replaced whole under ``lock`` and read
+    without it: a reader sees one complete tuple, and a stream it misses was being registered
+    by a call that has not queued its work yet. ``written`` is the
     latest write, ``((stream state, epoch), ...)``, replaced whole (one reference stored) by the
     stream that queues a write, under that stream's lock (:meth:`.StreamState.stamp`)."""
 
@@ -349,22 +350,22 @@ class Track:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.users: dict[Any, None] = {}
-        self.writers: dict[Any, None] = {}
+        self.users: tuple[Any, ...] = ()
+        self.writers: tuple[Any, ...] = ()
         self.written: tuple[tuple[Any, int], ...] = ()
 
     def merge(self, other: Track) -> None:
         """Take in what ``other`` knows (its memory overlaps ours)."""
         with self.lock:
-            self.users.update(other.users)
-            self.writers.update(other.writers)
+            self.users = tuple(dict.fromkeys(self.users + other.users))
+            self.writers = tuple(dict.fromkeys(self.writers + other.writers))
             self.written = self.written + other.written
 
     def forget(self, state: Any) -> None:
         """A closed stream: nothing of it is pending."""
         with self.lock:
-            self.users.pop(state, None)
-            self.writers.pop(state, None)
+            self.users = tuple(s for s in self.users if s is not state)
+            self.writers = tuple(s for s in self.writers if s is not state)
 
 
 class Allocation:
@@ -396,9 +397,10 @@ class Allocation:
         if state in t.users and (not write or state in t.writers):
             return
         with t.lock:
-            t.users[state] = None
-            if write:
-                t.writers[state] = None
+            if state not in t.users:
+                t.users += (state,)
+            if write and state not in t.writers:
+                t.writers += (state,)
 
 
 def allocate(device: Device, nbytes: int, state: Any = None) -> Allocation:
@@ -406,23 +408,21 @@ def allocate(device: Device, nbytes: int, state: Any = None) -> Allocation:
     memory about to be used on stream ``state``, one that only ``state``'s queued work still
     uses, too), else aclrtMalloc."""
     _lifetime.collect()
-    device.activate()
+    device.check_open()  # (a miss's aclrtMalloc makes the device's context current: Device.call)
     size = _rounded(nbytes)
     cache: BlockCache = device.attached("block_cache")
     alloc = Allocation(device, nbytes)
     alloc.owned = True
     block = alloc.block = _Block(None, cache, size, alloc.track)
     _lifetime.track(alloc, block)  # before the block is taken or made: nothing can be lost in between
-    streams = cache.take_into(block, state)
-    if streams is None:
+    if cache.take_into(block, state) is None:
         mem = acl.DeviceMemory(device.context)
         cache.made_for(block, mem)
         _fresh(device, acl.malloc, mem, size)
-    elif streams:
-        # Work queued on those streams may still use the memory: the host waits for it too.
-        t = alloc.track
-        for s in streams:
-            t.users[s] = t.writers[s] = None
+    if state is not None:
+        # The memory is about to be written on ``state`` (and the block taken may still be in
+        # use by work queued there before): registered now, while no other thread sees it.
+        alloc.track.users = alloc.track.writers = (state,)
     alloc.ptr = _address(block, device)
     return alloc
 
@@ -431,11 +431,10 @@ def _address(block: _Block, device: Device) -> int:
     """The address of ``block``'s memory, just taken or made; ClosedError if the device closed
     meanwhile (its close marks it closed, then frees every block, this one too)."""
     mem = block.mem
-    address = mem.address if mem is not None else 0  # the handle itself: 0 once freed (.ptr is not cleared)
-    if not address:
+    if mem is None or device.closed:
         device.check_open()
         raise AssertionError("a block lost its memory on an open device")  # never: only a close frees it
-    return address
+    return int(mem.ptr)
 
 
 Device.attachments["borrowed"] = lambda device: _lifetime.WeakMap()

@@ -28,9 +28,9 @@ from .errors import ClosedError, InvalidArgument
 from .host import host_view
 from .stream import Event, Stream, StreamState, active_stream, check_written, resolve_stream
 
-__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "copy_in_native", "empty",
-           "from_pointer", "from_torch", "host_array", "may_overlap", "new_empty", "on_memory_pressure", "to_device",
-           "zeros"]
+__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "contiguous_layout", "copy_in_native",
+           "empty", "empty_from", "from_pointer", "from_torch", "host_array", "may_overlap", "new_empty",
+           "on_memory_pressure", "to_device", "zeros"]
 
 #: ml_dtypes' bfloat16 scalar type (``pm.bfloat16(1.5)``, ``x.astype(pm.bfloat16)``).
 bfloat16 = ml_dtypes.bfloat16
@@ -78,30 +78,46 @@ def acl_data_type(dtype: Any) -> int:
 
 def _span(base: int, shape: tuple[int, ...], strides: tuple[int, ...], offset: int, item: int) -> tuple[int, int]:
     lo = base + offset * item
-    if not all(shape):
-        return (lo, lo - 1)
-    return (lo, lo + sum((n - 1) * s for n, s in zip(shape, strides)) * item + item - 1)
+    extent = 0
+    for n, s in zip(shape, strides):
+        if not n:
+            return (lo, lo - 1)
+        extent += (n - 1) * s
+    return (lo, lo + extent * item + item - 1)
 
 
 # layout -> its id, a cheap key for the caches of executors and checks. Bounded: when full it
-# starts over (ids are never reused, so a layout seen again gets a new id, and its caches a miss).
-_layout_lock = threading.Lock()  # guards _layout_ids and _layout_counter
+# starts over (ids are never reused, so a layout seen again gets a new id, and its caches a
+# miss). ``_layout_ids`` is published whole: readers take it without a lock and see a
+# complete dict that never changes; a new layout (rare) is added to a copy under
+# ``_layout_lock``, which also guards ``_layout_counter``.
+_layout_lock = threading.Lock()
 _layout_ids: dict[tuple[Any, ...], int] = {}
 _layout_counter = itertools.count()
 _LAYOUTS_MAX = 1024
 
 
 def _layout_id(layout: tuple[Any, ...]) -> int:
+    got = _layout_ids.get(layout)
+    if got is not None:
+        return got
+    return _new_layout_id(layout)
+
+
+def _new_layout_id(layout: tuple[Any, ...]) -> int:
+    global _layout_ids
     with _layout_lock:
         got = _layout_ids.get(layout)
         if got is None:
-            if len(_layout_ids) >= _LAYOUTS_MAX:
-                _layout_ids.clear()
-            got = _layout_ids[layout] = next(_layout_counter)
+            ids = dict(_layout_ids) if len(_layout_ids) < _LAYOUTS_MAX else {}
+            got = ids[layout] = next(_layout_counter)
+            _layout_ids = ids
         return got
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    if len(shape) == 1:
+        return (1,)
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
@@ -597,7 +613,7 @@ def _order_after(alloc: Allocation, state: StreamState | None, writers_only: boo
     everything and needs nothing; one another thread is closing is waited for on the host (it
     takes no new work, and its close's own wait may not have run the work yet)."""
     track = alloc.track
-    for other in list(track.writers if writers_only else track.users):
+    for other in track.writers if writers_only else track.users:  # a tuple, replaced whole
         if other is state:
             continue  # stream order
         if other.closed or other.device.closed:
@@ -656,10 +672,36 @@ def new_empty(shape: tuple[int, ...], dtype: np.dtype, device: Device, state: St
               ) -> DeviceArray:
     """:func:`empty` of a shape, dtype and device already checked (the op layer's outputs),
     for use on stream ``state`` first (see :func:`~.allocator.allocate`)."""
+    return empty_from(contiguous_layout(shape, dtype), device, state)
+
+
+def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...]:
+    """Everything a contiguous DeviceArray of ``shape`` and ``dtype`` (both checked) is made
+    of but its memory, for :func:`empty_from`: a caller making many keeps it."""
     n = dtype.itemsize
     for d in shape:
         n *= d
-    return DeviceArray(allocate(device, n, state), shape, dtype, _contiguous_strides(shape), 0)
+    strides = _contiguous_strides(shape)
+    layout = (shape, dtype, strides)
+    return (layout, n, _layout_id(layout), acl_data_type(dtype))
+
+
+def empty_from(made: tuple[Any, ...], device: Device, state: StreamState | None = None) -> DeviceArray:
+    """A new contiguous DeviceArray of a :func:`contiguous_layout` (the one call's outputs:
+    nothing is computed again)."""
+    layout, n, layout_id, code = made
+    alloc = allocate(device, n, state)
+    a = DeviceArray.__new__(DeviceArray)
+    a.alloc = alloc
+    a._shape, a._dtype, a._strides = layout
+    a._offset = 0
+    a._acl_dtype = code
+    a._desc = None
+    a._layout = layout
+    a.span = (alloc.ptr, alloc.ptr + n - 1)
+    a.layout_id = layout_id
+    a.whole = True  # all of its allocation
+    return a
 
 
 def _dtype(dtype: Any) -> np.dtype:

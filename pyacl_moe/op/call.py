@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _args, _contract
 from ..allocator import Allocation
-from ..array import DeviceArray, copy_in_native, host_array, new_empty
+from ..array import DeviceArray, contiguous_layout, copy_in_native, empty_from, host_array, new_empty
 from ..device import Device, current_device
 from ..errors import InvalidArgument
 from ..host import TORCH, host_view, in_family
@@ -42,7 +42,7 @@ Outputs = dict[str, "tuple[tuple[int, ...], np.dtype] | None"]
 
 class _Memo:
     """Calls that passed the contract, by the layouts of their arrays (a given output's too)
-    and their attribute values: what to make of each output (its (shape, dtype); None when
+    and their attribute values: what to make of each output (its contiguous_layout; None when
     given or not written). A call that passed once passes again. Bounded (it starts over when
     full). ``checked`` is published whole: readers take it without a lock and see a complete
     dict; a writer copies it under ``lock`` (a miss, rare), adds, and publishes the copy."""
@@ -107,7 +107,8 @@ def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, .
     made = []
     for name, a in zip(spec.outputs, arrays[n_in:]):
         if a is None:
-            made.append(wanted[name])
+            want = wanted[name]
+            made.append(None if want is None else contiguous_layout(*want))
         else:
             _fits(name, wanted[name], a.shape, a.dtype)
             check_output_layout(name, a)
@@ -172,8 +173,8 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     for i, want in zip(spec.output_positions, made):
         if want is not None:
             fresh = True
-            new = arrays[i] = new_empty(want[0], want[1], dev, state)
-            key[i] = new.layout_id
+            new = arrays[i] = empty_from(want, dev, state)
+            key[i] = want[2]
             allocs[i] = new.alloc
             firsts[i] = new.span[0]
         elif arrays[i] is not None:
