@@ -139,6 +139,8 @@ def collect() -> None:
 def _collect_and_poll() -> None:
     # (_collecting held; a loop under a lock is a function of its own: ARCHITECTURE.md)
     _collect_dead()
+    if not _later:  # (read without the lock: one appended meanwhile waits for the next safe point)
+        return
     with _lock:
         later = list(_later)
     for poller in later:

@@ -239,7 +239,11 @@ def _unfinished(pending: tuple[Any, ...]) -> tuple[Any, ...]:
     may still run (a destroyed stream ran everything; a device closing has not yet).
     ``completed`` and ``closed`` are read without the stream's lock: they only grow, so a
     stale value only keeps a block waiting longer."""
-    return tuple(s for s, point in pending if s.ledger.completed < point and not s.closed)
+    out: tuple[Any, ...] = ()
+    for s, point in pending:
+        if s.ledger.completed < point and not s.closed:
+            out += (s,)
+    return out
 
 
 class _Block:
@@ -431,10 +435,13 @@ def _address(block: _Block, device: Device) -> int:
     """The address of ``block``'s memory, just taken or made; ClosedError if the device closed
     meanwhile (its close marks it closed, then frees every block, this one too)."""
     mem = block.mem
-    if mem is None or device.closed:
+    # .ptr is what malloc stored; 0 when an interrupt fell between aclrtMalloc and the store,
+    # and the handle's slot has the address. (.ptr is not cleared when the handle is freed.)
+    address = 0 if mem is None or device.closed else mem.ptr or mem.address
+    if not address:
         device.check_open()
         raise AssertionError("a block lost its memory on an open device")  # never: only a close frees it
-    return int(mem.ptr)
+    return int(address)
 
 
 Device.attachments["borrowed"] = lambda device: _lifetime.WeakMap()

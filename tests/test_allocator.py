@@ -72,6 +72,22 @@ def test_a_block_in_use_is_never_handed_out(device, lazy_streams):
     s.close()
 
 
+def test_a_cached_block_whose_address_store_an_interrupt_skipped_still_has_its_address(device):
+    # An interrupt between aclrtMalloc and storing its result in the handle's .ptr leaves a
+    # handle that holds memory but says 0; cached and handed out again, it gave an array at
+    # address 0 (the long interrupt soak saw kernels write through a null pointer).
+    from pyacl_moe.allocator import allocate
+
+    first = allocate(device, 3000)
+    mem = first.block.mem
+    address = first.ptr
+    del first
+    mem.ptr = 0  # what the cut-short store leaves
+    again = allocate(device, 3000)
+    assert again.block.mem is mem and again.ptr == address != 0
+    del again
+
+
 def test_to_device_on_a_stream_snapshots_the_array_at_call_time(device, lazy_streams):
     s = pm.Stream(device)
     x = np.arange(1000, dtype=np.float32)

@@ -80,9 +80,6 @@ class OneCall:
     memo: _Memo = field(default_factory=_Memo, compare=False)
 
 
-_BOOLS = {False: (bool, False), True: (bool, True)}
-
-
 def _fits(name: str, want: tuple[tuple[int, ...], np.dtype] | None, shape: tuple[int, ...], dtype: np.dtype) -> None:
     """A given output must be what the contract says the inputs make."""
     if want is None:
@@ -152,17 +149,9 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             resolve_stream(stream, dev)  # raises, naming the devices
     if not validate:
         return _run_unchecked(op, arrays, values, state, workspace, dev)
-    n = len(arrays)
-    for v in values:  # the key tells True from 1: a bool goes in as (bool, v)
-        t = type(v)
-        if t is int:
-            key.append(v)
-        elif t is bool:
-            key.append(_BOOLS[v])
-        else:  # NumPy integers, or what the checks refuse: every value goes in with its type
-            del key[n:]
-            key += [(type(v), v) for v in values]
-            break
+    # The values with their types: the key tells True from 1, and a NumPy integer from an int.
+    key.append(values)
+    key.append(tuple(map(type, values)))
     memo = op.memo
     cache_key = tuple(key)
     made = memo.checked.get(cache_key)
