@@ -290,6 +290,7 @@ def test_an_interrupted_rebind_of_a_streams_cached_executor_is_redone_in_full(de
     with closing(pm.Stream(device)) as s:
         a1, a2, di = (pm.to_device(a, stream=s) for a in (x1, x2, ids))
         first = pm.moe_init_routing_v2(a1, di, stream=s)
+        pm.moe_init_routing_v2(a1, di, stream=s, out=first)  # the executor of calls given out=, on a1 and first
         other = pm.RoutingResult(pm.empty((16, 4), np.float32), pm.empty((16,), np.int32), None, None)
         _interrupt_after(monkeypatch, aclnn, "set_output_addr")
         with pytest.raises(KeyboardInterrupt):

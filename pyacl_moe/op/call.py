@@ -15,6 +15,7 @@ arrays of the inputs' family, or into the host arrays given as ``out``.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,24 +44,31 @@ Outputs = dict[str, "tuple[tuple[int, ...], np.dtype] | None"]
 class _Memo:
     """Calls that passed the contract, by the layouts of their arrays (a given output's too)
     and their attribute values: what to make of each output (its contiguous_layout; None when
-    given or not written). A call that passed once passes again. Bounded (it starts over when
-    full). ``checked`` is published whole: readers take it without a lock and see a complete
-    dict; a writer copies it under ``lock`` (a miss, rare), adds, and publishes the copy."""
+    given or not written), and a number naming the entry, never reused: the key of the
+    streams' executor caches (the outputs it makes have the layouts it says, so one number
+    names every layout and value of the launch). A call that passed once passes again.
+    Bounded (it starts over when full). ``checked`` is published whole: readers take it
+    without a lock and see a complete dict; a writer copies it under ``lock`` (a miss, rare),
+    adds, and publishes the copy."""
 
     SIZE = 256
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        # (cache key, first addresses) of the last call whose given outputs were checked apart
+        self.checked: dict[tuple[Any, ...], tuple[tuple[Any, ...], int]] = {}
+        # (entry number, first addresses) of the last call whose given outputs were checked apart
         # from its other tensors; published whole (a stale read only checks again).
         self.apart: tuple[Any, ...] = ()
 
-    def put(self, key: tuple[Any, ...], made: tuple[Any, ...]) -> None:
+    def put(self, key: tuple[Any, ...], made: tuple[Any, ...]) -> tuple[tuple[Any, ...], int]:
         with self.lock:
             new = dict(self.checked) if len(self.checked) < self.SIZE else {}
-            new[key] = made
+            entry = new[key] = (made, next(_entry_numbers))
             self.checked = new
+            return entry
+
+
+_entry_numbers = itertools.count()  # (next() on a count is one C call: taken under a memo's lock)
 
 
 @dataclass(frozen=True)
@@ -153,23 +161,18 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     key.append(values)
     key.append(tuple(map(type, values)))
     memo = op.memo
-    cache_key = tuple(key)
-    made = memo.checked.get(cache_key)
-    if made is None:
-        made = _checked(op, arrays, values)
-        memo.put(cache_key, made)
-    given = fresh = False
+    entry = memo.checked.get(tuple(key))
+    if entry is None:
+        entry = memo.put(tuple(key), _checked(op, arrays, values))
+    made, cache_key = entry
+    given = False
     for i, want in zip(spec.output_positions, made):
         if want is not None:
-            fresh = True
             new = arrays[i] = empty_from(want, dev, state)
-            key[i] = want[2]
             allocs[i] = new.alloc
             firsts[i] = new.span[0]
         elif arrays[i] is not None:
             given = True
-    if fresh:
-        cache_key = tuple(key)  # with the made outputs' layouts
     if given and memo.apart != (cache_key, firsts):
         # A given output must share no memory with another tensor. The outcome depends only on
         # the layouts and the addresses, so the last pair that passed is not checked again.

@@ -524,9 +524,9 @@ def launch_cached(spec: OpSpec, key: Any, arrays: Sequence[DeviceArray | None],
                   state: StreamState, workspace: DeviceArray | None) -> None:
     """Launch ``spec`` on ``arrays`` (in ``spec.tensors`` order, with their allocations and the
     addresses of their first elements, checked by the caller; None and 0 for an optional
-    tensor passed as a null pointer) through the stream's cached executor for ``key`` (layout,
-    which tensors are present, and attribute values, in ``spec.attrs`` order), made on a
-    miss (the caller tried :func:`relaunch` first)."""
+    tensor passed as a null pointer) through the stream's cached executor for ``key`` (a
+    number naming the layouts, which tensors are present and the attribute values: the one
+    call's memo entry), made on a miss (the caller tried :func:`relaunch` first)."""
     state.check_open()
     for i, a in enumerate(allocs):
         if a is not None and i not in spec.output_positions:
