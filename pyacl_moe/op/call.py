@@ -55,15 +55,17 @@ class _Memo:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.checked: dict[tuple[Any, ...], tuple[tuple[Any, ...], int]] = {}
+        self.checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         # (entry number, first addresses) of the last call whose given outputs were checked apart
         # from its other tensors; published whole (a stale read only checks again).
         self.apart: tuple[Any, ...] = ()
 
-    def put(self, key: tuple[Any, ...], made: tuple[Any, ...]) -> tuple[tuple[Any, ...], int]:
+    def put(self, key: tuple[Any, ...], made: tuple[Any, ...], given: bool) -> tuple[Any, ...]:
+        """Record a call that passed: (made, its number, whether it makes an output, whether
+        it was given one)."""
         with self.lock:
             new = dict(self.checked) if len(self.checked) < self.SIZE else {}
-            entry = new[key] = (made, next(_entry_numbers))
+            entry = new[key] = (made, next(_entry_numbers), any(m is not None for m in made), given)
             self.checked = new
             return entry
 
@@ -163,16 +165,15 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     memo = op.memo
     entry = memo.checked.get(tuple(key))
     if entry is None:
-        entry = memo.put(tuple(key), _checked(op, arrays, values))
-    made, cache_key = entry
-    given = False
-    for i, want in zip(spec.output_positions, made):
-        if want is not None:
-            new = arrays[i] = empty_from(want, dev, state)
-            allocs[i] = new.alloc
-            firsts[i] = new.span[0]
-        elif arrays[i] is not None:
-            given = True
+        given = any(arrays[i] is not None for i in spec.output_positions)
+        entry = memo.put(tuple(key), _checked(op, arrays, values), given)
+    made, cache_key, makes, given = entry
+    if makes:
+        for i, want in zip(spec.output_positions, made):
+            if want is not None:
+                new = arrays[i] = empty_from(want, dev, state)
+                allocs[i] = new.alloc
+                firsts[i] = new.span[0]
     if given and memo.apart != (cache_key, firsts):
         # A given output must share no memory with another tensor. The outcome depends only on
         # the layouts and the addresses, so the last pair that passed is not checked again.

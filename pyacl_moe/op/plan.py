@@ -499,19 +499,21 @@ def _mark_launch(state: StreamState, allocs: list[Allocation | None], arrays: li
     the launch to hold. (The stream's lock held; a loop under a lock is a function of its own:
     ARCHITECTURE.md.)"""
     keep = None
+    for a in allocs[:n_in]:  # (an input is never a null pointer)
+        if state not in a.track.users:  # type: ignore[union-attr]
+            a.used_on(state, False)  # type: ignore[union-attr]
+        if not a.owned:  # type: ignore[union-attr]
+            keep = [a] if keep is None else [*keep, a]
     mark = state.mark
-    for i, a in enumerate(allocs):
+    for i in range(n_in, len(allocs)):
+        a = allocs[i]
         if a is None:
             continue
         t = a.track
-        if not a.owned:
-            keep = [a] if keep is None else [*keep, a]
-        if i < n_in:
-            if state not in t.users:
-                a.used_on(state, False)
-            continue
         if state not in t.writers:
             a.used_on(state, True)
+        if not a.owned:
+            keep = [a] if keep is None else [*keep, a]
         if arrays[i].whole:  # type: ignore[union-attr]
             t.written = mark
         else:
