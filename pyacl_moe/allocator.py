@@ -108,7 +108,13 @@ class BlockCache:
         if blocks:
             for i in range(len(blocks) - 1, -1, -1):
                 mem, pending = blocks[i]
-                streams = _unfinished(pending) if pending else ()
+                if not pending:
+                    streams: tuple[Any, ...] = ()
+                elif len(pending) == 1:  # (the common case, inline)
+                    s, point = pending[0]
+                    streams = (s,) if s.ledger.completed < point and not s.closed else ()
+                else:
+                    streams = _unfinished(pending)
                 if streams and (len(streams) > 1 or streams[0] is not state):
                     continue
                 del blocks[i]
@@ -136,7 +142,7 @@ class BlockCache:
             mem = block.mem
             if mem is None:
                 return True  # kept by an earlier call that an interrupt cut short
-            if not mem:
+            if not mem.ptr and not mem:  # (.ptr first: the slot's test is a foreign-object compare)
                 return False  # nothing allocated
             free = self.closed or not _caching[0] or self.device.closed or block.uncached
             if free and not _unfinished(pending):
@@ -413,7 +419,7 @@ def allocate(device: Device, nbytes: int, state: Any = None) -> Allocation:
     uses, too), else aclrtMalloc."""
     _lifetime.collect()
     device.check_open()  # (a miss's aclrtMalloc makes the device's context current: Device.call)
-    size = _rounded(nbytes)
+    size = -(-nbytes // _ROUND) * _ROUND or _ROUND  # _rounded, inline
     cache: BlockCache = device.attached("block_cache")
     alloc = Allocation(device, nbytes)
     alloc.owned = True
