@@ -439,8 +439,9 @@ def test_vendor_cases_fail_when_the_emulator_breaks_their_rules(device, clean_em
 METRIC_KEYS = {"mere", "mare", "rmse", "max_abs_error", "max_rel_error", "mismatch_ratio", "nan_inf_match"}
 
 
+# The default run: the default standard.
 @pytest.mark.parametrize("standard", ["stat-rel-err", pytest.param("mixed", marks=pytest.mark.slow),
-                                      pytest.param("close", marks=pytest.mark.slow)])  # the default run: the default standard
+                                      pytest.param("close", marks=pytest.mark.slow)])
 def test_every_standard_passes_the_emulator_and_each_numeric_case_carries_its_metrics(device, standard, tmp_path):
     # The dropless cases: every dtype and shape, the forward's too (the whole quick profile
     # passes under the default standard in test_quick_profile_passes_and_covers_the_catalogue).

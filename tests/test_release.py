@@ -267,8 +267,9 @@ def test_a_runtime_library_lacking_a_function_is_refused_by_name(homes, tmp_path
     assert r.returncode == 2 and "lib64/libnnopbase.so: lacks aclCreateTensor" in r.stderr
 
 
+# The latest by default (8.1.RC1's op entry: test_emulator_releases), all in the slow step.
 @pytest.mark.parametrize("name", [n if n == "9.1.0" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in emulator.RELEASES])  # the latest by default (8.1.RC1's op entry: test_emulator_releases), all in the slow step
+                                  for n in emulator.RELEASES])
 def test_conformance_passes_on_each_emulated_release_and_names_it(homes, name, tmp_path):
     report = tmp_path / "r.json"
     r = _python(["-m", "pyacl_moe.cli", "conformance", "--quick", "--report", str(report)],

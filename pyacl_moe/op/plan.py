@@ -498,7 +498,7 @@ def _mark_launch(state: StreamState, allocs: list[Allocation | None], arrays: li
     leaves a mark no fault can be recorded for. Returns the allocations of foreign memory, for
     the launch to hold. (The stream's lock held; a loop under a lock is a function of its own:
     ARCHITECTURE.md.)"""
-    keep = None
+    keep: list[Any] | None = None
     for a in allocs[:n_in]:  # (an input is never a null pointer)
         if state not in a.track.users:  # type: ignore[union-attr]
             a.used_on(state, False)  # type: ignore[union-attr]
