@@ -446,6 +446,19 @@ def test_wrong_types_and_out_of_range_integers_are_refused_by_name(device, no_le
         pm.get_workspace_size(x, idx, 2.0)
 
 
+@pytest.mark.parametrize("value", [[2], np.array([2]), {2: 2}], ids=["list", "array", "dict"])
+def test_an_unhashable_attribute_of_a_device_call_is_refused_by_name(device, no_leaks, value):
+    # The device call's memo of validated calls hashed the values first: a list gave Python's
+    # "unhashable type" TypeError instead of the parameter's name (the host call named it).
+    case = make_case(8, 2, 16, "float32", "dropless", seed=14)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    with pytest.raises(pm.InvalidArgument, match="top_k: must be an int"):
+        pm.moe_init_routing_v2_grad(x, idx, value)
+    fx, ids = pm.to_device(np.ones((4, 8), np.float32)), pm.to_device(np.zeros((4, 2), np.int32))
+    with pytest.raises(pm.InvalidArgument, match="active_num: must be an int"):
+        pm.moe_init_routing_v2(fx, ids, active_num=value)
+
+
 def test_every_closed_object_raises_closed_error(device, no_leaks):
     case = make_case(8, 2, 16, "float32", "dropless", seed=15)
     x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)

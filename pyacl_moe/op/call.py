@@ -163,7 +163,11 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     key.append(values)
     key.append(tuple(map(type, values)))
     memo = op.memo
-    entry = memo.checked.get(tuple(key))
+    try:
+        entry = memo.checked.get(tuple(key))
+    except TypeError:  # a value that cannot be a key (a list, an array): the checks name it
+        op.attrs(*values)
+        raise
     if entry is None:
         given = any(arrays[i] is not None for i in spec.output_positions)
         entry = memo.put(tuple(key), _checked(op, arrays, values), given)
