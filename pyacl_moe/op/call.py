@@ -130,7 +130,8 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     scenario writes none); ``values``: the attributes in ``spec.attrs`` order. Returns the
     outputs in ``spec.outputs`` order. The list is the caller's to give away: it is filled in."""
     spec = op.spec
-    dev = None
+    first = arrays[0].alloc  # type: ignore[union-attr]  # (an input: never a null pointer)
+    dev = first.device if first is not None else None
     # One pass over the arrays: the layout key, the allocations, the first elements' addresses.
     key: list[Any] = []
     allocs: list[Allocation | None] = []
@@ -142,9 +143,8 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             firsts.append(0)
             continue
         alloc = a.alloc
-        if alloc is None or dev is not None and alloc.device is not dev:
+        if alloc is None or alloc.device is not dev:
             _device_of(spec, arrays, workspace)  # raises, naming the array
-        dev = alloc.device  # type: ignore[union-attr]
         key.append(a.layout_id)
         allocs.append(alloc)
         firsts.append(a.span[0])

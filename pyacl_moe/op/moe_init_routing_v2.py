@@ -358,11 +358,16 @@ def moe_init_routing_v2(
     return RoutingResult(*run_host(ONE_CALL, [x, expert_idx], values, given, stream, workspace, validate))
 
 
+_DEVICE_OR_NONE = frozenset({DeviceArray, type(None)})
+
+
 def _given_outputs(out: Any, on_device: bool) -> list[Any]:
     """The outputs a caller gave, in ``SPEC.outputs`` order (checked to be DeviceArrays for
     device inputs, host arrays for host inputs)."""
     if out is None:
         return [None] * len(_OUTPUTS)
+    if on_device and type(out) is RoutingResult and _DEVICE_OR_NONE.issuperset(map(type, out)):
+        return list(out)  # (the common case, without a loop)
     if type(out) is not RoutingResult and (not isinstance(out, tuple) or len(out) != len(_OUTPUTS)):
         raise InvalidArgument("out", f"must be a RoutingResult (or a tuple of {len(_OUTPUTS)}) of arrays or None, "
                                      f"got {type(out).__name__}")
