@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 
 import pytest
 
@@ -109,6 +110,17 @@ def test_a_malformed_row_exits_2_naming_the_file_row_and_column_before_anything_
     assert code == 2, out + err
     assert f"{buf}: row 3, {says}" in err and "Traceback" not in err, err
     assert out == ""  # nothing ran
+
+
+def test_a_malformed_number_is_one_error_without_the_compilers_warning(tmp_path):
+    # "0.0001and" made the compiler print "<unknown>:1: SyntaxWarning: invalid decimal
+    # literal" on stderr ahead of the file's one-line error.
+    path = _write(tmp_path / "x.csv", [BACKWARD_ROWS[0].replace(",0.0001,", ",0.0001and,", 1)])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(kitcases.CaseFileError, match="row 2, column absolute_precision: not a Python literal"):
+            kitcases.load([path])
+    assert not [w for w in seen if issubclass(w.category, SyntaxWarning)], [str(w.message) for w in seen]
 
 
 def test_a_file_without_the_required_columns_is_refused(tmp_path):

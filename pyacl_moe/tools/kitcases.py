@@ -22,6 +22,7 @@ import csv
 import math
 import re
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,8 +72,11 @@ class KitRow:
 
 
 def _literal(text: str) -> Any:
-    # The kit's cells are Python literals; it writes infinity as a bare ``inf``.
-    return ast.literal_eval(re.sub(r"(?<![\w.])inf(?![\w.])", "1e999", text))
+    # The kit's cells are Python literals; it writes infinity as a bare ``inf``. A malformed
+    # cell is the caller's CaseFileError, not the compiler's SyntaxWarning on stderr as well.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        return ast.literal_eval(re.sub(r"(?<![\w.])inf(?![\w.])", "1e999", text))
 
 
 def _parse_row(file: str, line: int, cells: dict[str, str]) -> KitRow:
