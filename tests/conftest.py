@@ -205,6 +205,14 @@ def uncached():
     pyacl_moe.set_caching(True)
 
 
+def default_capacity(devices: int = 1) -> int:
+    """An emulated device's memory when PYACL_MOE_EMU_MEMORY is not set and the process has no
+    address-space limit: 32 GiB, or half the host's physical memory shared by the devices, in
+    whole MiB, if that is less (docs/emulator.md, *Memory*)."""
+    half = os.sysconf("SC_PHYS_PAGES") // 2 * os.sysconf("SC_PAGE_SIZE") // devices
+    return min(32 << 30, max(1 << 20, half & ~((1 << 20) - 1)))
+
+
 def forward_inputs(seed: int = 0, n: int = 8, k: int = 2, h: int = 4, experts: int = 4):
     """The forward's inputs: x [n, h] float32 and each token's top-k of ``experts`` experts."""
     import numpy as np

@@ -16,6 +16,8 @@ import pytest
 import pyacl_moe as pm
 from pyacl_moe import cli
 
+from .conftest import default_capacity
+
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
@@ -36,7 +38,7 @@ def test_info_json(main):
         "x86_64", os.uname().machine))
     assert [os.path.basename(d) for d in info["dependencies"]] == ["libopapi_math.so"]
     assert info["acl_version"] == "1.17.0" and info["soc"] == "Ascend910B3"
-    assert info["device_count"] == 1 and info["devices"][0]["memory_total"] == 32 << 30
+    assert info["device_count"] == 1 and info["devices"][0]["memory_total"] == default_capacity()
 
 
 def test_info_text(main):

@@ -26,7 +26,7 @@ import pytest
 
 from pyacl_moe import emulator as emulator_mod
 
-from .conftest import LIVE
+from .conftest import LIVE, default_capacity
 from .emu_raw import Emu
 
 # ---------------------------------------------------------------------------- constants
@@ -421,7 +421,7 @@ def test_malloc_beyond_capacity_and_size_zero(emu):
     free_, total = emu.ffi.new("size_t *"), emu.ffi.new("size_t *")
     emu.ok(emu.acl.aclrtGetMemInfo(ACL_HBM_MEM, free_, total))
     if not os.environ.get("PYACL_MOE_EMU_MEMORY"):
-        assert total[0] == 32 << 30  # the default capacity
+        assert total[0] == default_capacity()
     p = emu.ffi.new("void **")
     before = emu.stats()
     assert emu.acl.aclrtMalloc(p, total[0] + 1, 0) == RT_MEMORY_ALLOCATION

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "rt_internal.h"
@@ -162,20 +163,35 @@ static int env_size(const char *name, size_t dflt, size_t *out) {
     return 0;
 }
 
-/* The capacity a device has when PYACL_MOE_EMU_MEMORY is not set: 32 GiB, or, when the process
- * has an address-space limit (RLIMIT_AS, `ulimit -v`), an eighth of the limit shared by the
- * devices, if that is less. A device's memory is host memory and its address range is reserved
- * address space (reserve_va_locked: about twice the capacity), both counted by that limit: a
- * 32 GiB device cannot exist under `ulimit -v 6000000`, and what is left must still hold the
- * Python process itself, its libraries and its threads' stacks and malloc arenas. */
+/* `total` shared by the devices, in whole MiB (as one would write it), at least 1 MiB. */
+static size_t share_of(size_t total, int devices) {
+    size_t share = total / (size_t)(devices > 1 ? devices : 1);
+    share &= ~(((size_t)1 << 20) - 1);
+    return share < ((size_t)1 << 20) ? (size_t)1 << 20 : share;
+}
+
+/* The capacity a device has when PYACL_MOE_EMU_MEMORY is not set: 32 GiB, or less where the
+ * host cannot back it. A device's memory is host memory: written beyond what the host has, a
+ * job (or a hostile attribute that sizes an output) was killed by the kernel's OOM killer
+ * instead of getting 207001, so the devices share half the host's physical memory at most,
+ * leaving the other half to the host's own copies. Under an address-space limit (RLIMIT_AS,
+ * `ulimit -v`) they share an eighth of the limit at most: a device's address range is reserved
+ * address space (reserve_va_locked: about twice the capacity), counted by that limit with the
+ * memory itself, and what is left must still hold the Python process itself, its libraries
+ * and its threads' stacks and malloc arenas. */
 static size_t default_capacity(int devices) {
-    size_t dflt = (size_t)32 << 30;
+    size_t cap = (size_t)32 << 30;
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) {
+        size_t half = share_of((size_t)pages / 2 * (size_t)page, devices);
+        if (half < cap) cap = half;
+    }
     struct rlimit rl;
-    if (getrlimit(RLIMIT_AS, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return dflt;
-    size_t share = (size_t)(rl.rlim_cur / 8 / (rlim_t)(devices > 1 ? devices : 1));
-    share &= ~(((size_t)1 << 20) - 1); /* whole MiB, as one would write it */
-    if (share < ((size_t)1 << 20)) share = (size_t)1 << 20;
-    return share < dflt ? share : dflt;
+    if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+        size_t eighth = share_of((size_t)(rl.rlim_cur / 8), devices);
+        if (eighth < cap) cap = eighth;
+    }
+    return cap;
 }
 
 /* One of `names` (NULL-terminated); its index, or dflt when unset. */
