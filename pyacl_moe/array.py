@@ -631,8 +631,9 @@ def _order_after(alloc: Allocation, state: StreamState | None, writers_only: boo
                     raise  # the caller's own stream
         try:
             # A synchronize even when the stream looks idle: it is what reports a device
-            # fault of the work that used the memory (a query does not).
-            other.wait(report=not writers_only, closing=True)
+            # fault of the work that used the memory (a query does not). In place of an event
+            # (a stream being closed), it reports as the event would: nothing.
+            other.wait(report=state is None and not writers_only, closing=True)
         except ClosedError:
             track.forget(other)  # destroyed meanwhile
 
