@@ -51,12 +51,20 @@ def _env_caching() -> bool:
     return value == "1"
 
 
-_caching = [_env_caching()]  # read without a lock: a stale answer only keeps or frees one block
+# Read without a lock: a stale answer only keeps or frees one block. None until the first
+# allocation reads the environment: a bad value is refused there, by name, not at import.
+_caching: list[bool | None] = [None]
+
+
+def _read_caching() -> None:
+    if _caching[0] is None:
+        _caching[0] = _env_caching()
 
 
 def caching() -> bool:
     """Whether idle blocks are kept for reuse (the default)."""
-    return _caching[0]
+    _read_caching()
+    return bool(_caching[0])
 
 
 def set_caching(enabled: bool) -> None:
@@ -417,6 +425,8 @@ def allocate(device: Device, nbytes: int, state: Any = None) -> Allocation:
     """A new allocation of ``nbytes``: an idle cached block of the same rounded size (for
     memory about to be used on stream ``state``, one that only ``state``'s queued work still
     uses, too), else aclrtMalloc."""
+    if _caching[0] is None:
+        _read_caching()
     _lifetime.collect()
     device.check_open()  # (a miss's aclrtMalloc makes the device's context current: Device.call)
     size = -(-nbytes // _ROUND) * _ROUND or _ROUND  # _rounded, inline
@@ -483,6 +493,7 @@ class _PinnedOwner:
 def pinned_block(device: Device, nbytes: int) -> np.ndarray:
     """A 1-D uint8 NumPy array over a pinned host block of at least ``nbytes``, cached per
     device; the block is reused once the array (and every view of it) is gone."""
+    _read_caching()
     _lifetime.collect()
     device.activate()
     size = _rounded(nbytes)

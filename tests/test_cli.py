@@ -41,6 +41,18 @@ def test_info_json(main):
     assert info["device_count"] == 1 and info["devices"][0]["memory_total"] == default_capacity()
 
 
+def test_a_bad_environment_value_of_the_binding_is_one_line_not_an_import_traceback():
+    # PYACL_MOE_CACHE_ALLOCATIONS=2 raised at import: every program importing the package died
+    # with a traceback, and the CLI before it could say anything in its own words.
+    env = {"PYACL_MOE_CACHE_ALLOCATIONS": "2"}
+    r = run_cli("--emulator", "run", "--tokens", "4", env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "pyacl-moe: error: PYACL_MOE_CACHE_ALLOCATIONS: must be 0 or 1, got '2'", r.stderr
+    r = subprocess.run([sys.executable, "-c", "import pyacl_moe"], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
 def test_info_text(main):
     code, out, err = main("--emulator", "info")
     assert code == 0, err
