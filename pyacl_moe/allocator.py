@@ -116,13 +116,7 @@ class BlockCache:
         if blocks:
             for i in range(len(blocks) - 1, -1, -1):
                 mem, pending = blocks[i]
-                if not pending:
-                    streams: tuple[Any, ...] = ()
-                elif len(pending) == 1:  # (the common case, inline)
-                    s, point = pending[0]
-                    streams = (s,) if s.ledger.completed < point and not s.closed else ()
-                else:
-                    streams = _unfinished(pending)
+                streams = _unfinished(pending) if pending else ()
                 if streams and (len(streams) > 1 or streams[0] is not state):
                     continue
                 del blocks[i]
@@ -150,7 +144,7 @@ class BlockCache:
             mem = block.mem
             if mem is None:
                 return True  # kept by an earlier call that an interrupt cut short
-            if not mem.ptr and not mem:  # (.ptr first: the slot's test is a foreign-object compare)
+            if not mem:
                 return False  # nothing allocated
             free = self.closed or not _caching[0] or self.device.closed or block.uncached
             if free and not _unfinished(pending):
@@ -425,11 +419,10 @@ def allocate(device: Device, nbytes: int, state: Any = None) -> Allocation:
     """A new allocation of ``nbytes``: an idle cached block of the same rounded size (for
     memory about to be used on stream ``state``, one that only ``state``'s queued work still
     uses, too), else aclrtMalloc."""
-    if _caching[0] is None:
-        _read_caching()
+    _read_caching()
     _lifetime.collect()
     device.check_open()  # (a miss's aclrtMalloc makes the device's context current: Device.call)
-    size = -(-nbytes // _ROUND) * _ROUND or _ROUND  # _rounded, inline
+    size = _rounded(nbytes)
     cache: BlockCache = device.attached("block_cache")
     alloc = Allocation(device, nbytes)
     alloc.owned = True
@@ -451,8 +444,10 @@ def _address(block: _Block, device: Device) -> int:
     """The address of ``block``'s memory, just taken or made; ClosedError if the device closed
     meanwhile (its close marks it closed, then frees every block, this one too)."""
     mem = block.mem
-    # .ptr is what malloc stored; 0 when an interrupt fell between aclrtMalloc and the store,
-    # and the handle's slot has the address. (.ptr is not cleared when the handle is freed.)
+    # .ptr, which malloc stored (reading the handle's slot is a foreign-object conversion);
+    # the slot only when .ptr is 0: an interrupt fell between aclrtMalloc and the store. A
+    # handle taken or just made is never freed on an open device (.ptr is not cleared when it
+    # is), so the device's state is the one check.
     address = 0 if mem is None or device.closed else mem.ptr or mem.address
     if not address:
         device.check_open()

@@ -116,8 +116,6 @@ def _new_layout_id(layout: tuple[Any, ...]) -> int:
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    if len(shape) == 1:
-        return (1,)
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
@@ -138,25 +136,29 @@ class DeviceArray:
                  "layout_id", "whole", "__weakref__")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
-                 offset: int) -> None:
+                 offset: int, known: tuple[int, int, int] | None = None) -> None:
+        # ``known``: a new contiguous array's (layout id, aclDataType code, nbytes), already
+        # looked up (contiguous_layout): the view is all of ``alloc``.
         #: the Allocation the view is of (None once closed); see :meth:`allocation` for a checked one
         self.alloc: Allocation | None = alloc
         self._shape = shape
         self._dtype = dtype
         self._strides = strides
         self._offset = offset
-        self._acl_dtype = acl_data_type(dtype)
+        self._acl_dtype = acl_data_type(dtype) if known is None else known[1]
         self._desc: aclnn.TensorDesc | None = None
         self._layout = (shape, dtype, strides)
         # Read on every launch, so plain attributes rather than properties.
         #: (first, last) device byte addresses the view touches (last < first when empty).
-        self.span = _span(alloc.ptr, shape, strides, offset, dtype.itemsize)
+        self.span = (_span(alloc.ptr, shape, strides, offset, dtype.itemsize) if known is None else
+                     (alloc.ptr, alloc.ptr + known[2] - 1))
         #: a small int naming :attr:`layout` in this process (equal ids, equal layouts): a cheap
         #: key for caches of executors and checks.
-        self.layout_id = _layout_id(self._layout)
+        self.layout_id = _layout_id(self._layout) if known is None else known[0]
         #: whether the view covers its allocation's every byte: a write through it then
         #: replaces what the binding knows of the memory's latest write (the fault rule)
-        self.whole = self.span[0] == alloc.ptr and self.span[1] - self.span[0] + 1 == alloc.nbytes
+        self.whole = known is not None or (self.span[0] == alloc.ptr and
+                                           self.span[1] - self.span[0] + 1 == alloc.nbytes)
 
     # -- for pyacl_moe's own layers
 
@@ -629,13 +631,11 @@ def _order_after(alloc: Allocation, state: StreamState | None, writers_only: boo
             except ClosedError:
                 if state.closing or state.device.closed:
                     raise  # the caller's own stream
-        try:
-            # A synchronize even when the stream looks idle: it is what reports a device
-            # fault of the work that used the memory (a query does not). In place of an event
-            # (a stream being closed), it reports as the event would: nothing.
-            other.wait(report=state is None and not writers_only, closing=True)
-        except ClosedError:
-            track.forget(other)  # destroyed meanwhile
+        # A synchronize even when the stream looks idle: it is what reports a device fault of
+        # the work that used the memory (a query does not). In place of an event (a stream
+        # being closed), it reports as the event would: nothing.
+        if not other.wait_unless_destroyed(report=state is None and not writers_only):
+            track.forget(other)
 
 
 def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None, whole: bool) -> None:
@@ -690,19 +690,8 @@ def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...
 def empty_from(made: tuple[Any, ...], device: Device, state: StreamState | None = None) -> DeviceArray:
     """A new contiguous DeviceArray of a :func:`contiguous_layout` (the one call's outputs:
     nothing is computed again)."""
-    layout, n, layout_id, code = made
-    alloc = allocate(device, n, state)
-    a = DeviceArray.__new__(DeviceArray)
-    a.alloc = alloc
-    a._shape, a._dtype, a._strides = layout
-    a._offset = 0
-    a._acl_dtype = code
-    a._desc = None
-    a._layout = layout
-    a.span = (alloc.ptr, alloc.ptr + n - 1)
-    a.layout_id = layout_id
-    a.whole = True  # all of its allocation
-    return a
+    (shape, dtype, strides), n, layout_id, code = made
+    return DeviceArray(allocate(device, n, state), shape, dtype, strides, 0, (layout_id, code, n))
 
 
 def _dtype(dtype: Any) -> np.dtype:

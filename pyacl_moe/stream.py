@@ -99,12 +99,7 @@ def check_written(track: Any, waiting: bool = True) -> None:
     write by an event, would never learn of the write's fault otherwise."""
     for state, epoch in track.written:
         if waiting and not state.confirmed(epoch) and not state.device.closed:
-            # A stream being closed by another thread is waited for too (its close's own wait
-            # may not have run the write yet); one destroyed meanwhile has run everything.
-            try:
-                state.wait(report=False, closing=True)
-            except ClosedError:
-                pass
+            state.wait_unless_destroyed(report=False)
             if state.fault_at(epoch) is None and not state.confirmed(epoch):
                 state.drain_waits()  # one of them may have been told of the write's fault
         fault = state.fault_at(epoch)
@@ -346,6 +341,16 @@ class StreamState:
             pending = self.unraised()
             if pending is not None:
                 raise _reported(pending, self.device)
+
+    def wait_unless_destroyed(self, report: bool) -> bool:
+        """Wait for the stream on behalf of memory its work uses (a read, a host write), even
+        while another thread closes it: its close's own wait may not have run that work yet.
+        False, waiting for nothing, once it is destroyed (it ran everything)."""
+        try:
+            self.wait(report=report, closing=True)
+        except ClosedError:
+            return False
+        return True
 
     def wait_for(self, epoch: int) -> None:
         """Wait for the stream, then raise the fault of a task queued in ``epoch`` (a copy to
