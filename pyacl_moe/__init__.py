@@ -15,9 +15,18 @@ from typing import Any
 
 from . import reference, release, routing
 from ._cann.loader import LibraryInfo, library_info, load, loaded_info
-from .allocator import pinned_empty, set_caching
 from .array import DeviceArray, bfloat16, empty, from_pointer, from_torch, to_device, zeros
-from .device import Device, acl_version, current_device, device_count, soc_name
+from .device import (
+    Device,
+    acl_version,
+    current_device,
+    device_count,
+    empty_cache,
+    memory_stats,
+    pinned_empty,
+    set_caching,
+    soc_name,
+)
 from .errors import (
     AclError,
     AclnnError,
@@ -31,7 +40,6 @@ from .errors import (
 from .op.executor import Executor, execute
 from .op.moe_init_routing_v2 import MoeInitRoutingV2, RoutingResult, moe_init_routing_v2
 from .op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, get_workspace_size, moe_init_routing_v2_grad
-from .pool import empty_cache, memory_stats
 from .release import CannVersion, cann_version
 from .stream import Event, Stream, current_stream
 from .tensor import AclTensor

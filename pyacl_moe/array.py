@@ -1,13 +1,16 @@
 """Device memory: :class:`DeviceArray` and the copies between host and device.
 
 A DeviceArray is a typed, strided view (element strides and offset, as aclCreateTensor takes
-them) of a device allocation, which it owns (aclrtMalloc/aclrtFree) or borrows
+them) of an :class:`~pyacl_moe.device.Allocation`, which it owns or borrows
 (``DeviceArray.from_pointer``). Basic slicing gives views that share the allocation. The memory
-is freed once no array views it and no queued work uses it, or when its device closes.
+goes back once no array views it and no queued work uses it, or when its device closes.
 
-Copies follow stream order: a copy on a stream holds its host buffer and the allocation until
-it has run; reading back defaults to the stream that last wrote the memory; writing from the
-host waits for (or, on a stream, is ordered after) queued work that uses the memory.
+Every copy runs on a stream. With ``stream`` (or inside ``with stream:``) it is queued there,
+after the memory's last writer when that is another stream (a read waits for it on the host;
+ordering anything else between streams is the caller's, through events) and the host buffer is
+held until it has run; without, it runs on the memory's last writer stream (else the default
+stream) and is waited for. Memory whose writer the binding cannot know (borrowed) waits for the
+whole device.
 """
 
 from __future__ import annotations
@@ -22,49 +25,30 @@ import numpy as np
 
 from . import _args, _lifetime
 from ._cann import acl, aclnn, declare
-from .allocator import Allocation, allocate, borrowed, is_pinned, on_memory_pressure, pinned_block
-from .device import Device, resolve_device
+from .device import Allocation, Device, is_pinned, pinned_block, resolve_device
 from .errors import ClosedError, InvalidArgument
 from .host import host_view
-from .stream import Event, Stream, StreamState, active_stream, check_written, resolve_stream
+from .stream import Stream, StreamState, resolve_stream, thread_current
 
-__all__ = ["Allocation", "DeviceArray", "acl_data_type", "allocate", "bfloat16", "contiguous_layout", "copy_in_native",
-           "empty", "empty_from", "from_pointer", "from_torch", "host_array", "may_overlap", "new_empty",
-           "on_memory_pressure", "to_device", "zeros"]
+__all__ = ["DeviceArray", "acl_data_type", "bfloat16", "contiguous_layout", "empty", "empty_from", "from_pointer",
+           "from_torch", "host_array", "may_overlap", "to_device", "wait_for", "zeros"]
 
 #: ml_dtypes' bfloat16 scalar type (``pm.bfloat16(1.5)``, ``x.astype(pm.bfloat16)``).
 bfloat16 = ml_dtypes.bfloat16
 
 # numpy dtype -> the aclDataType it is (values read from headers/).
 _ACL_NAMES: dict[np.dtype, str] = {
-    np.dtype(np.float32): "ACL_FLOAT",
-    np.dtype(np.float16): "ACL_FLOAT16",
-    np.dtype(np.int8): "ACL_INT8",
-    np.dtype(np.int32): "ACL_INT32",
-    np.dtype(np.uint8): "ACL_UINT8",
-    np.dtype(np.int16): "ACL_INT16",
-    np.dtype(np.uint16): "ACL_UINT16",
-    np.dtype(np.uint32): "ACL_UINT32",
-    np.dtype(np.int64): "ACL_INT64",
-    np.dtype(np.uint64): "ACL_UINT64",
-    np.dtype(np.float64): "ACL_DOUBLE",
-    np.dtype(np.bool_): "ACL_BOOL",
-    np.dtype(np.complex64): "ACL_COMPLEX64",
-    np.dtype(np.complex128): "ACL_COMPLEX128",
+    np.dtype(np.float32): "ACL_FLOAT", np.dtype(np.float16): "ACL_FLOAT16", np.dtype(np.int8): "ACL_INT8",
+    np.dtype(np.int32): "ACL_INT32", np.dtype(np.uint8): "ACL_UINT8", np.dtype(np.int16): "ACL_INT16",
+    np.dtype(np.uint16): "ACL_UINT16", np.dtype(np.uint32): "ACL_UINT32", np.dtype(np.int64): "ACL_INT64",
+    np.dtype(np.uint64): "ACL_UINT64", np.dtype(np.float64): "ACL_DOUBLE", np.dtype(np.bool_): "ACL_BOOL",
+    np.dtype(np.complex64): "ACL_COMPLEX64", np.dtype(np.complex128): "ACL_COMPLEX128",
     np.dtype(bfloat16): "ACL_BF16",
 }
-
-_codes: dict[np.dtype, int] = {}  # _ACL_NAMES' codes, built whole at the first call (then only read)
 
 
 def acl_data_type(dtype: Any) -> int:
     """The aclDataType code of a numpy dtype; InvalidArgument if CANN has none."""
-    global _codes
-    code = _codes.get(dtype)
-    if code is not None:
-        return code
-    if not _codes:
-        _codes = {dt: declare.const(name) for dt, name in _ACL_NAMES.items()}
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -99,9 +83,7 @@ _LAYOUTS_MAX = 1024
 
 def _layout_id(layout: tuple[Any, ...]) -> int:
     got = _layout_ids.get(layout)
-    if got is not None:
-        return got
-    return _new_layout_id(layout)
+    return got if got is not None else _new_layout_id(layout)
 
 
 def _new_layout_id(layout: tuple[Any, ...]) -> int:
@@ -123,6 +105,17 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    if not all(shape):
+        return True  # no elements: nothing is laid out
+    expect = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
 class DeviceArray:
     """An n-dimensional array in device memory.
 
@@ -130,56 +123,45 @@ class DeviceArray:
     and ``offset`` are in elements, as aclCreateTensor takes them. Create one with
     :func:`to_device`, :func:`empty`, :func:`zeros` or :func:`from_pointer`; read it back with
     :meth:`to_host`. NumPy never converts one implicitly: the copy and its wait are explicit.
+    ``close()`` (or ``with``) drops this array's hold on the memory.
     """
 
     __slots__ = ("alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "_layout", "span",
-                 "layout_id", "whole", "__weakref__")
+                 "layout_id", "__weakref__")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int, known: tuple[int, int, int] | None = None) -> None:
         # ``known``: a new contiguous array's (layout id, aclDataType code, nbytes), already
         # looked up (contiguous_layout): the view is all of ``alloc``.
-        #: the Allocation the view is of (None once closed); see :meth:`allocation` for a checked one
+        #: the Allocation the view is of (None once closed); :meth:`allocation` checks it
         self.alloc: Allocation | None = alloc
-        self._shape = shape
-        self._dtype = dtype
-        self._strides = strides
-        self._offset = offset
+        self._shape, self._dtype, self._strides, self._offset = shape, dtype, strides, offset
         self._acl_dtype = acl_data_type(dtype) if known is None else known[1]
         self._desc: aclnn.TensorDesc | None = None
         self._layout = (shape, dtype, strides)
-        # Read on every launch, so plain attributes rather than properties.
-        #: (first, last) device byte addresses the view touches (last < first when empty).
+        #: (first, last) device byte addresses the view touches (last < first when empty)
         self.span = (_span(alloc.ptr, shape, strides, offset, dtype.itemsize) if known is None else
                      (alloc.ptr, alloc.ptr + known[2] - 1))
-        #: a small int naming :attr:`layout` in this process (equal ids, equal layouts): a cheap
-        #: key for caches of executors and checks.
+        #: a small int naming :attr:`layout` in this process: a cheap key for caches
         self.layout_id = _layout_id(self._layout) if known is None else known[0]
-        #: whether the view covers its allocation's every byte: a write through it then
-        #: replaces what the binding knows of the memory's latest write (the fault rule)
-        self.whole = known is not None or (self.span[0] == alloc.ptr and
-                                           self.span[1] - self.span[0] + 1 == alloc.nbytes)
 
     # -- for pyacl_moe's own layers
 
     def allocation(self, what: str = "array") -> Allocation:
         """The allocation this array views, checked alive (ClosedError otherwise)."""
         a = self.alloc
-        if a is None or a.device.closed:
-            raise ClosedError(what, "this DeviceArray was closed" if a is None else
-                              f"its memory went with device {a.device.device_id}, which was closed")
+        if a is None:
+            raise ClosedError(what, "this DeviceArray was closed")
+        a.check_open(what)
         return a
 
     def tensor_desc(self) -> aclnn.TensorDesc:
         """What aclCreateTensor needs for this view, built once."""
         d = self._desc
         if d is None:
-            a = self.allocation()
             d = self._desc = aclnn.TensorDesc(self._shape, self._acl_dtype, self._strides, self._offset,
-                                              (a.nbytes // self._dtype.itemsize,))
+                                              (self.allocation().nbytes // self._dtype.itemsize,))
         return d
-
-    # -- construction
 
     @classmethod
     def from_pointer(cls, ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[int] | None = None,
@@ -207,8 +189,7 @@ class DeviceArray:
     @property
     def strides(self) -> tuple[int, ...]:
         """Strides in bytes, as NumPy and CuPy have them."""
-        item = self._dtype.itemsize
-        return tuple(s * item for s in self._strides)
+        return tuple(s * self._dtype.itemsize for s in self._strides)
 
     @property
     def element_strides(self) -> tuple[int, ...]:
@@ -234,10 +215,7 @@ class DeviceArray:
     @property
     def size(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self._shape:
-            n *= d
-        return n
+        return int(np.prod(self._shape, dtype=np.int64)) if self._shape else 1
 
     @property
     def itemsize(self) -> int:
@@ -272,7 +250,7 @@ class DeviceArray:
     @property
     def owns_memory(self) -> bool:
         """False for memory borrowed through from_pointer."""
-        return self.allocation().owned
+        return self.allocation().owner is None
 
     @property
     def is_contiguous(self) -> bool:
@@ -283,7 +261,7 @@ class DeviceArray:
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
         a = self.alloc
-        return a is None or a.device.closed
+        return a is None or not a.context.open
 
     def __len__(self) -> int:
         if not self._shape:
@@ -293,10 +271,8 @@ class DeviceArray:
     def __repr__(self) -> str:
         if self.closed:
             return f"<DeviceArray closed shape={self._shape} dtype={self._dtype}>"
-        return (
-            f"<DeviceArray shape={self._shape} dtype={self._dtype} element_strides={self._strides} "
-            f"offset={self._offset} device={self.device.device_id} address={self.address:#x}>"
-        )
+        return (f"<DeviceArray shape={self._shape} dtype={self._dtype} element_strides={self._strides} "
+                f"offset={self._offset} device={self.device.device_id} address={self.address:#x}>")
 
     # -- views
 
@@ -304,22 +280,19 @@ class DeviceArray:
         """Basic slicing (ints, slices with positive steps, Ellipsis): a view, no copy. Fancy
         (integer-array) and boolean indexing are refused: they copy, which a view cannot."""
         alloc = self.allocation()
-        if not isinstance(key, tuple):
-            key = (key,)
+        key = key if isinstance(key, tuple) else (key,)
         for k in key:
             if isinstance(k, (DeviceArray, np.ndarray, list)) or (hasattr(k, "__array__")
                                                                   and not isinstance(k, np.generic)):
                 raise InvalidArgument(
                     "key", "fancy (integer-array) and boolean indexing are not supported on a DeviceArray: they "
                            "copy, and DeviceArray indexing gives views; index the host copy (to_host()[key]) instead")
-        # By identity: `in` would compare with ==, which NumPy scalars answer elementwise.
-        ellipses = [i for i, k in enumerate(key) if k is Ellipsis]
+        ellipses = [i for i, k in enumerate(key) if k is Ellipsis]  # by identity: NumPy scalars compare elementwise
         if len(ellipses) > 1:
             raise IndexError("an index can only have a single ellipsis ('...')")
         if ellipses:
             i = ellipses[0]
-            fill = self.ndim - (len(key) - 1)
-            key = key[:i] + (slice(None),) * fill + key[i + 1:]
+            key = key[:i] + (slice(None),) * (self.ndim - (len(key) - 1)) + key[i + 1:]
         if len(key) > self.ndim:
             raise IndexError(f"too many indices: array is {self.ndim}-dimensional, got {len(key)}")
         shape, strides, offset = [], [], self._offset
@@ -333,12 +306,10 @@ class DeviceArray:
             elif isinstance(k, slice):
                 start, stop, step = k.indices(n)
                 if step <= 0:
-                    raise InvalidArgument(
-                        "key", "negative slice steps are not supported: CANN views take non-negative strides"
-                    )
+                    raise InvalidArgument("key", "negative slice steps are not supported: CANN views take "
+                                                 "non-negative strides")
                 length = max(0, (stop - start + step - 1) // step)
-                if length:
-                    offset += start * s
+                offset += start * s if length else 0
                 shape.append(length)
                 strides.append(s * step)
             elif k is None:
@@ -354,9 +325,9 @@ class DeviceArray:
     def to_host(self, stream: Stream | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Copy to a NumPy array: a new one, or ``out``.
 
-        With ``stream`` (or inside ``with stream:``) the copy is queued there and waited for, so
-        earlier work on that stream is visible. Without, it first waits for every stream that
-        queued a write to this memory through pyacl_moe, then copies.
+        With ``stream`` (or inside ``with stream:``) the copy is queued there, after the
+        memory's last writer (waited for on the host when it is another stream), and waited
+        for; without, it runs on the memory's last writer stream and is waited for.
 
         With ``out`` (a writable C-contiguous NumPy array of this shape and dtype) and a stream,
         the copy is queued into ``out`` and not waited for: ``out`` is complete once the stream
@@ -365,35 +336,24 @@ class DeviceArray:
         aclrtMemcpyAsync returns once the copy is done.
         """
         alloc = self.allocation()
-        if stream is None:
-            stream = active_stream(alloc.device)
+        state = _given(stream, alloc.device)
         if out is not None:
-            return self._to_host_into(alloc, out, stream)
+            return self._to_host_into(alloc, out, state)
         out = np.empty(self._shape, dtype=self._dtype)
         lo, hi = self.span
         if hi < lo:
             return out
-        nbytes = hi - lo + 1
-        host = out if self.is_contiguous else np.empty(nbytes, dtype=np.uint8)
-        if stream is not None:
-            state = resolve_stream(stream, alloc.device)
-            _order_after(alloc, state, writers_only=True)
-            alloc.used_on(state, write=False)
-            epoch = state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, nbytes, lo, nbytes,
-                                  "ACL_MEMCPY_DEVICE_TO_HOST")
-            state.wait_for(epoch)  # a fault of the copy itself: ``host`` was not written
-        else:
-            _order_after(alloc, None, writers_only=True)
-            alloc.device.call(acl.memcpy, host.ctypes.data, nbytes, lo, nbytes, "ACL_MEMCPY_DEVICE_TO_HOST")
-        check_written(alloc.track)
+        n = hi - lo + 1
+        host = out if self.is_contiguous else np.empty(n, dtype=np.uint8)
+        state = _host_access(alloc, state)
+        state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST")
+        wait_for(state)
         if host is not out:
-            view = np.lib.stride_tricks.as_strided(
-                host.view(self._dtype), shape=self._shape, strides=tuple(s * self.itemsize for s in self._strides)
-            )
-            out[...] = view
+            out[...] = np.lib.stride_tricks.as_strided(host.view(self._dtype), shape=self._shape,
+                                                       strides=self.strides)
         return out
 
-    def _to_host_into(self, alloc: Allocation, out: Any, stream: Stream | None) -> np.ndarray:
+    def _to_host_into(self, alloc: Allocation, out: Any, state: StreamState | None) -> np.ndarray:
         if not isinstance(out, np.ndarray):
             raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
         if out.shape != self._shape or out.dtype != self._dtype:
@@ -404,21 +364,12 @@ class DeviceArray:
         if not self.is_contiguous:
             raise InvalidArgument("array", "to_host(out=...) needs a contiguous DeviceArray (copy() it first)")
         n = self.nbytes
-        if not n:
-            return out
-        if stream is None:
-            _order_after(alloc, None, writers_only=True)
-            alloc.device.call(acl.memcpy, out.ctypes.data, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_HOST")
-            check_written(alloc.track)
-            return out
-        state = resolve_stream(stream, alloc.device)
-        # Queued, not waited for: a write not known clean yet is waited for now on its own
-        # stream when it is another's (its fault would otherwise reach nobody).
-        check_written(alloc.track, waiting=any(s is not state for s, _ in alloc.track.written))
-        _order_after(alloc, state, writers_only=True)
-        alloc.used_on(state, write=False)
-        state.enqueue((out, alloc), acl.memcpy_async, out.ctypes.data, n, self.address, n,
-                      "ACL_MEMCPY_DEVICE_TO_HOST")
+        if n:
+            on = _host_access(alloc, state)
+            on.enqueue((out, alloc), acl.memcpy_async, out.ctypes.data, n, self.address, n,
+                       "ACL_MEMCPY_DEVICE_TO_HOST")
+            if state is None:
+                wait_for(on)
         return out
 
     def numpy(self, stream: Stream | None = None) -> np.ndarray:
@@ -445,8 +396,7 @@ class DeviceArray:
         when the array is C-contiguous; otherwise a contiguous copy (see :meth:`copy`)."""
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             shape = tuple(shape[0])
-        size = self.size
-        dims = list(shape)
+        size, dims = self.size, list(shape)
         unknown = [i for i, d in enumerate(dims) if isinstance(d, (int, np.integer)) and int(d) == -1]
         if len(unknown) > 1:
             raise InvalidArgument("shape", "can only have one -1 entry")
@@ -459,42 +409,29 @@ class DeviceArray:
                 raise InvalidArgument("shape", f"cannot infer the -1 entry of {tuple(shape)} from {size} elements")
             dims[unknown[0]] = size // known
         shp = _args.shape("shape", dims)
-        n = 1
-        for d in shp:
-            n *= d
-        if n != size:
-            raise InvalidArgument("shape", f"{shp} has {n} elements, the array {size}")
+        if int(np.prod(shp, dtype=np.int64)) != size:
+            raise InvalidArgument("shape", f"{shp} has {int(np.prod(shp, dtype=np.int64))} elements, the array {size}")
         base = self if self.is_contiguous else self.copy()
         return DeviceArray(base.allocation(), shp, self._dtype, _contiguous_strides(shp), base._offset)
 
     def copy(self, stream: Stream | None = None) -> DeviceArray:
         """A new contiguous DeviceArray with the same values. A contiguous array is copied on
-        the device (on ``stream``, or the current stream inside ``with stream:``, else now);
-        a strided one goes through the host, since CANN's runtime copies only dense bytes."""
+        the device (on ``stream``, or the current stream inside ``with stream:``; else on its
+        writer stream, waited for); a strided one goes through the host, since CANN's runtime
+        copies only dense bytes."""
         alloc = self.allocation()
         if not self.is_contiguous:
             return to_device(self.to_host(stream), stream=stream, device=alloc.device)
         out = empty(self._shape, self._dtype, alloc.device)
         n = self.nbytes
         if n:
+            given = _given(stream, alloc.device)
+            state = given or _host_access(alloc, None)
             dst = out.allocation()
-            if stream is None:
-                stream = active_stream(alloc.device)
-            # A copy of faulted memory would hand the fault's garbage on: refused.
-            check_written(alloc.track, waiting=False)
-            if stream is not None:
-                state = resolve_stream(stream, alloc.device)
-                _order_after(alloc, state, writers_only=True)
-                alloc.used_on(state, write=False)
-                dst.used_on(state, write=True)
-                # The copy's memory is as good as its source's latest write: its mark goes on.
-                state.enqueue((alloc, dst), acl.memcpy_async, dst.ptr, n, self.address, n,
-                              "ACL_MEMCPY_DEVICE_TO_DEVICE", writes=((dst.track, True),))
-                dst.track.written = dst.track.written + alloc.track.written
-            else:
-                _order_after(alloc, None, writers_only=True)
-                check_written(alloc.track)
-                alloc.device.call(acl.memcpy, dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE")
+            state.enqueue((alloc, dst), acl.memcpy_async, dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE",
+                          writes=dst)
+            if given is None:
+                wait_for(state)
         return out
 
     def fill(self, value: Any, stream: Stream | None = None) -> None:
@@ -509,62 +446,102 @@ class DeviceArray:
             raise InvalidArgument("value", f"must convert to {self._dtype}, got {value!r}") from None
         if v.ndim:
             raise InvalidArgument("value", f"must be a scalar, got shape {v.shape}")
-        alloc = self.allocation()
-        if stream is None:
-            stream = active_stream(alloc.device)
-        n = self.nbytes
+        alloc, n = self.allocation(), self.nbytes
         if not n:
             return
-        if not v.tobytes().strip(b"\0"):  # all-zero bits (not -0.0): a memset
-            if stream is not None:
-                state = resolve_stream(stream, alloc.device)
-                _order_after(alloc, state)
-                alloc.used_on(state, write=True)
-                state.enqueue(alloc, acl.memset_async, self.address, n, 0, n, writes=((alloc.track, self.whole),))
-            else:
-                _order_after(alloc, None)
-                alloc.device.call(acl.memset, self.address, n, 0, n)
-                if self.whole:  # written now, by the host: whatever faulted before is gone
-                    alloc.track.written = ()
+        if v.tobytes().strip(b"\0"):  # not all-zero bits (-0.0 is not): copied from the host
+            self.copy_from_host(np.full(self._shape, v, self._dtype), stream)
             return
-        self.copy_from_host(np.full(self._shape, v, self._dtype), stream)
+        given = _given(stream, alloc.device)
+        state = given or _host_access(alloc, None)
+        state.enqueue(alloc, acl.memset_async, self.address, n, 0, n, writes=alloc)
+        if given is None:
+            wait_for(state)
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
 
-        With ``stream`` (or inside ``with stream:``) the copy is queued there, after queued work
-        of other streams that uses this memory (through events); without, it waits for such
-        work first, then copies.
+        With ``stream`` (or inside ``with stream:``) the copy is queued there (a snapshot of
+        ``array`` is taken now); without, it runs on the memory's last writer stream and is
+        waited for.
         """
         alloc = self.allocation()
         if not self.is_contiguous:
             raise InvalidArgument("array", "copy_from_host needs a contiguous DeviceArray")
         host = host_array(host_view(array, "array")[0], "array")
         if host.shape != self._shape or host.dtype != self._dtype:
-            raise InvalidArgument(
-                "array", f"must have shape {self._shape} and dtype {self._dtype}, got {host.shape} {host.dtype}"
-            )
-        if stream is None:
-            stream = active_stream(alloc.device)
-        state = resolve_stream(stream, alloc.device) if stream is not None else None
-        _copy_in(alloc, self.address, host, state, self.whole)
+            raise InvalidArgument("array", f"must have shape {self._shape} and dtype {self._dtype}, got "
+                                           f"{host.shape} {host.dtype}")
+        _copy_in(alloc, self.address, host, _given(stream, alloc.device))
 
     def close(self) -> None:
-        """Drop this array's hold on the memory; it is freed once no array views it and no
+        """Drop this array's hold on the memory; it goes back once no array views it and no
         queued work uses it. Safe twice."""
         self.alloc = None
         _lifetime.collect()
 
+    def __enter__(self) -> DeviceArray:
+        return self
 
-def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    if not all(shape):
-        return True  # no elements: nothing is laid out
-    expect = 1
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n != 1 and s != expect:
-            return False
-        expect *= n
-    return True
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _given(stream: Stream | None, device: Device) -> StreamState | None:
+    """The stream a copy was given (or the thread's current one inside ``with stream:``),
+    checked; None when there is none."""
+    if stream is None:
+        cur = thread_current.stream
+        return cur.state if cur is not None and cur.state.device is device else None
+    return resolve_stream(stream, device)
+
+
+def _host_access(alloc: Allocation, state: StreamState | None) -> StreamState:
+    """The stream a host access of ``alloc`` is queued on: ``state``, else the memory's last
+    writer (else the default stream). A writer that is another stream is waited for on the
+    host first (a read on an event-ordered stream would never learn of its fault); memory
+    whose writer cannot be known (borrowed), the whole device."""
+    dev, w = alloc.device, alloc.writer
+    if w is None:
+        if alloc.owner is not None:  # borrowed: whoever wrote it, a device-wide wait covers it
+            dev.check()
+            dev.wait_all("a host access of borrowed memory")
+        return state if state is not None else dev.default_stream.state
+    if w is not state and (state is not None or w.closing):
+        dev.check()
+        w.synchronize(closing=True)
+        if w.after_events:
+            dev.wait_all(f"a read of what {w!r} wrote")
+    return state if state is not None else (w if not w.closing else dev.default_stream.state)
+
+
+def wait_for(state: StreamState) -> None:
+    """Wait for ``state`` and what it was ordered after through events (a device-wide wait
+    then); raises the device's fault if any wait learned of one."""
+    dev = state.device
+    _lifetime.collect()
+    state.synchronize(closing=True)  # (a stream another thread is closing still runs what it took)
+    if state.after_events:
+        dev.wait_all(f"a read on {state!r}")
+    dev.check()
+
+
+def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, given: StreamState | None) -> None:
+    n = host.nbytes
+    if not n:
+        return
+    state = given or _host_access(alloc, None)
+    if given is not None and not is_pinned(host):
+        # Queued, not waited for: a snapshot in pinned memory now, so that later writes to the
+        # caller's array cannot change what is copied (and CANN copies pinned memory
+        # asynchronously).
+        stage = pinned_block(alloc.device, n)
+        np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
+        host = stage
+    state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE",
+                  writes=alloc)
+    if given is None:
+        wait_for(state)
 
 
 def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
@@ -583,13 +560,8 @@ class _AddressOnly:
     """An __array_interface__ describing a view by address, never dereferenced."""
 
     def __init__(self, a: DeviceArray) -> None:
-        self.__array_interface__ = {
-            "data": (a.address, True),
-            "shape": a.shape,
-            "strides": a.strides,
-            "typestr": f"|V{a.itemsize}",
-            "version": 3,
-        }
+        self.__array_interface__ = {"data": (a.address, True), "shape": a.shape, "strides": a.strides,
+                                    "typestr": f"|V{a.itemsize}", "version": 3}
 
 
 def _address_view(a: DeviceArray) -> np.ndarray:
@@ -606,94 +578,6 @@ def host_array(array: np.ndarray, name: str) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (which makes 0-D 1-D)
 
 
-def _order_after(alloc: Allocation, state: StreamState | None, writers_only: bool = False) -> None:
-    """Order host access to ``alloc`` after work queued on other streams that uses it (that
-    writes it, for a read): on ``state`` through events; without a stream, by waiting. A
-    stream-less write's wait is a synchronize of those streams (it raises a fault no
-    synchronize raised yet); a read's wait only records one (the read raises the fault of its
-    memory's latest write, if any: check_written). A stream destroyed meanwhile has run
-    everything and needs nothing; one another thread is closing is waited for on the host (it
-    takes no new work, and its close's own wait may not have run the work yet)."""
-    track = alloc.track
-    for other in track.writers if writers_only else track.users:  # a tuple, replaced whole
-        if other is state:
-            continue  # stream order
-        if other.closed or other.device.closed:
-            track.forget(other)
-            continue
-        if state is not None and not other.closing:
-            try:
-                ev = Event(other.device)
-                core = ev.core()
-                other.enqueue(core, acl.record_event, core.handle)
-                state.enqueue(core, acl.stream_wait_event, core.handle)
-                continue
-            except ClosedError:
-                if state.closing or state.device.closed:
-                    raise  # the caller's own stream
-        # A synchronize even when the stream looks idle: it is what reports a device fault of
-        # the work that used the memory (a query does not). In place of an event (a stream
-        # being closed), it reports as the event would: nothing.
-        if not other.wait_unless_destroyed(report=state is None and not writers_only):
-            track.forget(other)
-
-
-def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, state: StreamState | None, whole: bool) -> None:
-    n = host.nbytes
-    if n == 0:
-        return
-    _order_after(alloc, state)
-    if state is not None:
-        if not is_pinned(host):
-            # A snapshot now, in pinned memory: later writes to the caller's array cannot
-            # change what is copied, and CANN copies from pinned memory asynchronously (from
-            # pageable memory aclrtMemcpyAsync returns only once the copy is done).
-            stage = pinned_block(alloc.device, n)
-            # (through Device.call: the device's close frees its pinned blocks, after this)
-            alloc.device.call(np.copyto, stage[:n], host.reshape(-1).view(np.uint8))
-            host = stage
-        alloc.used_on(state, write=True)
-        state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE",
-                      writes=((alloc.track, whole),))
-    else:
-        alloc.device.call(acl.memcpy, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE")
-        if whole:  # written now, by the host: whatever faulted before is gone (a part: the rest stays)
-            alloc.track.written = ()
-
-
-def empty(shape: Any, dtype: Any, device: Device | int | None = None) -> DeviceArray:
-    """A new contiguous DeviceArray with uninitialized contents."""
-    shp = _args.shape("shape", shape)
-    dt = _dtype(dtype)
-    _args.nbytes("shape", shp, dt.itemsize)
-    return new_empty(shp, dt, resolve_device(device))
-
-
-def new_empty(shape: tuple[int, ...], dtype: np.dtype, device: Device, state: StreamState | None = None
-              ) -> DeviceArray:
-    """:func:`empty` of a shape, dtype and device already checked (the op layer's outputs),
-    for use on stream ``state`` first (see :func:`~.allocator.allocate`)."""
-    return empty_from(contiguous_layout(shape, dtype), device, state)
-
-
-def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...]:
-    """Everything a contiguous DeviceArray of ``shape`` and ``dtype`` (both checked) is made
-    of but its memory, for :func:`empty_from`: a caller making many keeps it."""
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    strides = _contiguous_strides(shape)
-    layout = (shape, dtype, strides)
-    return (layout, n, _layout_id(layout), acl_data_type(dtype))
-
-
-def empty_from(made: tuple[Any, ...], device: Device, state: StreamState | None = None) -> DeviceArray:
-    """A new contiguous DeviceArray of a :func:`contiguous_layout` (the one call's outputs:
-    nothing is computed again)."""
-    (shape, dtype, strides), n, layout_id, code = made
-    return DeviceArray(allocate(device, n, state), shape, dtype, strides, 0, (layout_id, code, n))
-
-
 def _dtype(dtype: Any) -> np.dtype:
     try:
         dt = np.dtype(dtype)
@@ -703,23 +587,40 @@ def _dtype(dtype: Any) -> np.dtype:
     return dt  # type: ignore[no-any-return]  # np.dtype() of Any is typed Any
 
 
+def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...]:
+    """Everything a contiguous DeviceArray of ``shape`` and ``dtype`` (both checked) is made of
+    but its memory, for :func:`empty_from`: a caller making many keeps it."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    layout = (shape, dtype, _contiguous_strides(shape))
+    return (layout, n, _layout_id(layout), acl_data_type(dtype))
+
+
+def empty_from(made: Sequence[tuple[Any, ...]], device: Device) -> list[DeviceArray]:
+    """New contiguous DeviceArrays of :func:`contiguous_layout` s (one call's outputs: nothing is
+    computed again), their memory taken at once."""
+    allocs = device.allocate([m[1] for m in made])
+    return [DeviceArray(a, m[0][0], m[0][1], m[0][2], 0, (m[2], m[3], m[1])) for a, m in zip(allocs, made)]
+
+
+def empty(shape: Any, dtype: Any, device: Device | int | None = None) -> DeviceArray:
+    """A new contiguous DeviceArray with uninitialized contents."""
+    shp = _args.shape("shape", shape)
+    dt = _dtype(dtype)
+    _args.nbytes("shape", shp, dt.itemsize)
+    dev = resolve_device(device)
+    _lifetime.collect()
+    return empty_from([contiguous_layout(shp, dt)], dev)[0]
+
+
 def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
     """A new contiguous DeviceArray of zeros (memset on ``stream``, or the thread's current
-    stream inside ``with stream:``; else now)."""
+    stream inside ``with stream:``; else waited for)."""
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
     arr = empty(shape, dtype, device if device is not None or stream is None else stream.device)
-    alloc = arr.allocation()
-    if stream is None:
-        stream = active_stream(alloc.device)
-    n = alloc.nbytes
-    if n:
-        if stream is not None:
-            state = resolve_stream(stream, alloc.device)
-            alloc.used_on(state, write=True)
-            state.enqueue(alloc, acl.memset_async, alloc.ptr, n, 0, n, writes=((alloc.track, True),))
-        else:
-            alloc.device.call(acl.memset, alloc.ptr, n, 0, n)
+    arr.fill(0, stream)
     return arr
 
 
@@ -727,28 +628,17 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     """Copy a NumPy array (or anything np.asarray takes) to a new contiguous DeviceArray.
 
     Fortran-ordered, strided or byte-swapped input is first made C-contiguous and native on
-    the host. With ``stream`` (or inside ``with stream:``) the copy is queued on it (the host
-    data is held until the copy has run); without, it is done before returning.
+    the host. With ``stream`` (or inside ``with stream:``) the copy is queued on it (a snapshot
+    of the host data is taken now); without, it is done before returning.
     """
     host = host_array(host_view(array, "array")[0], "array")
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
-        dev = stream.device if device is None else resolve_device(device)
-        state: StreamState | None = resolve_stream(stream, dev)
-    else:
-        dev = resolve_device(device)
-        cur = active_stream(dev)
-        state = resolve_stream(cur, dev) if cur is not None else None
-    return copy_in_native(host, dev, state)
-
-
-def copy_in_native(host: np.ndarray, device: Device, state: StreamState | None) -> DeviceArray:
-    """:func:`to_device` of an array already native and C-contiguous (:func:`host_array`'s),
-    on the stream ``state`` (None: now)."""
-    alloc = allocate(device, host.nbytes)
-    arr = DeviceArray(alloc, host.shape, host.dtype, _contiguous_strides(host.shape), 0)
-    _copy_in(alloc, alloc.ptr, host, state, True)
-    return arr
+    dev = resolve_device(device) if device is not None or stream is None else stream.device
+    out = empty(host.shape, host.dtype, dev)
+    alloc = out.allocation()
+    _copy_in(alloc, alloc.ptr, host, _given(stream, dev))
+    return out
 
 
 def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[int] | None = None, offset: int = 0,
@@ -759,7 +649,9 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
     NumPy and CuPy have them (each a multiple of the item size; default: row-major); ``offset``
     is in elements from ``ptr``, as :attr:`DeviceArray.offset` and torch's ``storage_offset()``.
     The memory is borrowed: it is never freed here, and ``owner`` is kept alive as long as any
-    array viewing it (or queued work using it), so the memory cannot go away underneath.
+    array viewing it (or queued work using it), so the memory cannot go away underneath. The
+    binding cannot know what wrote borrowed memory: a read without a write of its own through
+    this wrapper waits for the whole device.
     """
     p = _args.integer("ptr", ptr, 1, 2**64 - 1)
     dt = _dtype(dtype)
@@ -778,13 +670,14 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
         st = tuple(b // dt.itemsize for b in byte_strides)
     off = _args.int64("offset", offset, lo=0)
     dev = resolve_device(device)
-    extent = off + (sum((n - 1) * s for n, s in zip(shp, st)) + 1 if all(shp) else 0)
-    nbytes = extent * dt.itemsize
+    nbytes = (off + (sum((n - 1) * s for n, s in zip(shp, st)) + 1 if all(shp) else 0)) * dt.itemsize
     if p + nbytes > 2**64:
         raise InvalidArgument("ptr", f"{p:#x} + {nbytes} bytes runs past the end of the address space")
-    return DeviceArray(borrowed(dev, p, nbytes, owner), shp, dt, st, off)
+    dev.check_open()
+    return DeviceArray(Allocation(dev, nbytes, p, owner if owner is not None else _NO_OWNER), shp, dt, st, off)
 
 
+_NO_OWNER = object()  # what a borrowed allocation without an owner keeps (it marks the memory borrowed)
 
 # torch's dtype names -> NumPy dtypes (torch itself is never imported here).
 _TORCH_DTYPES = {
@@ -814,8 +707,7 @@ def from_torch(tensor: Any) -> DeviceArray:
     dt = _TORCH_DTYPES.get(str(tensor.dtype))
     if dt is None:
         raise InvalidArgument("tensor", f"has dtype {tensor.dtype}, which CANN's tensors here do not take")
-    base = int(tensor.untyped_storage().data_ptr())
-    return from_pointer(base, tuple(int(n) for n in tensor.shape), dt,
+    return from_pointer(int(tensor.untyped_storage().data_ptr()), tuple(int(n) for n in tensor.shape), dt,
                         tuple(int(s) * dt.itemsize for s in tensor.stride()),  # torch's are in elements
                         int(tensor.storage_offset()), owner=tensor,
                         device=where.index if where.index is not None else None)

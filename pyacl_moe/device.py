@@ -1,14 +1,19 @@
-"""Devices: CANN's process set-up, the current device of each thread, and release order.
+"""Devices: CANN's process set-up, the current device of each thread, and everything a device
+owns.
 
-A :class:`Device` opens its device once for the process (aclInit when the first one opens,
-aclrtSetDevice once) and keeps the device's default context. A thread that uses any object of
-the device makes that context current (aclrtSetCurrentContext), which leaves aclrtSetDevice's
-reference count alone however often threads switch devices.
+A :class:`Device` is opened once per process (aclInit with the first, aclrtSetDevice once) and
+owns what is made on it: its *inventory* (streams, events, plans, executors, aclTensors: each
+a holder with ``release()``), its memory blocks (device and pinned, idle in its caches or
+behind an :class:`Allocation`), and its fault. A thread that uses its objects makes its
+context current (aclrtSetCurrentContext), which leaves aclrtSetDevice's count alone.
 
-:meth:`Device.close` (and interpreter exit) releases in the order CANN asks for: it waits for
-the device, then closes its streams, events and memory, then resets the device. aclFinalize
-comes only at exit, since CANN 8.1.RC1 allows one aclInit per process. Objects of a closed
-device raise :class:`~pyacl_moe.errors.ClosedError` on use; closing them does nothing.
+**Faults are sticky**, as in CUDA: once any wait learns of a device fault (:meth:`Device.learn`),
+every launch, copy, wait and read on the device raises it until :meth:`Device.reset`.
+
+**Release order.** close() (and interpreter exit) and reset() refuse new work, wait for the
+device, then release the inventory in CANN's order (streams, plans, executors, tensors,
+events), free the memory and reset the device; every object of it is then dead (ClosedError).
+aclFinalize comes only at exit: CANN 8.1.RC1 allows one aclInit per process.
 """
 
 from __future__ import annotations
@@ -17,105 +22,159 @@ import atexit
 import os
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from . import _args, _lifetime
 from ._cann import acl
-from .errors import ClosedError, InvalidArgument
+from ._cann.errcheck import check
+from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument, error_for
 
-__all__ = ["Device", "acl_version", "current_device", "device_count", "open_devices", "resolve_device", "soc_name"]
+__all__ = ["Allocation", "Device", "Holder", "acl_version", "current_device", "device_count", "empty_cache", "is_fault",
+           "is_pinned", "memory_stats", "open_devices", "pinned_empty", "resolve_device", "set_caching", "soc_name"]
+
+_ROUND = 512  # CANN aligns blocks to at least this; rounding makes sizes meet in the caches
+_OOM = (207001, 207018)  # ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_DEVICE_OOM
+_NOT_FAULTS = (507046, 507047)  # a wait that timed out: about the wait, not the work
+NOT_YET = -1  # what a holder's dropped() returns when its release must wait (for queued work)
+STREAMS, PLANS, EXECUTORS, TENSORS, EVENTS = range(5)  # holders' RANK: the order a device releases them
 
 
-class Queue(Protocol):
-    """What a device asks of each of its streams (the stream module provides them)."""
+def is_fault(exc: BaseException) -> bool:
+    """Whether a wait's error is a device fault of the work it waited for."""
+    return isinstance(exc, AclRuntimeError) and exc.status >= 500000 and exc.status not in _NOT_FAULTS
 
-    def shut(self) -> Any: ...
 
-    def close_for_device(self) -> list[BaseException]: ...
+class Holder:
+    """What a device's inventory holds for one CANN object: its handle, and the lock that makes
+    the release once (and that calls on the handle take, so a release waits for them)."""
 
-    def poll(self) -> None: ...
+    __slots__ = ("handle", "lock", "RANK", "__weakref__")
 
-    def drop_caches(self) -> None: ...
+    def __init__(self, handle: acl.Handle, rank: int) -> None:
+        self.handle, self.lock, self.RANK = handle, threading.Lock(), rank
 
-    def after_fork(self) -> None: ...
+    @property
+    def API(self) -> str:  # noqa: N802 - the CANN function that releases it, as the handles name it
+        return self.handle.API
+
+    def release(self) -> int:
+        with self.lock:
+            return self.handle.release()
+
+    def dropped(self) -> int:
+        """Its owner is gone (a safe point): release it."""
+        return self.release()
+
+
+class Block:
+    """One block of device (or pinned host) memory: idle in its device's cache, or behind the
+    Allocation whose token it keeps. Its fields are guarded by the device's lock."""
+
+    __slots__ = ("handle", "size", "pinned", "ptr", "token", "idle", "cached")
+
+    def __init__(self, handle: acl.Handle, size: int, pinned: bool) -> None:
+        self.handle, self.size, self.pinned, self.ptr = handle, size, pinned, 0
+        self.token: _lifetime.Token | None = None
+        self.idle = False
+        self.cached = True  # back to the cache when its Allocation goes (False: freed, empty_cache's)
+
+
+class Allocation:
+    """Device memory in use: one block, shared by the DeviceArrays that view it and by queued
+    work that uses it (a stream holds it until that work is known complete); its block goes
+    back to the cache once all of them are gone. Borrowed memory (``block`` None) stays its
+    owner's, kept alive here. ``writer`` is the stream that last queued a write to it (None:
+    none yet; for borrowed memory, unknown): one store of a stream under that stream's lock,
+    read without a lock (ARCHITECTURE.md, published fields)."""
+
+    __slots__ = ("device", "context", "ptr", "nbytes", "block", "owner", "writer", "__weakref__")
+
+    def __init__(self, device: Device, nbytes: int, ptr: int = 0, owner: Any = None) -> None:
+        self.device, self.context, self.nbytes, self.ptr, self.owner = device, device.context, nbytes, ptr, owner
+        self.block: Block | None = None
+        self.writer: Any = None
+
+    def check_open(self, what: str = "array") -> None:
+        """ClosedError once the memory went with its device."""
+        if not self.context.open:
+            raise ClosedError(what, f"its memory went with device {self.device.device_id}, which was closed or "
+                                    "reset" + (" (or this is a fork() child)" if acl.forked() else ""))
 
 
 class _Process:
-    """aclInit once per process; the open devices. Guarded by ``lock``."""
+    """aclInit once per process; the open devices. Guarded by ``lock`` (held while a device
+    opens, closes or resets)."""
 
     lock = threading.RLock()
-    open_devices: dict[int, Device] = {}
+    devices: dict[int, Device] = {}
     initialized = False  # aclInit done (by us or by someone else in the process)
     owns_init = False  # aclInit done by us: aclFinalize at exit is ours to call
+    # Idle blocks kept for reuse: PYACL_MOE_CACHE_ALLOCATIONS (0 or 1, default 1), read when the
+    # first device opens (a bad value is refused by name there, not at import), or
+    # set_caching(). One store, read without a lock.
+    caching: list[bool | None] = [None]
 
 
-_tls = threading.local()  # .device: the Device this thread last used through pyacl_moe
-# .saved: the devices current when this thread's open `with device:` blocks began
-
-
-def _saved() -> list[Device | None]:
-    saved: list[Device | None] | None = getattr(_tls, "saved", None)
-    if saved is None:
-        saved = _tls.saved = []
-    return saved
-_closing: set[Device] = set()  # devices whose close() was interrupted before the end
+_tls = threading.local()  # .device: the Device this thread last used; .saved: `with device:` stack
 
 
 class Device:
     """An Ascend device (NPU), by id.
 
     ``Device(0)`` returns the process's shared object for device 0, opening it on first use.
-    ``with device:`` makes it the calling thread's current device and restores the previous
-    one on exit, closing nothing (as CuPy's and torch's device contexts do). ``close()`` waits
-    for the device, releases every stream, event and array of it in CANN's order and resets
-    it; the next ``Device(0)`` opens it again.
+    ``with device:`` makes it the calling thread's current device, restoring the previous one
+    on exit, closing nothing. ``close()`` releases everything of it (see the module docstring);
+    the next ``Device(0)`` opens it again. ``reset()`` does the same and opens it again under
+    the same object: the way out of a fault.
     """
 
-    # Objects that layers above attach to every open device, by name: the stream module
-    # attaches the default stream. name -> factory(device).
-    attachments: dict[str, Callable[[Device], Any]] = {}
-    # Called with the device at the start of close(), before anything is released: caches of
-    # layers above (the workspace pool) register here.
-    close_hooks: list[Callable[[Device], None]] = []
-    # Kinds of holders (with a ``context``) that close() releases before the reset, after the
-    # streams: events, memory; the allocator adds its cached-block holder.
-    memory_kinds: list[type] = [acl.EventHandle, acl.DeviceMemory, acl.HostMemory]
-    # The wait of every stream of a device, with the fault rule (the stream module's):
-    # synchronize_hook(device, closing).
-    synchronize_hook: Callable[..., None]
+    # The class of the default stream's public object: pyacl_moe.stream sets it, so that this
+    # module never imports the stream layer above it (the one registration between modules).
+    stream_class: Any = None
 
     def __new__(cls, device_id: int = 0) -> Device:
         did = _args.int32("device_id", device_id, lo=0)
+        _refuse_after_fork()
         with _Process.lock:
-            _refuse_after_fork()
-            dev = _Process.open_devices.get(did)
-            if dev is not None:
-                return dev
-            dev = super().__new__(cls)
-            dev._open(did)
-            _Process.open_devices[did] = dev
+            dev = _Process.devices.get(did)
+            if dev is None:
+                dev = super().__new__(cls)
+                dev._id, dev._torn_down = did, False
+                # ``lock`` guards _owned, which outlives a reset: the host objects of the
+                # inventory (plans, executors, tensors) go when their owners go.
+                dev.lock = threading.Lock()
+                dev._owned = {}
+                dev._start()
+                _Process.devices[did] = dev
             return dev
 
-    def _open(self, device_id: int) -> None:
-        self._id = device_id
-        #: True once the device was closed (or, in a fork() child, inherited). Set once, read
-        #: without a lock: a launch that misses it fails in CANN, cleanly.
-        self.closed = False
-        self._torn_down = False
-        self._lock = threading.RLock()  # guards _queues, _attached, _inside
-        self._queues: set[Queue] = set()
-        # A lock held by each thread inside a CANN call on the device's memory made outside any
-        # stream (Device.call): close() waits for each before it frees memory or resets.
-        self._inside: dict[threading.Lock, None] = {}
-        self._attached: dict[str, Any] = {}
+    def _start(self) -> None:
+        """Open the device (Process.lock held): a new context, an empty inventory, no fault."""
+        if _Process.caching[0] is None:
+            value = os.environ.get("PYACL_MOE_CACHE_ALLOCATIONS", "1").strip()
+            if value not in ("0", "1"):
+                raise InvalidArgument("PYACL_MOE_CACHE_ALLOCATIONS", f"must be 0 or 1, got {value!r}")
+            _Process.caching[0] = value == "1"
         if not _Process.initialized:
             _Process.owns_init = acl.init()
             _Process.initialized = True
         count = acl.device_count()
-        if device_id >= count:
-            raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {device_id}")
-        self._ctx = acl.open_device(device_id)
+        if self._id >= count:
+            raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {self._id}")
+        ctx = acl.open_device(self._id)
+        # ``lock`` also guards _blocks, _idle, _counts and fault (fault: one store, read without
+        # it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns.
+        self._owned: dict[Any, _lifetime.Token | None]  # holder -> token (None: no owner to wait for)
+        self.sync_lock = threading.Lock()
+        self.fault: tuple[int, str, str, str] | None = None  # (status, api, message, which wait learned it)
+        self._blocks: dict[Block, None] = {}  # every block made and not yet freed
+        self._idle: dict[tuple[bool, int], list[Block]] = {}  # (pinned, size) -> idle blocks, newest last
+        self._counts = {"hits": 0, "misses": 0, "pinned_hits": 0, "pinned_misses": 0, "workspace_takes": 0}
+        self.context = ctx
+        self._default = Device.stream_class.default(self)
         _tls.device = self
 
     # -- identity and state
@@ -126,9 +185,9 @@ class Device:
         return self._id
 
     @property
-    def context(self) -> acl.Context:
-        """The device's default context (a handle of the bindings layer)."""
-        return self._ctx
+    def closed(self) -> bool:
+        """True once the device was closed (or, in a fork() child, inherited)."""
+        return not self.context.open
 
     def __repr__(self) -> str:
         return f"<Device {self._id}{' closed' if self.closed else ''}>"
@@ -138,14 +197,35 @@ class Device:
 
     def check_open(self) -> None:
         """Raise ClosedError if the device was closed."""
-        if self.closed:
+        if not self.context.open:
             raise ClosedError(f"device {self._id}", _closed_reason())
 
-    def activate(self) -> None:
-        """Make this device current on the calling thread (nothing when it already is)."""
-        if self.closed:
+    def check(self) -> None:
+        """Raise ClosedError if the device was closed, its fault if it is faulted."""
+        if not self.context.open:
             raise ClosedError(f"device {self._id}", _closed_reason())
-        acl.use_context(self._ctx)
+        if self.fault is not None:
+            raise self.fault_error()
+
+    def learn(self, error: AclError, where: str) -> bool:
+        """A wait learned of a device fault: the device is faulted from now on (the first fault
+        stays). True when this was the first."""
+        with self.lock:
+            first = self.fault is None
+            if first:
+                self.fault = (error.status, error.api, error.message, where)
+        return first
+
+    def fault_error(self) -> AclError:
+        """The exception every launch, copy, wait and read of a faulted device raises."""
+        status, api, message, where = self.fault  # type: ignore[misc]
+        return error_for(status, api, f"{message}\n  (device {self._id} is faulted since {where} learned of it: "
+                                      "every launch, copy, wait and read on it raises this until Device.reset())")
+
+    def activate(self) -> None:
+        """Make this device current on the calling thread."""
+        self.check_open()
+        acl.use_context(self.context)
         _tls.device = self
 
     def set_current(self) -> Device:
@@ -153,155 +233,337 @@ class Device:
         self.activate()
         return self
 
-    # -- what the device owns
-
-    def attached(self, name: str) -> Any:
-        """The object a layer above attached under ``name`` (made on first use)."""
-        obj = self._attached.get(name)
-        if obj is None:
-            with self._lock:
-                self.check_open()
-                obj = self._attached.get(name)
-                if obj is None:
-                    obj = self._attached[name] = Device.attachments[name](self)
-        return obj
-
-    def attached_if_made(self, name: str) -> Any:
-        """The object attached under ``name`` if it was made, else None (never makes one)."""
-        return self._attached.get(name)
-
     @property
     def default_stream(self) -> Any:
-        """The device's default Stream (CANN's NULL stream), attached by the stream module."""
-        s = self._attached.get("default_stream")
-        return s if s is not None and not self.closed else self.attached("default_stream")
-
-    def queues(self) -> list[Queue]:
-        """The device's streams (their states), open or finishing."""
-        with self._lock:
-            return list(self._queues)
-
-    def add_queue(self, q: Queue) -> None:
-        """A stream of this device (closed with it)."""
-        with self._lock:
-            self.check_open()
-            self._queues.add(q)
-
-    def remove_queue(self, q: Queue) -> None:
-        """A stream of this device that is gone (destroyed, or closed with the device)."""
-        with self._lock:
-            self._queues.discard(q)
-
-    # -- waiting
-
-    def synchronize(self) -> None:
-        """Wait for every stream of the device (aclrtSynchronizeDevice). Raises
-        AclRuntimeError for a device fault (e.g. 507015) of its streams' work, once, whichever
-        thread's wait CANN reported it to."""
-        self.activate()
-        Device.synchronize_hook(self)
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, a CANN call on the device (a synchronous copy, an allocation) that
-        close() on another thread waits for; ClosedError once the device is closed. The call
-        holds a lock of its own throughout, which a ``with`` block releases whatever
-        interrupts it."""
-        inside = threading.Lock()
-        with inside:
-            with self._lock:
-                if self.closed:
-                    raise ClosedError(f"device {self._id}", _closed_reason())
-                self._inside[inside] = None
-            try:
-                self.activate()
-                return fn(*args)
-            finally:
-                with self._lock:
-                    self._inside.pop(inside, None)
-
-    def reclaim(self) -> None:
-        """Drop what completed work held on every stream of the device (never waits)."""
-        with self._lock:
-            queues = list(self._queues)
-        for q in queues:
-            q.poll()
-        _lifetime.collect()
+        """The device's default Stream (CANN's NULL stream)."""
+        self.check_open()
+        return self._default
 
     def mem_info(self) -> tuple[int, int]:
-        """(free bytes, total bytes) of the device's memory (what the process dropped is freed
-        first)."""
+        """(free bytes, total bytes) of the device's memory (what the process dropped is freed first)."""
         _lifetime.collect()
         self.activate()
         return acl.get_mem_info()
 
+    # -- the inventory
+
+    def own(self, holder: Any, owner: Any = None) -> None:
+        """Add ``holder`` (with ``release()``, ``RANK`` and ``API``) to the inventory, before
+        the C call that creates its object; with ``owner``, it is released at a safe point
+        once ``owner`` is gone."""
+        token = _lifetime.track(owner, self, holder) if owner is not None else None
+        with self.lock:
+            self.check_open()
+            self._owned[holder] = token
+
+    def release(self, holder: Any) -> int:
+        """Release ``holder`` now (its own lock makes that once); CANN's status. One CANN
+        refuses stays in the inventory: the device's close tries it again."""
+        status = holder.release()
+        if not status:
+            with self.lock:
+                self._owned.pop(holder, None)
+        return status
+
+    def release_if_gone(self, holder: Any) -> None:
+        """After an owner's ``close()`` dropped its reference to the object that owns
+        ``holder``: release it now, raising CANN's refusal, if nothing else holds that object
+        (queued work, an executor); otherwise it goes once they let go."""
+        with self.lock:
+            token = self._owned.get(holder)
+        if token is not None and token() is None:
+            check(self.release(holder), holder.API)
+        _lifetime.collect()
+
+    def holders(self, rank: int) -> list[Any]:
+        """The inventory's holders of one rank (STREAMS: the device's stream states)."""
+        with self.lock:
+            return [h for h in self._owned if h.RANK == rank]
+
+    def drop(self, tokens: Sequence[_lifetime.Token]) -> None:
+        """Tokens of owners that are gone (the safe point): recycle their blocks, release their
+        holders; one whose release must wait is handed to the next safe point. Taking a token
+        twice does nothing."""
+        with self.lock:
+            free, holders = self._dropped(tokens)
+        for block in free:
+            self._free(block)
+        for token in holders:
+            status = token.what.dropped()
+            if not status:
+                with self.lock:
+                    self._owned.pop(token.what, None)
+            elif status == NOT_YET or token.tries < 3:  # a refusal is tried at three more safe points
+                token.tries += status != NOT_YET
+                _lifetime.retry(token)
+
+    def _dropped(self, tokens: Sequence[_lifetime.Token]) -> tuple[list[Block], list[_lifetime.Token]]:
+        # (lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+        free, holders = [], []
+        for token in tokens:
+            what = token.what
+            if isinstance(what, Block):
+                if what.token is token and what in self._blocks and self._recycle(what):
+                    free.append(what)
+            elif self._owned.get(what) is token:
+                holders.append(token)
+        return free, holders
+
+    # -- memory
+
+    def allocate(self, sizes: Sequence[int], pinned: bool = False, owners: Sequence[Any] | None = None
+                 ) -> list[Allocation]:
+        """New memory of each size in bytes: an idle block of the same rounded size (no call to
+        CANN), else aclrtMalloc (aclrtMallocHost when ``pinned``). A block goes back to the
+        cache once its Allocation (or, for pinned memory, ``owners[i]``) is gone."""
+        allocs = [Allocation(self, n) for n in sizes]
+        tokens = [_lifetime.track(o, self, None) for o in (owners or allocs)]
+        with self.lock:
+            self.check_open()
+            missing = self._take(allocs, tokens, pinned)
+        for i in missing:
+            self._malloc(allocs[i], tokens[i], pinned)
+        return allocs
+
+    def _take(self, allocs: list[Allocation], tokens: list[_lifetime.Token], pinned: bool) -> list[int]:
+        # (lock held; a loop under a lock is a function of its own) Idle blocks for what fits
+        # one; the positions of the rest.
+        missing = []
+        hits = "pinned_hits" if pinned else "hits"
+        for i, a in enumerate(allocs):
+            idle = self._idle.get((pinned, _rounded(a.nbytes)))
+            if not idle:
+                missing.append(i)
+                continue
+            block = idle.pop()
+            block.idle, block.token, tokens[i].what = False, tokens[i], block
+            a.block, a.ptr = block, block.ptr
+            self._counts[hits] += 1
+        return missing
+
+    def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool) -> None:
+        ctx = self.context
+        block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), _rounded(alloc.nbytes), pinned)
+        block.token, token.what = token, block
+        with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
+            self.check_open()
+            self._blocks[block] = None
+            self._counts["pinned_misses" if pinned else "misses"] += 1
+        fill = acl.malloc_host if pinned else acl.malloc
+        try:
+            acl.use_context(ctx)
+            try:
+                block.ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
+            except AclRuntimeError as exc:
+                if exc.status not in _OOM:
+                    raise
+                self.reclaim()
+                acl.use_context(ctx)
+                block.ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
+        except BaseException:
+            with self.lock:
+                block.token = None  # a stray: freed by the next trim (an empty handle frees nothing)
+            raise
+        alloc.block, alloc.ptr = block, block.ptr
+
+    def give_back(self, allocs: Sequence[Allocation]) -> None:
+        """Return the blocks of allocations nothing uses any more (their queued work is known
+        complete and no array views them: the NumPy call's own) to the cache now."""
+        with self.lock:
+            free = self._give(allocs)
+        for block in free:
+            self._free(block)
+
+    def _give(self, allocs: Sequence[Allocation]) -> list[Block]:
+        # (lock held; a loop under a lock is a function of its own)
+        free = []
+        for a in allocs:
+            block, a.block = a.block, None
+            if block is not None and block in self._blocks and self._recycle(block):
+                free.append(block)
+        return free
+
+    def _recycle(self, block: Block) -> bool:
+        """(lock held) ``block`` is no Allocation's any more: idle in the cache; True when it
+        is to be freed instead (caching off, device closing)."""
+        block.token = None
+        if not (_Process.caching[0] and self.context.open and block.cached):
+            return True
+        block.idle = True
+        self._idle.setdefault((block.pinned, block.size), []).append(block)
+        return False
+
+    def uncache(self, alloc: Allocation) -> None:
+        """Free ``alloc``'s block once it goes, rather than keep it (empty_cache's, for a
+        workspace queued work still uses)."""
+        with self.lock:
+            if alloc.block is not None:
+                alloc.block.cached = False
+
+    def _free(self, block: Block) -> None:
+        """aclrtFree (or aclrtFreeHost) of a block no one uses. One CANN refuses stays a stray
+        (no token, not idle): the next trim, or the device's close, tries it again."""
+        if not block.handle.release():
+            with self.lock:
+                self._blocks.pop(block, None)
+
+    def trim(self) -> list[BaseException]:
+        """Free the idle blocks (and strays an interrupt left); the errors CANN reported."""
+        with self.lock:
+            blocks = self._unused()
+        errors = []
+        for block in blocks:
+            status = block.handle.release()
+            if status:
+                errors.append(error_for(status, block.handle.API, ""))
+                continue
+            with self.lock:
+                self._blocks.pop(block, None)
+        return errors
+
+    def _unused(self) -> list[Block]:
+        # (lock held; a loop under a lock is a function of its own)
+        self._idle = {}
+        unused = [b for b in self._blocks if b.token is None]
+        for b in unused:
+            b.idle = False
+        return unused
+
+    def reclaim(self) -> None:
+        """Give back what completed work held and the streams' idle workspaces, then free the
+        idle blocks (an allocation that ran out of memory tries again after this)."""
+        for s in self.holders(STREAMS):
+            s.reclaim()
+        _lifetime.collect()
+        self.trim()
+
+    def stats(self) -> dict[str, int]:
+        """The memory figures of memory_stats for this device."""
+        with self.lock:
+            out = self._figures()
+        held = [n for n in (s.workspace_size() for s in self.holders(STREAMS)) if n]
+        out.update(workspace_blocks=len(held), workspace_bytes=sum(held))
+        return out
+
+    def _figures(self) -> dict[str, int]:
+        # (lock held; a loop under a lock is a function of its own)
+        c = self._counts
+        out = {"workspace_takes": c["workspace_takes"], "array_hits": c["hits"], "array_misses": c["misses"],
+               "pinned_hits": c["pinned_hits"], "pinned_misses": c["pinned_misses"]}
+        for prefix, pinned in (("array_", False), ("pinned_", True)):
+            idle = [b.size for b in self._blocks if b.pinned is pinned and b.idle]
+            used = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None]
+            out.update({prefix + "bytes_idle": sum(idle), prefix + "blocks_idle": len(idle),
+                        prefix + "bytes_in_use": sum(used)})
+        return out
+
+    def count_workspace(self) -> None:
+        with self.lock:
+            self._counts["workspace_takes"] += 1
+
+    # -- waiting
+
+    def synchronize(self) -> None:
+        """Wait for every stream of the device (aclrtSynchronizeDevice). Raises the device's
+        fault (AclRuntimeError, e.g. 507015) if this or any earlier wait learned of one."""
+        self.check()
+        _lifetime.collect()
+        self.wait_all("Device.synchronize")
+        self.check()
+
+    def wait_all(self, where: str) -> None:
+        """aclrtSynchronizeDevice, learning a fault it reports; what the streams' work held is
+        given back. A stream's wait that finds this in progress waits for it to learn what it
+        was told (CANN reports a fault to one wait only)."""
+        streams = self.holders(STREAMS)
+        marks = [s.mark() for s in streams]
+        with self.sync_lock:
+            try:
+                acl.use_context(self.context)
+                acl.synchronize_device()
+            except AclError as exc:
+                if not is_fault(exc):
+                    raise
+                self.learn(exc, where)
+                return
+        for s, mark in zip(streams, marks):
+            s.completed(mark)
+
     # -- release
 
     def close(self) -> None:
-        """Wait for the device, then release everything it owns in CANN's order (streams,
-        events, memory), then reset it. Safe twice. Another thread's call on an object of the
-        device completes first or raises ClosedError. Errors from releasing individual objects
-        are collected and the first is raised once everything has been released."""
+        """Wait for the device, then release everything it owns in CANN's order, then reset it.
+        Safe twice. Another thread's call on an object of the device completes first or raises
+        ClosedError. The first error a release reported is raised once everything is
+        released."""
         with _Process.lock:
             if self._torn_down:
                 return
-            # From here on, new work on the device is refused. Each step below may be repeated,
-            # so a close interrupted half-way (KeyboardInterrupt) is finished by the next one
-            # (at the latest the exit hook's).
-            self.closed = True
-            if _lifetime.forked():
-                self._torn_down = True
-                return
-            errors: list[BaseException] = []
-            with self._lock:
-                inside, self._inside = list(self._inside), {}
-            for lk in inside:  # calls on the device's memory in progress end first
-                with lk:
-                    pass
-            for hook in Device.close_hooks:
-                try:
-                    hook(self)
-                except Exception as exc:
-                    errors.append(exc)
-            with self._lock:
-                queues = list(self._queues)
-            for q in queues:
-                q.shut()  # no new work starts
-            ctx = self._ctx
-            try:
-                acl.use_context(ctx)
-                Device.synchronize_hook(self, True)  # queued work still reads what is about to go
-            except Exception as exc:
-                errors.append(exc)
-                try:  # CANN reported the fault and cleared it: the next wait covers what remains
-                    acl.synchronize_device()
-                except Exception:
-                    pass
-            with self._lock:
-                self._queues.clear()
-            for q in queues:
-                errors += q.close_for_device()
-            for kind in Device.memory_kinds:
-                errors += _lifetime.release_where(
-                    lambda h, kind=kind: isinstance(h, kind) and h.context is ctx  # type: ignore[misc]
-                )
-            self._attached.clear()
-            if _Process.open_devices.get(self._id) is self:
-                del _Process.open_devices[self._id]
-            _closing.add(self)  # until torn down: the exit hook finishes an interrupted close
-            if getattr(_tls, "device", None) is self:
-                _tls.device = None
-            if ctx.alive:
-                try:
-                    _lifetime.unreleased_while(lambda: acl.reset_device(ctx))
-                except Exception as exc:
-                    errors.append(exc)
+            errors = self._teardown("Device.close")
             self._torn_down = True
-            _closing.discard(self)
-            if errors:
-                raise errors[0]
+            if _Process.devices.get(self._id) is self:
+                del _Process.devices[self._id]
+        if errors:
+            raise errors[0]
+
+    def reset(self) -> None:
+        """Release everything of the device, reset it through CANN and open it again under this
+        object, fault cleared: every stream, array, plan and executor of it is dead
+        (ClosedError), the device itself is usable."""
+        with _Process.lock:
+            if self._torn_down:
+                self.check_open()
+            self._teardown("Device.reset")
+            self._start()
+
+    def _teardown(self, where: str) -> list[BaseException]:
+        """(Process.lock held) Each step may be made again: a teardown an interrupt cut short is
+        finished by the next (at the latest the exit hook's)."""
+        _lifetime.collect()  # what was dropped goes first (a release CANN refused is tried again)
+        ctx = self.context
+        with self.lock:
+            ctx.open = False  # no new work: every call checks it before it takes a lock
+        if getattr(_tls, "device", None) is self:
+            _tls.device = None
+        if acl.forked():
+            return []
+        errors: list[BaseException] = []
+        for s in self.holders(STREAMS):
+            s.shut()  # (under its lock: launches in progress end first)
+        known = self.fault
+        try:
+            self.wait_all(where)
+        except AclError as exc:
+            errors.append(exc)
+        if self.fault is not known:  # this wait learned of a fault: the close reports it
+            errors.append(self.fault_error())
+            try:
+                acl.synchronize_device()  # CANN reported and cleared it: now wait for what is left
+            except AclError:
+                pass
+        for rank in (STREAMS, EVENTS):  # (plans, executors and tensors are host objects: they go with their owners)
+            for holder in self.holders(rank):
+                try:
+                    check(self.release(holder), holder.API)
+                except AclError as exc:
+                    errors.append(exc)
+        with self.lock:
+            blocks = list(self._blocks)
+        for block in blocks:
+            self._free(block)
+        if ctx.alive:
+            try:
+                acl.reset_device(ctx)
+            except AclError as exc:
+                errors.append(exc)
+        with self.lock:
+            self._blocks, self._idle = {}, {}
+        return errors
 
     def __enter__(self) -> Device:
-        saved = _saved()
+        saved = getattr(_tls, "saved", None)
+        if saved is None:
+            saved = _tls.saved = []
         saved.append(getattr(_tls, "device", None))
         try:
             self.activate()
@@ -311,34 +573,36 @@ class Device:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        previous = _saved().pop()
+        previous = _tls.saved.pop()
         if previous is None or previous.closed:
-            # The thread had no current device (or it was closed meanwhile): the next call
-            # without a device picks device 0 again, as before the block.
-            _tls.device = None
+            _tls.device = None  # the next call without a device picks device 0 again
         else:
             previous.activate()
 
 
+def _rounded(nbytes: int) -> int:
+    return max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+
+
 def _closed_reason() -> str:
-    if _lifetime.forked():
+    if acl.forked():
         return "CANN does not survive fork(): objects inherited from the parent are dead in the child"
-    return "it was closed (Device.close() or interpreter exit)"
+    return "it was closed (Device.close(), Device.reset() or interpreter exit)"
 
 
 def _refuse_after_fork() -> None:
-    if _lifetime.forked():
-        raise ClosedError(
-            "CANN in this process",
-            "this is a fork() child of a process that initialized CANN, which does not survive fork(); "
-            "start worker processes with multiprocessing's 'spawn' or 'forkserver' method",
-        )
+    if acl.forked():
+        raise ClosedError("CANN in this process",
+                          "this is a fork() child of a process that initialized CANN, which does not survive fork(); "
+                          "start worker processes with multiprocessing's 'spawn' or 'forkserver' method")
 
 
 def open_devices() -> list[Device]:
     """The devices open now, in id order."""
+    if acl.forked():
+        return []
     with _Process.lock:
-        return sorted(_Process.open_devices.values(), key=lambda d: d.device_id)
+        return sorted(_Process.devices.values(), key=lambda d: d.device_id)
 
 
 def current_device() -> Device:
@@ -375,38 +639,111 @@ def acl_version() -> tuple[int, int, int]:
 
 def soc_name() -> str | None:
     """The SoC name CANN reports (aclrtGetSocName), e.g. 'Ascend910B3'; opens device 0 if no
-    device is open yet (which loads and initializes CANN; the call itself needs neither)."""
+    device is open yet."""
     current_device()
     return acl.soc_name()
 
 
+# ---------------------------------------------------------------------------- memory, process-wide
+
+def set_caching(enabled: bool) -> None:
+    """Keep idle device and pinned blocks for reuse (True, the default) or free each one as
+    soon as it is idle (False; what is cached now is freed)."""
+    if not isinstance(enabled, bool):
+        raise InvalidArgument("enabled", f"must be a bool, got {type(enabled).__name__}")
+    _Process.caching[0] = enabled
+    if not enabled:
+        for dev in open_devices():
+            dev.trim()
+
+
+def memory_stats(device: Device | int | None = None) -> dict[str, int]:
+    """Memory figures for a device (default: the current one): its streams' workspaces
+    (``workspace_blocks`` streams hold ``workspace_bytes``; ``workspace_takes`` times a stream
+    took or grew one), and the block caches of DeviceArrays and workspaces (``array_*``) and of
+    pinned host memory (``pinned_*``): hits, misses, bytes idle and in use, blocks idle."""
+    return resolve_device(device).stats()
+
+
+def empty_cache(device: Device | int | None = None) -> None:
+    """Give back what is cached for speed on ``device`` (all open devices if None): each
+    stream's cached executors and workspace (once the work queued on it is done), what completed
+    work held, and the idle blocks. Never waits for the device."""
+    for dev in [resolve_device(device)] if device is not None else open_devices():
+        for s in dev.holders(STREAMS):
+            s.empty()
+        _lifetime.collect()
+        errors = dev.trim()
+        if errors:
+            raise errors[0]
+
+
+class _PinnedBase:
+    """The base of a pinned NumPy array: its block goes back once the array (and every view of
+    it) is gone."""
+
+    __slots__ = ("__array_interface__", "__weakref__")
+    __array_interface__: dict[str, Any]
+
+
+def pinned_block(device: Device, nbytes: int) -> np.ndarray:
+    """A 1-D uint8 NumPy array over a pinned host block of at least ``nbytes`` (aclrtMallocHost),
+    from the device's cache."""
+    _lifetime.collect()
+    base = _PinnedBase()
+    alloc = device.allocate((nbytes,), pinned=True, owners=(base,))[0]
+    base.__array_interface__ = {"version": 3, "shape": (nbytes,), "typestr": "|u1", "data": (alloc.ptr, False)}
+    return np.asarray(base)
+
+
+def is_pinned(array: np.ndarray) -> bool:
+    """Whether ``array`` lies in pinned memory handed out here (a view of a pinned block)."""
+    a: Any = array
+    while a is not None:
+        if isinstance(a, _PinnedBase):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> np.ndarray:
+    """A NumPy array in pinned (page-locked) host memory, aclrtMallocHost: copies between it
+    and the device are asynchronous. Its block goes back to the device's cache when the array
+    is gone."""
+    shp = _args.shape("shape", shape)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
+    nbytes = _args.nbytes("shape", shp, dt.itemsize)
+    out: np.ndarray = pinned_block(resolve_device(device), nbytes)[:nbytes].view(dt).reshape(shp)
+    return out
+
+
+# ---------------------------------------------------------------------------- exit
+
 def _daemon_threads_end_quietly() -> None:
-    """From the exit on, a daemon thread that the teardown below stops (its next call raises
-    ClosedError) ends without a traceback: the interpreter is about to end it anyway, and
-    non-daemon threads were joined before atexit ran, so no thread whose work matters is
-    silenced. Any other exception, and any thread that is not a daemon, is reported as before."""
+    """From the exit on, a daemon thread that the teardown stops (its next call raises
+    ClosedError) ends without a traceback: non-daemon threads were joined before atexit ran."""
     previous = threading.excepthook
 
     def hook(args: Any) -> None:
-        if isinstance(args.exc_value, ClosedError) and args.thread is not None and args.thread.daemon:
-            return
-        previous(args)
+        if not (isinstance(args.exc_value, ClosedError) and args.thread is not None and args.thread.daemon):
+            previous(args)
 
     threading.excepthook = hook
 
 
 def _close_all_at_exit() -> None:
-    """Release every open device in id order, then aclFinalize if this process called aclInit."""
-    if _lifetime.forked():
+    """Close every open device in id order, then aclFinalize if this process called aclInit."""
+    if acl.forked():
         return
     _daemon_threads_end_quietly()
     with _Process.lock:
-        for dev in sorted([*_Process.open_devices.values(), *_closing], key=lambda d: d.device_id):
+        for dev in open_devices():
             try:
                 dev.close()
-            except Exception as exc:
-                # Nobody is left to catch it: a device fault of work never waited for, say.
-                # Said once on stderr rather than dropped.
+            except Exception as exc:  # nobody is left to catch it: said once on stderr
                 try:
                     sys.stderr.write(f"pyacl_moe: at exit, closing device {dev.device_id} reported: {exc}\n")
                 except Exception:
@@ -420,21 +757,3 @@ def _close_all_at_exit() -> None:
 
 
 atexit.register(_close_all_at_exit)
-
-
-def _after_fork_in_child() -> None:
-    # A parent thread may have held the locks at fork. If the parent initialized CANN, every
-    # device the child inherits is dead (CANN does not survive fork).
-    _Process.lock = threading.RLock()
-    dead = _lifetime.forked()
-    for dev in _Process.open_devices.values():
-        dev._lock = threading.RLock()
-        if dead:
-            dev.closed = True
-            for q in dev._queues:
-                q.after_fork()  # a parent thread may have held its lock: the child never waits on it
-    if dead:
-        _Process.open_devices.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,45 +1,35 @@
-"""Streams and events, and the fault rule.
+"""Streams and events.
 
 A :class:`Stream` runs its tasks in order, asynchronously to the host. Everything the binding
-queues on a stream goes through :class:`StreamState` under the stream's lock: what the task
-reads or writes is held on the stream's :class:`~pyacl_moe._lifetime.Ledger` until the task is
-known complete, and the memory it writes is stamped with the stream's *epoch* (see below).
+queues on a stream goes through its :class:`StreamState`, under the stream's lock, and what a
+task uses is *held* there until a point of the stream is known complete: when a synchronize
+that began after it returns, or when a *fence* recorded behind it has run (an event recorded
+every ``FENCE_EVERY`` held tasks and at each hand-over, polled with aclrtQueryEventStatus,
+never waited for). Blocks, workspaces and arrays all go back that one way.
 
-**The fault rule.** CANN reports a device fault (a kernel reading outside its memory, say) once,
-to the first synchronize of its stream or device, then forgets it; events and queries never
-report it. The binding keeps what a wait of its own learns: every wait (:meth:`StreamState.wait`,
-whichever call makes it) that CANN tells of a fault records it on the stream with the window of
-work it covers, from the last clean wait to now, in epochs (an epoch ends when a wait begins).
-Then:
+Host reads wait for the memory's last writer stream (``Allocation.writer``); ordering between
+streams on the device is the caller's, through events, as in CUDA:
+``consumer.wait_event(producer.record())``. A wait that learns of a device fault makes the
+device faulted (:meth:`~pyacl_moe.device.Device.learn`).
 
-- memory whose latest write lies in a recorded window is faulted: reading it (to_host on any
-  stream or none, a copy of it, a launch that reads it) raises the fault, until it is written
-  again;
-- each fault is raised by exactly one synchronize of its stream or device (``synchronize()``,
-  ``close()``, a stream-less ``copy_from_host``'s wait), whichever thread's wait CANN told.
-
-Ordering between two different streams is the caller's job, through events, as in CUDA:
-``consumer.wait_event(producer.record())``. ``with stream:`` makes the stream the calling
-thread's current stream on its device (and the device current); it closes nothing. Closing a
-stream waits for it; a stream dropped without ``close()`` is destroyed once the device reports
-it idle (aclrtStreamQuery), at a later safe point.
+``with stream:`` makes the stream the calling thread's current stream on its device (and the
+device current); it closes nothing. Closing a stream waits for it; a stream dropped without
+``close()`` is destroyed at a later safe point, once its work has run.
 """
 
 from __future__ import annotations
 
-import bisect
+import collections
 import threading
-from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _args, _lifetime
 from ._cann import acl
 from ._cann.errcheck import check
-from .device import Device, resolve_device
-from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument
+from .device import EVENTS, NOT_YET, STREAMS, Allocation, Device, Holder, is_fault, resolve_device
+from .errors import AclError, ClosedError, InvalidArgument
 
-__all__ = ["Event", "Fault", "Stream", "StreamState", "active_stream", "any_fault", "check_written",
-           "current_stream", "faults_recorded", "is_fault"]
+__all__ = ["Event", "Stream", "StreamState", "current_stream", "resolve_stream", "thread_current"]
 
 
 class _Current(threading.local):
@@ -53,475 +43,325 @@ class _Current(threading.local):
 
 thread_current = _Current()
 
-# What a synchronize returns about its own call rather than about the work it waited for.
-_NOT_FAULTS = frozenset({507046, 507047})  # the wait timed out
-
-
-# Whether a wait ever recorded a fault in this process: until one does, the steady states of
-# the launches skip looking at their inputs' faults. Set once, never cleared; read without a
-# lock (a launch that misses it being set could not have known of the fault anyway).
-any_fault: list[bool] = [False]
-
-
-def faults_recorded() -> bool:
-    """Whether any fault was ever recorded in this process."""
-    return any_fault[0]
-
-
-def is_fault(exc: BaseException) -> bool:
-    """Whether a synchronize's error is a device fault of the work it waited for."""
-    return isinstance(exc, AclRuntimeError) and exc.status >= 500000 and exc.status not in _NOT_FAULTS
-
-
-class Fault:
-    """A fault a wait recorded: CANN's error and the window of epochs it may have come from
-    (``lo`` exclusive, ``hi`` inclusive). ``raised``: a synchronize has raised it. Fields are
-    guarded by the lock of the stream(s) that hold it."""
-
-    __slots__ = ("error", "lo", "hi", "raised")
-
-    def __init__(self, error: AclError, lo: int, hi: int) -> None:
-        # A fault's error is never raised itself (exception() makes a new one): its traceback
-        # goes, since its frames would keep the arrays of the wait that caught it alive.
-        error.__traceback__ = error.__context__ = error.__cause__ = None
-        self.error, self.lo, self.hi, self.raised = error, lo, hi, False
-
-    def exception(self) -> AclError:
-        """A new exception with CANN's status, API and message, to raise."""
-        e = self.error
-        return type(e)(e.status, e.api, e.message)
-
-
-def check_written(track: Any, waiting: bool = True) -> None:
-    """Raise the fault of ``track``'s latest write, if a wait recorded one. With ``waiting``
-    (a read back), a write no wait has covered yet is waited for first, on its own stream
-    (without raising that stream's other faults): a read on another stream, ordered after the
-    write by an event, would never learn of the write's fault otherwise."""
-    for state, epoch in track.written:
-        if waiting and not state.confirmed(epoch) and not state.device.closed:
-            state.wait_unless_destroyed(report=False)
-            if state.fault_at(epoch) is None and not state.confirmed(epoch):
-                state.drain_waits()  # one of them may have been told of the write's fault
-        fault = state.fault_at(epoch)
-        if fault is not None:
-            raise _reported(fault, state.device)
-
-
-def _partly(written: tuple[Any, ...], mark: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``written`` and a write of part of the memory. Writes known to have run without a fault
-    are dropped once there are many (while no fault was ever recorded, the only case where that
-    is known without the writer's lock)."""
-    if mark[0] in written:
-        return written
-    if len(written) >= 32 and not any_fault[0]:
-        written = tuple(m for m in written if not m[0].confirmed(m[1]))
-    return written + mark
-
-
-def _reported(fault: Fault, device: Device) -> AclError:
-    """The exception to raise for ``fault``, now marked raised on every stream that recorded it
-    (a device synchronize records one error on each): no synchronize raises it again."""
-    for q in device.queues():
-        if isinstance(q, StreamState):
-            q.mark_raised(fault.error)
-    return fault.exception()
-
 
 class StreamState:
-    """A stream's internals, shared by the :class:`Stream` the user holds and by whatever still
-    uses the stream (plans, work held on its ledger).
+    """A stream's internals, shared by the :class:`Stream` the user holds and by whatever queues
+    work on it. It is the device's holder for the stream (released when the Stream is gone and
+    its work has run, or when the device closes).
 
-    ``lock`` guards every field below but ``device``, ``context`` and ``handle``: the ledger,
-    ``caches`` (per-stream objects of the layers above, each with ``release(idle) -> list``),
-    ``workspace``, ``closing``/``closed``, the epochs and faults, ``inside`` (a lock held by
-    each thread inside a CANN call on the handle, a wait or a query: the destroy waits for
-    each, and since a ``with`` block releases a lock whatever interrupts it, a call cut short
-    holds nothing up). Never call :func:`~pyacl_moe._lifetime.collect` while holding it.
+    ``lock`` guards every field below but ``device``, ``ctx``, ``handle`` and ``wait_lock``: the
+    points, holds and fences, ``closing``, ``workspace``, ``executors`` (the one call's cached
+    executors, by key), ``plans`` (plans' bound launches, by plan) and ``after_events``.
+    ``wait_lock`` is held across every CANN wait on the stream and across its destroy, so the
+    destroy waits for a wait in progress; a query and every enqueue run under ``lock``.
     """
 
-    __slots__ = ("device", "context", "handle", "lock", "ledger", "closing", "closed", "caches", "shut_caches",
-                 "workspace", "epoch", "mark", "clean", "ripe", "faults", "his", "inside", "owner", "__weakref__")
+    __slots__ = ("device", "ctx", "handle", "lock", "wait_lock", "point", "done", "holds", "fences", "spare",
+                 "events", "next_fence", "closing", "workspace", "executors", "plans", "after_events", "owner",
+                 "__weakref__")
+    RANK = STREAMS
+    API = "aclrtDestroyStream"
+    # A fence every so many held tasks bounds what is held by what is truly outstanding, at two
+    # foreign calls per FENCE_EVERY tasks; at most MAX_FENCES pending at once.
+    FENCE_EVERY = 32
+    MAX_FENCES = 16
 
-    def __init__(self, device: Device, handle: acl.StreamHandle | None) -> None:
-        self.device = device
-        self.context = device.context
-        self.handle = handle  # None: the device's default stream
-        self.lock = threading.Lock()
-        self.ledger = _lifetime.Ledger(device.context, handle)
+    def __init__(self, device: Device, handle: acl.StreamHandle | None, owner: Any = None) -> None:
+        self.device, self.ctx, self.handle, self.owner = device, device.context, handle, owner
+        self.lock, self.wait_lock = threading.Lock(), threading.Lock()
+        self.point = self.done = 0  # held tasks queued so far; every one <= done is known complete
+        self.holds: collections.deque[tuple[int, Any]] = collections.deque()  # (point, what), in order
+        self.fences: collections.deque[tuple[int, acl.EventHandle]] = collections.deque()
+        self.spare: list[acl.EventHandle] = []  # fence events that ran, for reuse
+        self.events: list[acl.EventHandle] = []  # every fence event made: destroyed with the stream
+        self.next_fence = self.FENCE_EVERY
         self.closing = False  # no new work
-        self.closed = False  # the handle is gone
-        self.caches: dict[Any, Any] = {}
-        self.shut_caches: dict[Any, Any] = {}  # the caches once shut, until the stream is destroyed
-        self.workspace: Any = None  # the stream's workspace block (pool.workspace_for)
-        self.epoch = 1  # writes queued now are stamped with it; a wait that begins ends it
-        self.mark = ((self, 1),)  # what a write queued now stores in its Track.written
-        self.clean = 0  # every write stamped <= clean ran, its faults (if any) recorded
-        # How far the clean waits that ended reached: CANN reports a fault to one wait only, so
-        # a clean wait proves nothing while another that may have been told is still to record
-        # it; clean moves up to ripe when no wait is in progress (``inside``).
-        self.ripe = 0
-        self.faults: list[Fault] = []  # disjoint windows, in order
-        self.his: list[int] = []  # each fault's hi, for bisect
-        self.inside: dict[threading.Lock, None] = {}
-        self.owner: Any = None  # what keeps a borrowed stream alive (Stream.from_handle)
+        self.workspace: Allocation | None = None
+        self.executors: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self.plans: dict[int, Any] = {}
+        self.after_events = False  # it waited on another stream's event: a read waits for the device
 
-    # -- use
+    # -- state
 
     def check_open(self, what: str = "stream") -> None:
-        if self.closing or self.device.closed:
-            raise ClosedError(what, self.closed_reason())
+        if self.closing or not self.ctx.open:
+            raise ClosedError(what, "it was closed" if self.ctx.open else
+                              f"its device {self.device.device_id} was closed or reset"
+                              + (" (or this is a fork() child)" if acl.forked() else ""))
 
-    def closed_reason(self) -> str:
-        if self.device.closed:
-            return f"its device {self.device.device_id} was closed" + (
-                " (or this is a fork() child)" if _lifetime.forked() else "")
-        return "it was closed"
+    def __repr__(self) -> str:
+        return "the default stream" if self.handle is None else f"stream {self.handle.address:#x}"
 
-    def enqueue(self, hold: Any, call: Callable[..., None], *args: Any, writes: Iterable[tuple[Any, bool]] = ()
-                ) -> int:
-        """Queue a task: ``call(*args, stream_handle)``, with ``hold`` kept until it has run and
-        ``writes`` (the memory it writes: (Track, whole) pairs, see :meth:`stamp`) stamped.
-        Returns the task's epoch (for :meth:`wait_for`). The hold is taken first: an
-        interrupted call leaves it held, never freed."""
+    # -- queuing, holding (lock held unless said)
+
+    def enqueue(self, hold: Any, fn: Any, *args: Any, writes: Allocation | None = None) -> None:
+        """Queue ``fn(*args, stream handle)`` (no lock held), keeping ``hold`` until it has run;
+        ``writes`` is the memory it writes. The hold is taken before the call, so an interrupt
+        leaves it held, never freed."""
+        self.device.check()  # (before the lock: in a fork() child a parent thread may hold it)
         with self.lock:
             self.check_open()
-            acl.use_context(self.context)
-            self.ledger.hold(hold)
-            call(*args, self.handle)
-            self.stamp(writes)
-            epoch = self.epoch
-            done = self.ledger.after_enqueue()
-        del done  # outside the lock: dropping the last reference may free memory
-        _lifetime.collect()
-        return epoch
+            acl.use_context(self.ctx)
+            self.hold(hold)
+            if writes is not None:
+                writes.writer = self
+            fn(*args, self.handle)
+            done = self.fenced()
+        del done  # outside the lock: dropping the last reference to memory gives its block back
 
-    def stamp(self, writes: Iterable[tuple[Any, bool]]) -> None:
-        """Memory was just written by work queued here (lock held): for each (Track, whole),
-        the write is its latest (whole: all of its bytes, so it replaces what came before; a
-        part adds to it, since the rest may still hold a faulted write)."""
-        mark = self.mark
-        for t, whole in writes:
-            t.written = mark if whole else _partly(t.written, mark)
-
-    def _next_epoch(self) -> None:
-        self.epoch += 1
-        self.mark = ((self, self.epoch),)
-
-    def retire(self, what: Any) -> None:
-        """Keep ``what`` until everything queued so far on the stream has run."""
-        if _lifetime.forked():
-            return
+    def enqueue_all(self, hold: Any, calls: list[tuple[Any, tuple[Any, ...]]]) -> None:
+        """Queue each ``fn(*args, stream handle)`` of ``calls`` under one taking of the lock
+        (no lock held), keeping ``hold`` until they have run."""
+        self.device.check()
         with self.lock:
-            if self.closed:
-                return  # its work has run; dropping is safe
-            acl.use_context(self.context)
-            done = self.ledger.retire(what)
+            self.check_open()
+            acl.use_context(self.ctx)
+            self.hold(hold)
+            _queue(calls, self.handle)
+            done = self.fenced()
         del done
 
-    # -- waiting, and what it learns of faults
+    def hold(self, what: Any) -> None:
+        """Keep ``what`` until the task about to be queued has run."""
+        self.point += 1
+        self.holds.append((self.point, what))
 
-    def begin_wait(self, inside: threading.Lock, closing: bool = False) -> tuple[int, int, int]:
-        """Before a wait covering this stream, with ``inside`` held by the caller until it has
-        ended: (ledger count, epoch ending, clean so far). A close's own wait (``closing``)
-        begins on a stream already refusing work."""
+    def retire(self, what: Any) -> list[Any]:
+        """Keep ``what`` until everything queued so far has run (a fence right behind it, so it
+        goes without waiting for more work); what became free, to drop after the lock."""
+        self.hold(what)
+        self.fence()
+        return self.poll()
+
+    def _live(self) -> bool:
+        """Not destroyed, its device not reset: work queued on it may still run."""
+        return (self.handle is None or bool(self.handle)) and self.ctx.alive
+
+    def keep(self, what: Any) -> list[Any]:
+        """:meth:`retire`, but nothing to keep on a stream that was destroyed (it ran
+        everything) or whose device was reset."""
+        return self.retire(what) if self._live() else _NOTHING
+
+    def fenced(self) -> list[Any]:
+        """After a held task: a fence every FENCE_EVERY points, and what the fences show done."""
+        if self.point < self.next_fence:
+            return _NOTHING
+        self.next_fence = self.point + self.FENCE_EVERY
+        self.fence()
+        return self.poll()
+
+    def fence(self) -> None:
+        """Record an event behind everything queued so far. One that cannot be recorded leaves
+        what is held to the next fence or wait."""
+        if not self.holds or len(self.fences) >= self.MAX_FENCES or (self.fences and self.fences[-1][0] == self.point):
+            return
+        try:
+            acl.use_context(self.ctx)
+            if not self.spare:
+                h = acl.EventHandle(self.ctx)
+                self.events.append(h)  # owned before it exists
+                acl.create_event(h)
+                self.spare.append(h)
+            h = self.spare.pop()
+            acl.record_event(h, self.handle)
+            self.fences.append((self.point, h))
+        except AclError:
+            return
+
+    def poll(self) -> list[Any]:
+        """What the fences that ran release (never waits)."""
+        try:
+            if self.fences:
+                acl.use_context(self.ctx)
+            while self.fences and acl.query_event(self.fences[0][1]):
+                point, h = self.fences.popleft()
+                self.spare.append(h)
+                self.done = max(self.done, point)
+        except AclError:
+            pass
+        return self._advance(self.done)
+
+    def _advance(self, mark: int) -> list[Any]:
+        self.done = max(self.done, mark)
+        while self.fences and self.fences[0][0] <= self.done:
+            self.spare.append(self.fences.popleft()[1])
+        out = []
+        while self.holds and self.holds[0][0] <= self.done:
+            out.append(self.holds.popleft())
+        return out
+
+    def mark(self) -> int:
+        """The point a wait beginning now covers (no lock held)."""
         with self.lock:
-            if not closing or self.closed:  # a destroyed stream has no handle to wait on
-                self.check_open()
-            self.inside[inside] = None
-            token = (self.ledger.count, self.epoch, self.clean)
-            self._next_epoch()
-            return token
+            return self.point
 
-    def end_wait(self, token: tuple[int, int, int], error: BaseException | None, inside: threading.Lock
-                 ) -> Fault | None:
-        """After the wait: a clean wait knows what it covered complete (its holds go); a fault
-        CANN reported to it is recorded, and what it covered stays held (CANN reports a
-        fault from a completed wait, but nothing here can tell that wait from one that
-        failed midway). Returns the fault (None for a clean wait, or one that timed out)."""
-        mark, ended, lo = token
-        done: list[Any] = []
-        fault = None
+    def completed(self, mark: int) -> None:
+        """A wait that read ``mark`` returned clean: what the work up to it held goes."""
         with self.lock:
-            self.inside.pop(inside, None)
-            if error is None:
-                self.ripe = max(self.ripe, ended)
-                done = self.ledger.synchronized(mark)
-            elif is_fault(error):
-                assert isinstance(error, AclError)
-                # The wait may have covered writes queued while it ran (stamped after
-                # ``ended``): the window takes them all (they read as faulted, so nothing
-                # need wait for them), and later writes get a new epoch.
-                fault = Fault(error, lo, self.epoch)
-                self._record(fault)
-                self.ripe = max(self.ripe, self.epoch)
-                self._next_epoch()
-            self._forget_cut_waits()
-            if not self.inside:
-                self.clean = max(self.clean, self.ripe)
-        del done  # outside the lock: dropping the last reference may free memory
-        return fault
+            done = self._advance(mark)
+        del done
 
-    def _forget_cut_waits(self) -> None:
-        # (lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-        for lk in [lk for lk in self.inside if not lk.locked()]:
-            del self.inside[lk]  # a wait an interrupt cut short
+    # -- waiting
 
-    def _synchronize(self, timeout_ms: int | None, closing: bool = False) -> tuple[BaseException | None, Fault | None]:
-        """aclrtSynchronizeStream with the bookkeeping: (CANN's error, the fault recorded)."""
-        error: BaseException | None = None
-        inside = threading.Lock()
-        with inside:
-            token = self.begin_wait(inside, closing)
+    def synchronize(self, timeout_ms: int | None = None, closing: bool = False) -> bool:
+        """aclrtSynchronizeStream(WithTimeout), under ``wait_lock``. A fault it is told of makes
+        the device faulted; True when this wait learned it first. Other errors (a timeout) are
+        raised. With ``closing``, a stream that refuses new work is waited for too."""
+        dev = self.device
+        with self.wait_lock:
+            with self.lock:
+                if not closing or not self.ctx.open:
+                    self.check_open()
+                if self.handle is not None and not self.handle:
+                    return False  # destroyed: it ran everything
+                mark = self.point
             try:
-                acl.use_context(self.context)
+                acl.use_context(self.ctx)
                 acl.synchronize_stream(self.handle, timeout_ms)
             except AclError as exc:
-                error = exc
-            fault = self.end_wait(token, error, inside)
-        return error, fault
-
-    def _record(self, fault: Fault) -> None:
-        # Windows are kept disjoint and in order (merged where they meet), so a lookup is a
-        # bisect; a merged window keeps the latest error, as CANN's stream does.
-        lo, hi, raised = fault.lo, fault.hi, fault.raised
-        while self.faults and self.faults[-1].hi > lo:
-            last = self.faults.pop()
-            self.his.pop()
-            lo, hi, raised = min(lo, last.lo), max(hi, last.hi), raised and last.raised
-        fault.lo, fault.hi, fault.raised = lo, hi, raised
-        self.faults.append(fault)
-        self.his.append(hi)
-        any_fault[0] = True
-
-    def fault_at(self, epoch: int) -> Fault | None:
-        """The fault recorded for a write stamped ``epoch``, if any."""
-        if not self.faults:
-            return None
-        with self.lock:
-            i = bisect.bisect_left(self.his, epoch)
-            if i < len(self.faults) and self.faults[i].lo < epoch:
-                return self.faults[i]
-        return None
-
-    def unraised(self) -> Fault | None:
-        """The oldest recorded fault no synchronize raised yet, now marked raised."""
-        if not self.faults:
-            return None
-        with self.lock:
-            return _first_unraised(self.faults)
-
-    def mark_raised(self, error: AclError) -> None:
-        """A synchronize raised ``error``: so is this stream's record of it."""
-        with self.lock:
-            _mark_raised(self.faults, error)
-
-    def drain_waits(self) -> None:
-        """Return once every wait in progress now has ended (recording what CANN told it)."""
-        with self.lock:
-            inside = list(self.inside)
-        for lk in inside:
-            with lk:
+                if not is_fault(exc):
+                    raise
+                return dev.learn(exc, f"a synchronize of {self!r}")
+        if dev.sync_lock.locked():  # a device-wide wait may have been told of this stream's fault:
+            with dev.sync_lock:  # it has recorded it once it lets go
                 pass
-
-    def confirmed(self, epoch: int) -> bool:
-        """Whether writes stamped ``epoch`` are known complete (their faults recorded)."""
-        return epoch <= self.clean
-
-    def wait(self, timeout_ms: int | None = None, report: bool = True, closing: bool = False) -> None:
-        """Wait for everything queued on the stream (aclrtSynchronizeStream). With ``report``
-        (a synchronize), raise the fault CANN reported to this wait, or else one an earlier
-        wait recorded and no synchronize raised yet; without (a read's wait), only record.
-        With ``closing``, a stream refusing new work is waited for too (ClosedError only once
-        it is destroyed)."""
-        error, fault = self._synchronize(timeout_ms, closing)
-        _lifetime.collect()
-        if error is not None and fault is None:
-            raise error  # not a fault: a timeout, a closed stream
-        if report:
-            pending = self.unraised()
-            if pending is not None:
-                raise _reported(pending, self.device)
-
-    def wait_unless_destroyed(self, report: bool) -> bool:
-        """Wait for the stream on behalf of memory its work uses (a read, a host write), even
-        while another thread closes it: its close's own wait may not have run that work yet.
-        False, waiting for nothing, once it is destroyed (it ran everything)."""
-        try:
-            self.wait(report=report, closing=True)
-        except ClosedError:
-            return False
-        return True
-
-    def wait_for(self, epoch: int) -> None:
-        """Wait for the stream, then raise the fault of a task queued in ``epoch`` (a copy to
-        the host the caller is about to use), whichever wait CANN reported it to."""
-        self.wait(report=False)
-        fault = self.fault_at(epoch)
-        if fault is not None:
-            raise _reported(fault, self.device)
+        self.completed(mark)
+        return False
 
     def query(self) -> bool:
-        """aclrtStreamQuery: True once everything queued has run (never waits, never reports
-        a fault)."""
-        inside = threading.Lock()
-        with inside:
-            with self.lock:
-                self.check_open()
-                mark = self.ledger.count
-                self.inside[inside] = None
-            acl.use_context(self.context)
+        """aclrtStreamQuery: True once everything queued has run (never waits, never reports a
+        fault); what completed work held goes."""
+        self.device.check_open()
+        with self.lock:
+            self.check_open()
+            acl.use_context(self.ctx)
             idle = acl.query_stream(self.handle)
-            with self.lock:
-                self.inside.pop(inside, None)
-                done = self.ledger.synchronized(mark) if idle else self.ledger.poll()
+            done = self._advance(self.point) if idle else self.poll()
         del done
         return idle
 
-    def poll(self) -> None:
-        """Drop what completed fences show done (never waits)."""
+    # -- workspace and caches
+
+    def ensure_workspace(self, nbytes: int) -> None:
+        """A workspace of at least ``nbytes`` (no lock held): the stream's block, grown here.
+        The block it replaces goes once the work queued so far has run."""
         with self.lock:
-            done = self.ledger.poll()
+            ws = self.workspace
+        if ws is not None and ws.nbytes >= nbytes:
+            return
+        new = self.device.allocate((nbytes,))[0]
+        self.device.count_workspace()
+        with self.lock:
+            self.check_open()
+            old = self.workspace
+            if old is not None and old.nbytes >= nbytes:
+                return  # another thread got there first (ours goes back)
+            self.workspace = new
+            self.plans = {}  # bound to the old block's address
+            done = self.keep(old) if old is not None else _NOTHING
         del done
 
-    def drop_caches(self) -> None:
-        """Give up the per-stream caches and the workspace (empty_cache): what they hold goes
-        once the work queued so far is done; the spare fence events go now."""
+    def workspace_size(self) -> int:
         with self.lock:
-            if self.closed:
-                return
-            caches, self.caches = self.caches, {}
-            retired: list[Any] = []
-            if self.workspace is not None:
-                self.workspace.uncache()
-                retired.append(self.workspace)
-                self.workspace = None
-            for cache in caches.values():
-                retired += cache.release(False)
-            acl.use_context(self.context)
-            # Only held enqueues use what the caches and the workspace held (a plan's slot keeps
-            # its own references): once every point is known complete they go at once.
-            done = self.ledger.retire(retired, counted_only=True) if retired else []
-            self.ledger.drop_events()
-        del done, retired, caches
+            return self.workspace.nbytes if self.workspace is not None else 0
+
+    def empty(self) -> None:
+        """empty_cache(): give up the cached executors and the workspace (freed once the work
+        queued so far has run)."""
+        if not self.ctx.open:
+            return
+        with self.lock:
+            ws = self.workspace
+        if ws is not None:
+            self.device.uncache(ws)  # (another thread may replace it meanwhile: that one is kept)
+        with self.lock:
+            cached, ws = self._drop_caches()
+            if self._live() and _idle(self):  # nothing queued: all of it goes now
+                done = self._advance(self.point)
+            else:
+                done = self.keep(ws) if ws is not None else self.poll()
+            self.events = _release_spare(self.events, self.spare)
+            self.spare = []
+        _destroy(cached)
+        del done, ws
+
+    def reclaim(self) -> None:
+        """Out of memory: what completed work held, and the workspace of a stream with nothing
+        queued."""
+        if not self.ctx.open:
+            return
+        with self.lock:
+            if not self.closing and _idle(self):
+                done, ws = self._advance(self.point), self.workspace
+                self.workspace, self.plans = None, {}
+            else:
+                done, ws = self.poll(), None
+        del done, ws
+
+    def _drop_caches(self) -> tuple[list[Any], Allocation | None]:
+        cached, ws = list(self.executors.values()), self.workspace
+        self.executors, self.plans, self.workspace = collections.OrderedDict(), {}, None
+        return cached, ws
 
     # -- release
 
-    def shut(self) -> dict[Any, Any]:
-        """Refuse new work (launches check ``closing`` under the lock) and take the caches, to
-        be released once the stream has run everything. Safe twice."""
+    def shut(self) -> None:
+        """Refuse new work (launches in progress end first: they hold the lock)."""
         with self.lock:
             self.closing = True
-            self.shut_caches.update(self.caches)
-            self.caches = {}
-            if self.workspace is not None:
-                self.shut_caches["workspace"] = _Kept(self.workspace)
-                self.workspace = None
-            return self.shut_caches
-
-    def destroy(self, caches: dict[Any, Any]) -> int:
-        """The stream has run everything: release its caches, destroy it once no other thread
-        is inside a wait on it, then drop what it held. Each step is safe again, so a destroy
-        an interrupt cut short is finished by the next (a close, or the retiring poll)."""
-        for cache in list(caches.values()):
-            cache.release(True)
-        with self.lock:
-            self.closed = True
-            inside, self.inside = list(self.inside), {}
-        for lk in inside:  # each call on the handle in progress ends first (one cut short is over)
-            with lk:
-                pass
-        self.device.remove_queue(self)
-        # aclrtDestroyStream waits for what is still queued (a fault's wait left it held):
-        # what the ledger holds goes after it. A handle is released once.
-        status = self.handle.release() if self.handle is not None else 0
-        with self.lock:
-            self.shut_caches = {}
-            done = self.ledger.release_all()
-        del done
-        return status
-
-    def close(self) -> None:
-        """Wait for the stream, then destroy it (an explicit close: raises what the wait
-        reports, after releasing everything)."""
-        if self.device.closed:
-            # Its device's close waits for it and destroys it (or this is a fork() child).
-            # Not ``closed``: its queued work may not have run yet, and the memory that work
-            # uses is kept while a stream that is not closed has it pending.
-            self.closing = True
-            return
-        if self.closed:  # a close an interrupt cut short, or a drop's: finish it
-            check(self.destroy(self.shut()), "aclrtDestroyStream")
-            return
-        caches = self.shut()
-        try:
-            error, fault = self._synchronize(None, closing=True)
-        except ClosedError:
-            return  # another thread's close destroyed it meanwhile
-        if error is not None and fault is None:
-            _lifetime.retiring(_Retiring(self, caches))  # its work may not have run: later
-            raise error
-        check(self.destroy(caches), "aclrtDestroyStream")
-        _lifetime.collect()
-        pending = self.unraised()
-        if pending is not None:
-            raise _reported(pending, self.device)
+            self.plans = {}
 
     def release(self) -> int:
-        """The Stream was dropped without close(): release without blocking (the holder's
-        release, called from collect())."""
-        if self.device.closed:
-            return 0  # its device's close waits for it and destroys it (see close)
-        _lifetime.retiring(_Retiring(self, self.shut()))  # (closed: a destroy cut short, finished there)
-        return 0
+        """The stream has run everything (its close waited, or its device's): destroy it, after
+        any wait in progress, and drop what it held. Safe again."""
+        with self.wait_lock, self.lock:
+            self.closing = True
+            done, (cached, ws) = self._advance(self.point), self._drop_caches()
+            status = self.handle.release() if self.handle is not None else 0
+            events = _release_all(self.events) if not status else self.events
+            self.events, self.spare, self.fences = events, [], collections.deque()
+        _destroy(cached)
+        del done, ws
+        return status
 
-    def close_for_device(self) -> list[BaseException]:
-        """The device is closing and has been synchronized."""
-        try:
-            check(self.destroy(self.shut()), "aclrtDestroyStream")
-        except Exception as exc:
-            return [exc]
-        return []
-
-    def after_fork(self) -> None:
-        """In a fork() child: a new lock (a parent thread may have held the old one), and no
-        work ever again."""
-        self.lock = threading.Lock()
-        self.inside = {}
-        self.closing = True
+    def dropped(self) -> int:
+        """The Stream is gone (a safe point): destroyed once its work has run, never waited for."""
+        with self.lock:
+            self.closing = True
+            idle = not self._live() or _idle(self)
+        return self.release() if idle else NOT_YET
 
 
-class _Kept:
-    """A block the stream held (its workspace), dropped with the stream's other caches."""
-
-    __slots__ = ("what",)
-
-    def __init__(self, what: Any) -> None:
-        self.what = what
-
-    def release(self, idle: bool) -> list[Any]:
-        self.what = None
-        return []
+_NOTHING: list[Any] = []  # what most enqueues free (never appended to)
 
 
-class _Retiring:
-    """A stream whose work may still be running, destroyed once the device reports it idle."""
+def _queue(calls: list[tuple[Any, tuple[Any, ...]]], handle: Any) -> None:
+    # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    for fn, args in calls:
+        fn(*args, handle)
 
-    __slots__ = ("state", "caches")
 
-    def __init__(self, state: StreamState, caches: dict[Any, Any]) -> None:
-        self.state = state
-        self.caches = caches
+def _idle(state: StreamState) -> bool:
+    acl.use_context(state.ctx)
+    return acl.query_stream(state.handle)
 
-    def poll(self) -> bool:
-        s = self.state
-        if s.device.closed:
-            return True  # its device's close waits for it and destroys it (see StreamState.close)
-        if not s.closed:  # (closed: a destroy was cut short, its work had run)
-            acl.use_context(s.context)
-            if not acl.query_stream(s.handle):
-                return False
-        s.destroy(self.caches)
-        return True
+
+def _release_spare(events: list[acl.EventHandle], spare: list[acl.EventHandle]) -> list[acl.EventHandle]:
+    # (the stream's lock held; a loop under a lock is a function of its own) The fence events
+    # not pending: destroyed (they are only a cache); what is left.
+    ids = {id(h) for h in spare}
+    return [h for h in events if id(h) not in ids or h.release()]
+
+
+def _release_all(handles: list[acl.EventHandle]) -> list[acl.EventHandle]:
+    # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    return [h for h in handles if h.release()]
+
+
+def _destroy(cached: list[Any]) -> None:
+    """Destroy cached executors: launches already queued captured what they need."""
+    for entry in cached:
+        entry.destroy()
 
 
 class Stream:
@@ -540,13 +380,11 @@ class Stream:
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
         _lifetime.collect()
-        dev.activate()
-        handle = acl.StreamHandle(dev.context)
-        self.state = StreamState(dev, handle)
+        self.state = StreamState(dev, acl.StreamHandle(dev.context))
         self._is_default = False
-        _lifetime.track(self, self.state)  # before the handle exists: a dropped stream is released
-        acl.create_stream(handle)
-        dev.add_queue(self.state)
+        dev.own(self.state, self)  # owned before it exists; released once this object is gone
+        acl.use_context(dev.context)
+        acl.create_stream(self.state.handle)  # type: ignore[arg-type]
 
     @classmethod
     def from_handle(cls, handle: Any, device: Device | int | None = None, owner: Any = None) -> Stream:
@@ -560,21 +398,17 @@ class Stream:
         if address == 0:
             return dev.default_stream  # type: ignore[no-any-return]
         _lifetime.collect()
-        dev.activate()
         s = cls.__new__(cls)
-        s.state = StreamState(dev, acl.BorrowedStreamHandle(dev.context, address))
-        s.state.owner = owner
-        s._is_default = False
-        _lifetime.track(s, s.state)
-        dev.add_queue(s.state)
+        s.state, s._is_default = StreamState(dev, acl.BorrowedStreamHandle(dev.context, address), owner), False
+        dev.own(s.state, s)
         return s
 
     @classmethod
-    def _default(cls, device: Device) -> Stream:
+    def default(cls, device: Device) -> Stream:
+        """The default stream of a device being opened (Device calls it)."""
         s = cls.__new__(cls)
-        s.state = StreamState(device, None)
-        s._is_default = True
-        device.add_queue(s.state)
+        s.state, s._is_default = StreamState(device, None), True
+        device.own(s.state)
         return s
 
     @property
@@ -596,7 +430,7 @@ class Stream:
     @property
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
-        return self.state.closing or self.state.device.closed
+        return self.state.closing or not self.state.ctx.open
 
     def __repr__(self) -> str:
         kind = "default stream" if self._is_default else f"stream {self.handle:#x}"
@@ -604,12 +438,16 @@ class Stream:
 
     def synchronize(self, timeout_ms: int | None = None) -> None:
         """Block until every task queued on the stream has run. ``timeout_ms``: -1 (no limit)
-        or a positive number of ms; CANN refuses 0 (107000). Raises AclRuntimeError for a
-        device fault of its work (e.g. 507015; CANN's latest one), once, whichever thread's wait
-        CANN reported it to, or for a timeout (507046, which leaves a fault for the next wait)."""
+        or a positive number of ms; CANN refuses 0 (107000). Raises the device's fault
+        (AclRuntimeError, e.g. 507015) if this or any earlier wait learned of one, or a
+        timeout (507046)."""
         if timeout_ms is not None:
             timeout_ms = _args.int32("timeout_ms", timeout_ms, lo=-1)
-        self.state.wait(timeout_ms)
+        s = self.state
+        s.device.check()
+        _lifetime.collect()
+        s.synchronize(timeout_ms)
+        s.device.check()
 
     def query(self) -> bool:
         """True when every task queued on the stream has run (aclrtStreamQuery); never waits
@@ -620,24 +458,34 @@ class Stream:
         """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent).
         ``event`` must have been recorded: CANN refuses a wait on an event never recorded
         (AclRuntimeError 107000)."""
-        ev = _args.instance("event", event, Event, "an Event")
-        core = ev.core("event")
-        if core.device is not self.state.device:
+        core = _args.instance("event", event, Event, "an Event").core("event")
+        s = self.state
+        if core.device is not s.device:
             raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
-                                           f"{self.state.device.device_id}")
-        self.state.enqueue(core, acl.stream_wait_event, core.handle)
+                                           f"{s.device.device_id}")
+        s.enqueue(core, acl.stream_wait_event, core.holder.handle)
+        s.after_events = True  # (one store of True, under no lock: only ever set)
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) on this stream and return it."""
-        ev = Event(self.state.device) if event is None else _args.instance("event", event, Event, "an Event or None")
+        ev = Event(self.state.device) if event is None else _args.instance("event", event, Event,
+                                                                           "an Event or None")
         ev.record(self)
         return ev
 
     def close(self) -> None:
         """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice;
-        a no-op on a default stream."""
-        if not self._is_default:
-            self.state.close()
+        a no-op on a default stream. Raises a device fault its own wait learned of, after
+        releasing the stream."""
+        s = self.state
+        if self._is_default or not s.ctx.open:
+            return  # (a closed device's close released it)
+        s.shut()
+        learned = s.synchronize(closing=True)
+        check(s.device.release(s), "aclrtDestroyStream")
+        _lifetime.collect()
+        if learned:
+            raise s.device.fault_error()
 
     def __enter__(self) -> Stream:
         self.state.check_open()
@@ -651,14 +499,7 @@ class Stream:
         self.state.device.__exit__()
 
 
-Device.attachments["default_stream"] = Stream._default
-
-
-def active_stream(device: Device) -> Stream | None:
-    """The stream a ``with stream:`` block made current on this thread, if it is on
-    ``device``; else None (calls then take their stream-less path)."""
-    s = thread_current.stream
-    return s if s is not None and s.state.device is device else None
+Device.stream_class = Stream
 
 
 def current_stream(device: Device | int | None = None) -> Stream:
@@ -666,15 +507,15 @@ def current_stream(device: Device | int | None = None) -> Stream:
     the one a ``with stream:`` block made current on this thread, else the device's default
     stream."""
     dev = resolve_device(device)
-    return active_stream(dev) or dev.default_stream
+    s = thread_current.stream
+    return s if s is not None and s.state.device is dev else dev.default_stream
 
 
 def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") -> StreamState:
-    """The state of ``stream`` (if None, the thread's current stream on ``device``, else the
-    device's default stream), checked open and on ``device``."""
+    """The state of ``stream`` (if None, the thread's current stream on ``device``), checked
+    open and on ``device``."""
     if stream is None:
-        cur = active_stream(device)
-        return cur.state if cur is not None else device.default_stream.state
+        return current_stream(device).state
     if not isinstance(stream, Stream):
         raise InvalidArgument(name, f"must be a Stream or None, got {type(stream).__name__}")
     state = stream.state
@@ -685,40 +526,48 @@ def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") 
 
 
 class _EventCore:
-    """What an Event owns: the handle, released once neither the Event nor queued work (a
-    record, a wait) needs it."""
+    """What an Event and the queued work that records or waits on it hold: the event is
+    destroyed once all of them are gone. Calls on the handle take the holder's lock."""
 
-    __slots__ = ("device", "handle", "token", "__weakref__")
+    __slots__ = ("device", "holder", "__weakref__")
 
     def __init__(self, device: Device) -> None:
         self.device = device
-        self.handle = acl.EventHandle(device.context)
-        self.token = _lifetime.track(self, self.handle)
-        acl.create_event(self.handle)
+        self.holder = Holder(acl.EventHandle(device.context), EVENTS)
 
 
-class Event(_lifetime.Owner):
+class Event:
     """A CANN event: a marker recorded on a stream, for ordering and timing. ``close()``
     destroys it, at once unless queued work still records or waits on it. Neither its
     synchronize nor its query reports a device fault (a stream's synchronize does)."""
 
     __slots__ = ("_core", "_device", "__weakref__")
-    RELEASE_API = "aclrtDestroyEvent"
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
         _lifetime.collect()
-        dev.activate()
-        self._device = dev
-        self._core: _EventCore | None = None
-        self._core = _EventCore(dev)
+        core = _EventCore(dev)
+        dev.own(core.holder, core)
+        acl.use_context(dev.context)
+        acl.create_event(core.holder.handle)  # type: ignore[arg-type]
+        self._device, self._core = dev, core
 
     def core(self, what: str = "event") -> _EventCore:
-        """The event's handle owner, checked open (for pyacl_moe's own layers)."""
+        """The event's core, checked open (for pyacl_moe's own layers)."""
         c = self._core
-        if c is None or c.device.closed:
-            raise ClosedError(what, "it was closed" if c is None else f"its device {c.device.device_id} was closed")
+        if c is None or not c.holder.handle.context.open:  # type: ignore[union-attr]
+            raise ClosedError(what, "it was closed" if c is None else f"its device {c.device.device_id} was "
+                                                                     "closed or reset")
         return c
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(handle, *args)`` under the holder's lock (a release waits for it)."""
+        core = self.core()
+        with core.holder.lock:
+            if not core.holder.handle:
+                raise ClosedError("event", f"its device {core.device.device_id} was closed")
+            acl.use_context(core.device.context)
+            return fn(core.holder.handle, *args)
 
     @property
     def device(self) -> Device:
@@ -729,12 +578,13 @@ class Event(_lifetime.Owner):
     def handle(self) -> int:
         """The aclrtEvent as an integer (0 once closed)."""
         c = self._core
-        return c.handle.address if c is not None else 0
+        return c.holder.handle.address if c is not None else 0
 
     @property
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
-        return self._core is None or self._device.closed
+        c = self._core
+        return c is None or not c.holder.handle.context.open  # type: ignore[union-attr]
 
     def __repr__(self) -> str:
         return f"<Event {self.handle:#x} on device {self._device.device_id}{' closed' if self.closed else ''}>"
@@ -742,94 +592,44 @@ class Event(_lifetime.Owner):
     def record(self, stream: Stream | None = None) -> Event:
         """Record the event on ``stream`` (default: the thread's current stream)."""
         core = self.core()
-        state = resolve_stream(stream, core.device)
-        state.enqueue(core, acl.record_event, core.handle)
+        resolve_stream(stream, core.device).enqueue(core, acl.record_event, core.holder.handle)
         return self
 
     def synchronize(self) -> None:
         """Block until the work recorded before the event has run (at once for an event never
-        recorded). It reports no device fault of that work: the stream's synchronize (or the
-        device's) does."""
-        core = self.core()
-        core.device.activate()
-        acl.synchronize_event(core.handle)
+        recorded). It learns of no device fault (CANN reports one to a stream's or the device's
+        synchronize), but raises the device's fault if it is faulted."""
+        self._device.check()
+        self._call(acl.synchronize_event)
+        self._device.check()
 
     def query(self) -> bool:
         """True when the work recorded before the event has run (aclrtQueryEventStatus); an
         event never recorded is not complete (CANN reports NOT_READY for it). Never waits."""
-        core = self.core()
-        core.device.activate()
-        return acl.query_event(core.handle)
+        return bool(self._call(acl.query_event))
 
     def elapsed_ms(self, end: Event) -> float:
         """Milliseconds from this event to ``end`` (both recorded and complete: 507000 when one
         was never recorded, 107006 while one has not completed; negative if ``end`` completed
         first)."""
-        other = _args.instance("end", end, Event, "an Event")
-        core = self.core()
-        core.device.activate()
-        return acl.event_elapsed_ms(core.handle, other.core("end").handle)
+        other = _args.instance("end", end, Event, "an Event").core("end")
+        return float(self._call(acl.event_elapsed_ms, other.holder.handle))
 
     def __sub__(self, start: Event) -> float:
         """``end - start``: milliseconds between two completed events."""
         return _args.instance("start", start, Event, "an Event").elapsed_ms(self)
 
+    def close(self) -> None:
+        """Destroy the event: at once, unless queued work still records or waits on it (then
+        once that work has run); CANN's refusal is raised. Safe twice."""
+        core, self._core = self._core, None
+        if core is not None:
+            holder = core.holder
+            del core
+            self._device.release_if_gone(holder)
 
-def _first_unraised(faults: list[Fault]) -> Fault | None:
-    # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-    for f in faults:
-        if not f.raised:
-            f.raised = True
-            return f
-    return None
+    def __enter__(self) -> Event:
+        return self
 
-
-def _mark_raised(faults: list[Fault], error: AclError) -> None:
-    # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-    for f in faults:
-        if f.error is error:
-            f.raised = True
-
-
-def synchronize_device(device: Device, closing: bool = False) -> None:
-    """aclrtSynchronizeDevice for ``device``'s streams, with the fault rule: a fault it reports
-    is recorded on each of them (CANN does not say which stream's it was), and it raises the
-    oldest fault of its streams no synchronize raised yet (one fault recorded on several streams
-    is raised once)."""
-    # It uses no stream handle, so a stream may close meanwhile: those closing are skipped. A
-    # wait an interrupt cuts short learns nothing (like one that timed out).
-    inside = threading.Lock()
-    with inside:
-        states, error = _synchronize_device(device, closing, inside)
-    _lifetime.collect()
-    if error is not None and not is_fault(error):
-        raise error
-    for s in states:
-        pending = s.unraised()
-        if pending is not None:
-            raise _reported(pending, device)
-
-
-def _synchronize_device(device: Device, closing: bool, inside: threading.Lock
-                        ) -> tuple[list[StreamState], BaseException | None]:
-    # (``inside`` held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-    # The streams waited for, and CANN's error.
-    tokens = []
-    error: BaseException | None = None
-    for q in device.queues():
-        if isinstance(q, StreamState):
-            try:
-                tokens.append((q, q.begin_wait(inside, closing)))
-            except ClosedError:
-                pass
-    try:
-        acl.use_context(device.context)
-        acl.synchronize_device()
-    except AclError as exc:
-        error = exc
-    for s, token in tokens:
-        s.end_wait(token, error, inside)
-    return [s for s, _ in tokens], error
-
-
-Device.synchronize_hook = synchronize_device
+    def __exit__(self, *exc: object) -> None:
+        self.close()

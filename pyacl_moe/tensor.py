@@ -2,44 +2,48 @@
 
 An :class:`AclTensor` describes a DeviceArray to CANN exactly as it is: view shape, element
 strides, element offset from the storage base, and the storage base address. A non-contiguous
-view becomes a strided aclTensor, never a hidden copy. The handle is destroyed by ``close()``
-(or when the AclTensor is dropped), once no executor and no queued work still uses it.
+view becomes a strided aclTensor, never a hidden copy. The handle is destroyed once neither the
+AclTensor nor an executor built from it holds it (``close()`` drops the AclTensor's hold).
 """
 
 from __future__ import annotations
 
 from . import _args, _lifetime
 from ._cann import aclnn, declare
-from .array import Allocation, DeviceArray
+from .array import DeviceArray
+from .device import TENSORS, Allocation, Holder
 from .errors import ClosedError
 
 __all__ = ["AclTensor", "TensorCore"]
 
 
 class TensorCore:
-    """What an AclTensor owns: the handle, and the allocation it points into (kept alive as
-    long as the handle is). Executors built from the tensor hold the core too."""
+    """What an AclTensor and the executors built from it hold: the handle (its device's holder)
+    and the allocation it points into (None when its user keeps the memory alive itself: a
+    cached executor, whose every launch holds its own arrays)."""
 
-    __slots__ = ("handle", "token", "alloc", "whole", "device", "__weakref__")
+    __slots__ = ("holder", "device", "alloc", "__weakref__")
 
-    def __init__(self, array: DeviceArray, fmt: int) -> None:
+    def __init__(self, array: DeviceArray, fmt: int, keep: bool = True) -> None:
         alloc = array.allocation()
         self.device = alloc.device
-        self.alloc: Allocation | None = alloc  # None when the owner keeps the memory alive itself
-        self.whole = array.whole  # the view covers all of it (DeviceArray.whole)
-        self.handle = aclnn.TensorHandle()
-        self.token = _lifetime.track(self, self.handle)
-        aclnn.create_tensor(self.handle, array.tensor_desc(), alloc.ptr, fmt)
+        self.alloc: Allocation | None = alloc if keep else None
+        self.holder = Holder(aclnn.TensorHandle(), TENSORS)
+        self.device.own(self.holder, self)
+        aclnn.create_tensor(self.holder.handle, array.tensor_desc(), alloc.ptr, fmt)  # type: ignore[arg-type]
+
+    @property
+    def handle(self) -> aclnn.TensorHandle:
+        return self.holder.handle  # type: ignore[return-value]
 
 
-class AclTensor(_lifetime.Owner):
+class AclTensor:
     """An aclTensor describing ``array`` (which it keeps alive while the handle lives).
 
-    ``fmt`` is an aclFormat code (default ND). ``close()`` is aclDestroyTensor, at once unless
-    an executor or queued work still uses it."""
+    ``fmt`` is an aclFormat code (default ND). ``close()`` (or ``with``) is aclDestroyTensor,
+    at once unless an executor still uses it."""
 
     __slots__ = ("_core", "_array", "__weakref__")
-    RELEASE_API = "aclDestroyTensor"
 
     def __init__(self, array: DeviceArray, fmt: int | None = None) -> None:
         _args.instance("array", array, DeviceArray, "a DeviceArray")
@@ -111,12 +115,23 @@ class AclTensor(_lifetime.Owner):
         return aclnn.tensor_raw_addr(self.core().handle)
 
     def rebound(self, array: DeviceArray) -> None:
-        """Point the wrapper at ``array`` after CANN was told its new address (a plan's
-        rebind)."""
+        """Point the wrapper at ``array`` after CANN was told its new address (a plan's rebind)."""
         self._array = array
-        if self._core is not None:
-            self._core.whole = array.whole
 
+    def close(self) -> None:
+        """Drop this tensor's hold on the handle: destroyed at once unless an executor still
+        uses it; CANN's refusal is raised. Safe twice."""
+        core, self._core = self._core, None
+        if core is not None:
+            device, holder = core.device, core.holder
+            del core
+            device.release_if_gone(holder)
+
+    def __enter__(self) -> AclTensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         a = self._array

@@ -139,6 +139,17 @@ def isolated():
     return run_isolated
 
 
+@pytest.fixture(autouse=True)
+def _no_fault_outlives_a_test():
+    """A device fault is sticky until Device.reset(): a test that faults a device leaves it
+    faulted, and the next test gets it reset (its objects are dead by then anyway)."""
+    yield
+    if pyacl_moe.loaded_info() is not None:
+        for dev in pyacl_moe.device.open_devices():
+            if dev.fault is not None:
+                dev.reset()
+
+
 @pytest.fixture
 def device():
     """The binding's device 0."""
@@ -181,7 +192,10 @@ def lazy_streams():
     _needs_emulator()
     pyacl_moe.emulator.set_stream_mode("lazy")
     yield
-    pyacl_moe.Device(0).synchronize()
+    dev = pyacl_moe.Device(0)
+    if dev.fault is not None:
+        dev.reset()
+    dev.synchronize()
     pyacl_moe.emulator.set_stream_mode("async")
 
 

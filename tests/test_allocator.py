@@ -72,20 +72,33 @@ def test_a_block_in_use_is_never_handed_out(device, lazy_streams):
     s.close()
 
 
-def test_a_cached_block_whose_address_store_an_interrupt_skipped_still_has_its_address(device):
-    # An interrupt between aclrtMalloc and storing its result in the handle's .ptr leaves a
-    # handle that holds memory but says 0; cached and handed out again, it gave an array at
-    # address 0 (the long interrupt soak saw kernels write through a null pointer).
-    from pyacl_moe.allocator import allocate
+def test_an_interrupt_right_after_aclrtmalloc_loses_nothing_and_hands_out_no_unset_block(device, monkeypatch):
+    # An interrupt between aclrtMalloc and storing the address it gave: the block is owned
+    # before the call, so it is never lost (the next trim frees it) and never handed out with
+    # an address it does not have (the long interrupt soak once saw kernels write through a
+    # null pointer that way).
+    from pyacl_moe._cann import acl
 
-    first = allocate(device, 3000)
-    mem = first.block.mem
-    address = first.ptr
-    del first
-    mem.ptr = 0  # what the cut-short store leaves
-    again = allocate(device, 3000)
-    assert again.block.mem is mem and again.ptr == address != 0
+    pm.empty_cache()
+    before = pm.emulator.stats()["device_allocations"]
+    real = acl.malloc
+
+    def cut_short(mem, size):
+        real(mem, size)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(acl, "malloc", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        pm.empty((3001,), np.uint8)
+    monkeypatch.undo()
+    assert pm.emulator.stats()["device_allocations"] == before + 1
+    again = pm.empty((3001,), np.uint8)
+    assert again.address != 0 and pm.memory_stats()["array_bytes_in_use"] == 3072
+    again.fill(7)
+    assert (again.to_host() == 7).all()
     del again
+    pm.empty_cache()
+    assert pm.emulator.stats()["device_allocations"] == before and pm.memory_stats()["array_bytes_in_use"] == 0
 
 
 def test_to_device_on_a_stream_snapshots_the_array_at_call_time(device, lazy_streams):

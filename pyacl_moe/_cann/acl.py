@@ -1,45 +1,50 @@
 """Thin wrappers of acl.h and acl_rt.h: process set-up, devices and contexts, streams, events,
 memory and copies. One function per CANN call, every status checked.
 
-Device and host addresses cross this boundary as ints; streams, events, contexts and device
-memory as the handle objects below, which only this layer looks into. ``None`` stands for the
+Device and host addresses cross this boundary as ints; contexts and created objects as the
+:class:`Handle` objects below, which only this layer looks into. ``None`` stands for the
 default stream (CANN's NULL stream).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import declare, handles, loader
+from . import declare, loader
 from .errcheck import check, recent_message
 
 __all__ = [
-    "Context", "DeviceMemory", "EventHandle", "StreamHandle", "call_probe", "create_event", "create_stream",
-    "device_count", "event_elapsed_ms", "finalize",
-    "get_mem_info", "get_version", "has_version_str", "init", "malloc", "memcpy", "memcpy_async", "memset",
-    "memset_async",
-    "open_device", "query_event", "query_stream", "record_event", "reset_device", "soc_name", "synchronize_device",
-    "synchronize_event", "synchronize_stream", "stream_wait_event", "thread_state", "use_context", "version_str",
+    "BorrowedStreamHandle", "Context", "DeviceMemory", "EventHandle", "Handle", "HostMemory", "StreamHandle",
+    "call_probe", "interrupts_deferred", "create_event", "create_stream", "device_count", "event_elapsed_ms", "finalize", "forked",
+    "get_mem_info", "get_version", "has_version_str", "init", "malloc", "malloc_host", "memcpy_async",
+    "memset_async", "open_device", "query_event", "query_stream", "record_event", "reset_device", "soc_name",
+    "stream_wait_event", "synchronize_device", "synchronize_event", "synchronize_stream", "thread_state",
+    "use_context", "version_str",
 ]
 
 _ffi = declare.ffi
 _NULL = declare.NULL
 
+
 class _ThreadState(threading.local):
     context: Context | None = None  # the context this process last made current on the thread
 
 
-# The calling thread's current context, as far as this process set it. Read it (e.g. to skip a
-# call when the right context is already current); only use_context writes it.
+# The calling thread's current context, as far as this process set it: read it to skip a call
+# when the right context is already current; only use_context writes it.
 thread_state = _ThreadState()
 
-_initialized_here = [False]  # aclInit was called in this process (by anyone we saw)
+# Set once: aclInit was called in this process ([0]), this is a fork() child of such a
+# process ([1]). Each is one store of True, never cleared.
+_initialized = [False]
+_forked = [False]
 
-# Every Context opened, marked dead in a fork() child. ``_contexts_lock`` guards it.
+# Every Context opened, so that a fork() child can mark them dead. Guarded by _contexts_lock.
 _contexts: weakref.WeakSet[Context] = weakref.WeakSet()
 _contexts_lock = threading.Lock()
 
@@ -48,19 +53,24 @@ def _void(address: int) -> Any:
     return _ffi.cast(declare.ctype("void *"), address)
 
 
+def forked() -> bool:
+    """Whether this process is a fork() child of one that initialized CANN (which does not
+    survive fork: every object inherited is dead)."""
+    return _forked[0]
+
+
 # ---------------------------------------------------------------------------- acl.h
 
 def init() -> bool:
     """aclInit(NULL). True if this call initialized CANN, False if it already was (a framework
     in the same process called aclInit)."""
     st = loader.libs().acl.aclInit(_NULL)
-    _initialized_here[0] = True
     if st == declare.const("ACL_ERROR_REPEAT_INITIALIZE"):
         recent_message()  # consume it: not an error for us
+        _initialized[0] = True
         return False
-    if st:
-        _initialized_here[0] = False
     check(st, "aclInit")
+    _initialized[0] = True
     return True
 
 
@@ -87,8 +97,7 @@ def version_str(package: str) -> str | None:
         return None
     buf = _ffi.new(declare.ctype("char[]"), declare.const("ACL_PKG_VERSION_MAX_SIZE"))
     name = _ffi.new(declare.ctype("char[]"), package.encode())
-    st = loader.libs().acl.aclsysGetVersionStr(name, buf)
-    if st:
+    if loader.libs().acl.aclsysGetVersionStr(name, buf):
         recent_message()  # consume it: a package the install lacks is an answer, not an error
         return None
     return declare.text(buf) or None
@@ -114,41 +123,42 @@ def device_count() -> int:
 
 
 class Context:
-    """A device's default context (made by aclrtSetDevice). Threads switch to it with
-    aclrtSetCurrentContext, which leaves the device's reference count alone, so switching
-    devices any number of times costs no aclrtSetDevice. ``alive`` turns False when the device
-    is reset (or in a fork() child); a dead context is never made current again."""
+    """One opening of a device: its default context (made by aclrtSetDevice). Threads switch
+    to it with aclrtSetCurrentContext, which leaves the device's reference count alone.
+    ``open``: the device takes new work (the device layer clears it when it closes or resets);
+    ``alive``: its objects exist in CANN (False once the device is reset, or in a fork()
+    child). Each flag is one store of False, never set back."""
 
-    __slots__ = ("device_id", "_slot", "alive", "__weakref__")
+    __slots__ = ("device_id", "_slot", "alive", "open", "__weakref__")
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
         self._slot = _ffi.new(declare.ctype("aclrtContext *"))
-        self.alive = False
+        self.alive = self.open = False
 
 
 def open_device(device_id: int) -> Context:
-    """aclrtSetDevice on the calling thread (the device's one reference this process takes),
-    then its default context, now current on this thread."""
+    """aclrtSetDevice on the calling thread (the one reference this process takes), then its
+    default context, now current on this thread."""
     lib = loader.libs().acl
     ctx = Context(device_id)
     check(lib.aclrtSetDevice(device_id), "aclrtSetDevice")
-    ctx.alive = True
-    with _contexts_lock:
-        _contexts.add(ctx)
     try:
         check(lib.aclrtGetCurrentContext(ctx._slot), "aclrtGetCurrentContext")
     except BaseException:
-        ctx.alive = False
         lib.aclrtResetDevice(device_id)
         raise
+    ctx.alive = ctx.open = True
+    with _contexts_lock:
+        _contexts.add(ctx)
     thread_state.context = ctx
     return ctx
 
 
 def reset_device(ctx: Context) -> None:
-    """aclrtResetDevice for the reference open_device took; the context dies with it."""
-    ctx.alive = False
+    """aclrtResetDevice for the reference open_device took: the context and every object of
+    it die with it."""
+    ctx.open = ctx.alive = False
     if thread_state.context is ctx:
         thread_state.context = None
     check(loader.libs().acl.aclrtResetDevice(ctx.device_id), "aclrtResetDevice")
@@ -171,33 +181,59 @@ def get_mem_info(attr: str = "ACL_HBM_MEM") -> tuple[int, int]:
     return int(free[0]), int(total[0])
 
 
-class _ContextHandle(handles.Handle):
-    """A handle released under its device's context."""
+# ---------------------------------------------------------------------------- handles
 
-    __slots__ = ("context",)
+class Handle:
+    """A CANN object's handle. The C call that creates the object writes the handle's slot (an
+    out-parameter), so the object has an owner from the moment it exists. :meth:`release`
+    destroys it; the caller makes that exactly once (the device's inventory does). A handle of
+    a ``context`` dies with it: after its device's reset (or in a fork() child) there is
+    nothing left to release."""
 
-    def __init__(self, context: Context) -> None:
-        super().__init__()
+    __slots__ = ("_slot", "context", "__weakref__")
+    SLOT_TYPE = "void **"
+    LIBRARY, API = "acl", ""  # the library and the CANN function that releases it
+
+    def __init__(self, context: Context | None = None) -> None:
+        self._slot = _ffi.new(declare.ctype(self.SLOT_TYPE))
         self.context = context
 
-    def _prepare(self) -> bool:
-        ctx = self.context
-        if not ctx.alive:
-            return False  # the device's reset released it
-        use_context(ctx)
-        return True
+    @property
+    def address(self) -> int:
+        """The handle as an integer (0 when released or never created)."""
+        return int(_ffi.cast(declare.ctype("uintptr_t"), self._slot[0]))
+
+    def __bool__(self) -> bool:
+        return bool(self._slot[0] != _NULL)
+
+    def forget(self) -> None:
+        """Drop the handle without releasing it: CANN took it (a one-shot executor's launch)."""
+        self._slot[0] = _NULL
+
+    def release(self) -> int:
+        """Destroy the object; CANN's status. A handle CANN refused to release goes back in the
+        slot, so that a later call tries again; the slot is emptied with the call, interrupts
+        held back between the two (a handle destroyed and still in its slot would be used)."""
+        h, ctx = self._slot[0], self.context
+        if h == _NULL:
+            return 0
+        if _forked[0] or (ctx is not None and not ctx.alive):
+            self._slot[0] = _NULL  # gone with its device (or not this process's to touch)
+            return 0
+        if ctx is not None:
+            use_context(ctx)
+        fn = getattr(getattr(loader.libs(), self.LIBRARY), self.API)
+        with interrupts_deferred():
+            self._slot[0] = _NULL
+            status = int(fn(h))
+            if status:
+                self._slot[0] = h
+        return status
 
 
-# ---------------------------------------------------------------------------- streams
-
-class StreamHandle(_ContextHandle):
+class StreamHandle(Handle):
     __slots__ = ()
-    SLOT_TYPE = "aclrtStream *"
-    API = "aclrtDestroyStream"
-
-    def _release_function(self) -> Callable[[Any], int]:
-        fn: Callable[[Any], int] = loader.libs().acl.aclrtDestroyStream
-        return fn
+    SLOT_TYPE, API = "aclrtStream *", "aclrtDestroyStream"
 
 
 class BorrowedStreamHandle(StreamHandle):
@@ -208,16 +244,67 @@ class BorrowedStreamHandle(StreamHandle):
 
     def __init__(self, context: Context, address: int) -> None:
         super().__init__(context)
-        self._slot[0] = _ffi.cast(declare.ctype("void *"), address)
+        self._slot[0] = _void(address)
 
     def release(self) -> int:
         self.forget()  # its creator destroys it
         return 0
 
 
+class EventHandle(Handle):
+    __slots__ = ()
+    SLOT_TYPE, API = "aclrtEvent *", "aclrtDestroyEvent"
+
+
+class DeviceMemory(Handle):
+    """A device allocation (aclrtMalloc)."""
+
+    __slots__ = ()
+    API = "aclrtFree"
+
+
+class HostMemory(Handle):
+    """Pinned host memory (aclrtMallocHost), released under its device's context."""
+
+    __slots__ = ()
+    API = "aclrtFreeHost"
+
+
+class interrupts_deferred:
+    """Hold SIGINT's Python handler back across a C call whose outcome must be recorded with
+    it (a new handle stored, a destroyed or consumed one forgotten): a KeyboardInterrupt raised
+    between the two would lose the object, or leave a dead handle in use. Python runs signal
+    handlers on the main thread only, so elsewhere this does nothing; a SIGINT that arrived
+    meanwhile is handed to the handler on exit."""
+
+    __slots__ = ("saved", "hit")
+
+    def __enter__(self) -> None:
+        self.saved: Any = None
+        self.hit: tuple[int, Any] | None = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):  # (SIG_IGN, SIG_DFL: no Python code runs)
+            self.saved = handler
+            signal.signal(signal.SIGINT, self._held)
+
+    def _held(self, signum: int, frame: Any) -> None:
+        self.hit = (signum, frame)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is None:
+            return
+        signal.signal(signal.SIGINT, self.saved)
+        if self.hit is not None:
+            self.saved(*self.hit)
+
+
 def _stream(h: StreamHandle | None) -> Any:
     return _NULL if h is None else h._slot[0]
 
+
+# ---------------------------------------------------------------------------- streams
 
 def create_stream(h: StreamHandle) -> None:
     check(loader.libs().acl.aclrtCreateStream(h._slot), "aclrtCreateStream")
@@ -244,16 +331,6 @@ def stream_wait_event(event: EventHandle, h: StreamHandle | None) -> None:
 
 
 # ---------------------------------------------------------------------------- events
-
-class EventHandle(_ContextHandle):
-    __slots__ = ()
-    SLOT_TYPE = "aclrtEvent *"
-    API = "aclrtDestroyEvent"
-
-    def _release_function(self) -> Callable[[Any], int]:
-        fn: Callable[[Any], int] = loader.libs().acl.aclrtDestroyEvent
-        return fn
-
 
 def create_event(h: EventHandle) -> None:
     check(loader.libs().acl.aclrtCreateEvent(h._slot), "aclrtCreateEvent")
@@ -282,64 +359,21 @@ def event_elapsed_ms(start: EventHandle, end: EventHandle) -> float:
 
 # ---------------------------------------------------------------------------- memory
 
-class DeviceMemory(_ContextHandle):
-    """A device allocation (aclrtMalloc); ``ptr`` is its address as an int."""
-
-    __slots__ = ("ptr",)
-    API = "aclrtFree"
-
-    def __init__(self, context: Context) -> None:
-        super().__init__(context)
-        self.ptr = 0
-
-    def _release_function(self) -> Callable[[Any], int]:
-        fn: Callable[[Any], int] = loader.libs().acl.aclrtFree
-        return fn
-
-
-def malloc(mem: DeviceMemory, size: int) -> None:
-    """aclrtMalloc(size) into ``mem`` (huge pages first, CANN's default policy)."""
+def malloc(mem: DeviceMemory, size: int) -> int:
+    """aclrtMalloc(size) into ``mem`` (huge pages first, CANN's default policy); the address."""
     check(loader.libs().acl.aclrtMalloc(mem._slot, size, declare.const("ACL_MEM_MALLOC_HUGE_FIRST")), "aclrtMalloc")
-    mem.ptr = mem.address
+    return mem.address
 
 
-class HostMemory(_ContextHandle):
-    """Pinned host memory (aclrtMallocHost); ``ptr`` is its address as an int. Released under
-    its device's context, before the device is reset."""
-
-    __slots__ = ("ptr",)
-    API = "aclrtFreeHost"
-
-    def __init__(self, context: Context) -> None:
-        super().__init__(context)
-        self.ptr = 0
-
-    def _release_function(self) -> Callable[[Any], int]:
-        fn: Callable[[Any], int] = loader.libs().acl.aclrtFreeHost
-        return fn
-
-
-def malloc_host(mem: HostMemory, size: int) -> None:
-    """aclrtMallocHost(size) into ``mem``."""
+def malloc_host(mem: HostMemory, size: int) -> int:
+    """aclrtMallocHost(size) into ``mem``; the address."""
     check(loader.libs().acl.aclrtMallocHost(mem._slot, size), "aclrtMallocHost")
-    mem.ptr = mem.address
-
-
-def memcpy(dst: int, dst_max: int, src: int, count: int, kind: str) -> None:
-    """aclrtMemcpy; ``kind`` names an aclrtMemcpyKind (e.g. 'ACL_MEMCPY_HOST_TO_DEVICE')."""
-    check(loader.libs().acl.aclrtMemcpy(_void(dst), dst_max, _void(src), count, declare.const(kind)), "aclrtMemcpy")
+    return mem.address
 
 
 def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: str, stream: StreamHandle | None) -> None:
-    check(
-        loader.libs().acl.aclrtMemcpyAsync(_void(dst), dst_max, _void(src), count, declare.const(kind),
-                                           _stream(stream)),
-        "aclrtMemcpyAsync",
-    )
-
-
-def memset(ptr: int, max_count: int, value: int, count: int) -> None:
-    check(loader.libs().acl.aclrtMemset(_void(ptr), max_count, value, count), "aclrtMemset")
+    check(loader.libs().acl.aclrtMemcpyAsync(_void(dst), dst_max, _void(src), count, declare.const(kind),
+                                             _stream(stream)), "aclrtMemcpyAsync")
 
 
 def memset_async(ptr: int, max_count: int, value: int, count: int, stream: StreamHandle | None) -> None:
@@ -350,15 +384,17 @@ def memset_async(ptr: int, max_count: int, value: int, count: int, stream: Strea
 # ---------------------------------------------------------------------------- fork
 
 def _after_fork_in_child() -> None:
-    # CANN does not survive fork: if this process initialized it, every handle and context the
-    # child inherits is dead, and no call of the child may reach them.
+    # CANN does not survive fork: if this process initialized it, every context the child
+    # inherits is dead, and no call of the child may reach its objects. The runtime above
+    # checks a context's ``open`` before it takes any lock, so the child never waits on a lock
+    # a parent thread held at fork; this is the one at-fork hook of the package.
     global _contexts_lock
     _contexts_lock = threading.Lock()  # a parent thread may have held it
-    if _initialized_here[0]:
-        handles.mark_process_forked()
-        for ctx in list(_contexts):
-            ctx.alive = False
     thread_state.__dict__.clear()
+    if _initialized[0]:
+        _forked[0] = True
+        for ctx in list(_contexts):
+            ctx.open = ctx.alive = False
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

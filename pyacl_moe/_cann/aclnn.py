@@ -12,14 +12,13 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import declare, handles, loader
-from .acl import StreamHandle
+from . import declare, loader
+from .acl import Handle, StreamHandle, interrupts_deferred
 from .errcheck import check, null_result
 
 __all__ = [
-    "ExecutorHandle", "TensorDesc", "TensorHandle", "bound_call", "bound_launch", "create_tensor",
-    "destroy_status", "get_workspace_size", "launch", "set_input_addr", "set_output_addr", "set_repeatable",
-    "tensor_data_type",
+    "ExecutorHandle", "TensorDesc", "TensorHandle", "bound_launch", "create_tensor", "get_workspace_size",
+    "launch", "set_input_addr", "set_output_addr", "set_repeatable", "tensor_data_type",
     "tensor_format", "tensor_raw_addr", "tensor_storage_shape", "tensor_view_offset", "tensor_view_shape",
     "tensor_view_strides",
 ]
@@ -55,20 +54,15 @@ class TensorDesc:
         self.sndim = len(storage_shape)
 
 
-class TensorHandle(handles.Handle):
+class TensorHandle(Handle):
     __slots__ = ()
-    SLOT_TYPE = "aclTensor **"
-    API = "aclDestroyTensor"
-
-    def _release_function(self) -> Callable[[Any], int]:
-        fn: Callable[[Any], int] = loader.libs().nn.aclDestroyTensor
-        return fn
+    SLOT_TYPE, LIBRARY, API = "aclTensor **", "nn", "aclDestroyTensor"
 
 
 def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> None:
     """aclCreateTensor over device memory at ``addr`` into ``h`` (``fmt``: an aclFormat)."""
     fn = loader.libs().nn.aclCreateTensor
-    with handles.interrupts_deferred():  # the pointer it returns is stored before anything is raised
+    with interrupts_deferred():  # the pointer it returns is stored before anything is raised
         h._slot[0] = fn(desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset, fmt, desc.sdims, desc.sndim,
                         _void(addr))
     if not h:
@@ -132,14 +126,9 @@ def tensor_raw_addr(h: TensorHandle) -> int:
 
 # ---------------------------------------------------------------------------- executors
 
-class ExecutorHandle(handles.Handle):
+class ExecutorHandle(Handle):
     __slots__ = ()
-    SLOT_TYPE = "aclOpExecutor **"
-    API = "aclDestroyAclOpExecutor"
-
-    def _release_function(self) -> Callable[[Any], int]:
-        fn: Callable[[Any], int] = loader.libs().nn.aclDestroyAclOpExecutor
-        return fn
+    SLOT_TYPE, LIBRARY, API = "aclOpExecutor **", "nn", "aclDestroyAclOpExecutor"
 
 
 def set_repeatable(ex: ExecutorHandle) -> None:
@@ -154,11 +143,6 @@ def set_input_addr(ex: ExecutorHandle, index: int, tensor: TensorHandle, addr: i
 def set_output_addr(ex: ExecutorHandle, index: int, tensor: TensorHandle, addr: int) -> None:
     check(loader.libs().nn.aclSetOutputTensorAddr(ex._slot[0], index, tensor._slot[0], _void(addr)),
           "aclSetOutputTensorAddr")
-
-
-def destroy_status(h: handles.Handle) -> None:
-    """Release ``h`` now and raise CANN's failure, if any (an explicit close)."""
-    check(h.release(), h.API)
 
 
 # ---------------------------------------------------------------------------- an operator's two phases
@@ -179,24 +163,23 @@ def launch(api: str, workspace: int, size: int, executor: ExecutorHandle, stream
     """``<api>(workspace, size, executor, stream)``: queue the kernel. With ``consumes`` (a
     one-shot executor) the executor is CANN's from this call on, whatever it returns: nnopbase
     recycles a one-shot executor once past its argument checks (null executor, a null
-    workspace for a non-zero size, a size below the executor's), which the caller has made."""
+    workspace for a non-zero size, a size below the executor's), which the caller has made.
+    The handle is forgotten with the call, interrupts held back between the two."""
     fn = getattr(loader.libs().op, api)
     ws, st, ex = _void(workspace), _stream(stream), executor._slot[0]
-    if consumes:
-        executor.forget()  # CANN's from the call on, whatever it returns (the caller holds the executor's lock)
-    check(fn(ws, size, ex, st), api)
-
-
-def bound_call(api: str, workspace: int, size: int, executor: ExecutorHandle,
-               stream: StreamHandle | None) -> tuple[Callable[..., int], tuple[Any, ...]]:
-    """The second phase's function and its converted arguments: ``fn(*args)`` is one foreign
-    call that returns the raw status (the caller checks it, and keeps the executor, stream
-    and workspace alive as long as it may make the call)."""
-    return getattr(loader.libs().op, api), (_void(workspace), size, executor._slot[0], _stream(stream))
+    if not consumes:
+        check(fn(ws, size, ex, st), api)
+        return
+    with interrupts_deferred():
+        status = fn(ws, size, ex, st)
+        executor.forget()
+    check(status, api)
 
 
 def bound_launch(api: str, workspace: int, size: int, executor: ExecutorHandle,
                  stream: StreamHandle | None) -> Callable[[], int]:
-    """:func:`bound_call` as one callable of no arguments."""
-    fn, args = bound_call(api, workspace, size, executor, stream)
-    return functools.partial(fn, *args)
+    """The second phase with every argument bound: calling it is one foreign call that returns
+    the raw status (the caller checks it, and keeps the executor, stream and workspace alive
+    as long as it may make the call)."""
+    fn = getattr(loader.libs().op, api)
+    return functools.partial(fn, _void(workspace), size, executor._slot[0], _stream(stream))

@@ -2,84 +2,80 @@
 
 :func:`build` runs the first phase (``<api>GetWorkspaceSize``) and returns an
 :class:`ExecutorCore`; :func:`launch` runs the second (``<api>``) on a stream, holding what the
-kernel uses on the stream's ledger until it has run. A one-shot executor is CANN's from its
-launch on. :class:`Executor` is the public face of a core, for callers who drive the two
-phases themselves.
+kernel uses there until it has run. A one-shot executor is CANN's from its launch on.
+:class:`Executor` is the public face of a core, for callers who drive the two phases
+themselves. An executor is destroyed once nothing holds its core (its Executor, a plan, a
+stream's cache); launches already queued captured what they need.
 
 Lock order: an executor's lock, then a stream's lock.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import _args, _lifetime
-from .._cann import aclnn
-from ..array import Allocation, DeviceArray
-from ..device import Device, current_device
+from .._cann import acl, aclnn
+from ..array import DeviceArray
+from ..device import EXECUTORS, Allocation, Device, Holder, current_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
-from ..stream import Stream, StreamState, check_written, resolve_stream
+from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
 __all__ = ["Executor", "ExecutorCore", "build", "check_output_layout", "checked_workspace", "device_of", "execute",
-           "launch", "mark_uses", "output_tracks"]
+           "first_phase", "launch", "written"]
 
 
 class ExecutorCore:
-    """An aclOpExecutor and what it was built from. ``lock`` serializes its uses (a launch,
-    setting addresses, making it repeatable); its handle is empty once a one-shot launch
+    """An aclOpExecutor and what it was built from: what an Executor, a plan or a stream's
+    cache holds. Its holder's lock serializes the uses of the handle (a launch, setting
+    addresses, making it repeatable, the release); the handle is empty once a one-shot launch
     consumed it. The tensor cores stay alive as long as the executor does."""
 
-    __slots__ = ("spec", "device", "handle", "token", "tensors", "workspace_size", "repeatable", "lock",
-                 "__weakref__")
+    __slots__ = ("spec", "device", "holder", "tensors", "workspace_size", "repeatable", "__weakref__")
 
     def __init__(self, spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None]) -> None:
-        self.spec = spec
-        self.device = device
-        self.tensors = dict(tensors)
-        self.workspace_size = 0
-        self.repeatable = False
-        self.lock = threading.Lock()
-        self.handle = aclnn.ExecutorHandle()
-        self.token = _lifetime.track(self, self.handle)
+        self.spec, self.device, self.tensors = spec, device, dict(tensors)
+        self.workspace_size, self.repeatable = 0, False
+        self.holder = Holder(aclnn.ExecutorHandle(), EXECUTORS)
+        device.own(self.holder, self)
+
+    @property
+    def handle(self) -> aclnn.ExecutorHandle:
+        return self.holder.handle  # type: ignore[return-value]
 
     def check_live(self) -> None:
-        if not self.handle:
+        if not self.holder.handle:
             raise ClosedError("executor", "it was destroyed, or a launch consumed it (one-shot executors run once)")
         self.device.check_open()
 
     def set_repeatable(self) -> None:
-        with self.lock:
+        with self.holder.lock:
             self.check_live()
-            self.device.activate()
             aclnn.set_repeatable(self.handle)
             self.repeatable = True
 
     def destroy(self) -> int:
-        """aclDestroyAclOpExecutor now (after any launch in progress on another thread).
-        Launches already queued are unaffected: a launch captures what it needs."""
-        with self.lock:
-            return _lifetime.release(self.token)
+        """aclDestroyAclOpExecutor now (after a launch in progress on another thread); the
+        status. Launches already queued are unaffected."""
+        return self.device.release(self.holder)
 
     def set_address(self, name: str, tensor: TensorCore, address: int) -> None:
         """Point the executor's tensor ``name`` at ``address`` (the storage base CANN keeps)."""
         kind, index = self.spec.slot(name)
-        with self.lock:
+        setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
+        with self.holder.lock:
             self.check_live()
-            if kind == "input":
-                aclnn.set_input_addr(self.handle, index, tensor.handle, address)
-            else:
-                aclnn.set_output_addr(self.handle, index, tensor.handle, address)
+            setter(self.handle, index, tensor.handle, address)
 
 
 def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None],
           attrs: Mapping[str, Any]) -> ExecutorCore:
-    """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (None or absent: a null pointer) and
-    ``attrs``, which the caller has checked for their C types."""
+    """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (None or absent: a null
+    pointer) and ``attrs``, which the caller has checked for their C types."""
     device.activate()
     core = ExecutorCore(spec, device, tensors)
     args = [attrs[p.name] if p.kind == "attr" else (t.handle if (t := tensors.get(p.name)) is not None else None)
@@ -93,16 +89,15 @@ def first_phase(spec: OpSpec, given: Mapping[str, AclTensor | DeviceArray | None
     """An op's ``get_workspace_size`` on what the caller gave (AclTensors, DeviceArrays wrapped
     in aclTensors the executor keeps, or None for a null pointer): (workspace bytes,
     executor). The device is ``device``, else the first tensor's, else the current one."""
-    owned: list[AclTensor] = []
     tensors: dict[str, AclTensor | None] = {}
     for name, value in given.items():
         if isinstance(value, DeviceArray):
             value = AclTensor(value)
-            owned.append(value)
         elif value is not None and not isinstance(value, AclTensor):
             raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
         tensors[name] = value
     dev = device_of({n: t.array for n, t in tensors.items() if t is not None}, device)
+    _lifetime.collect()
     core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
     return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
 
@@ -151,64 +146,48 @@ def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> A
     return alloc
 
 
-def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, hold: tuple[Any, ...],
-           writes: Sequence[Any]) -> None:
-    """The second phase on ``state``'s stream. ``hold`` is what the kernel reads and writes
-    (allocations, the workspace), kept on the stream until the kernel has run; ``writes`` are
-    the tracks of the outputs. The executor and its aclTensors are not held: a launch captures
-    what it needs (CANN frees a one-shot executor as soon as it is launched)."""
-    for name, t in core.tensors.items():
-        if t is not None and t.alloc is not None and name not in core.spec.outputs:
-            check_written(t.alloc.track, waiting=False)  # a faulted input would hand its garbage on
-    with core.lock:
+def written(allocs: Sequence[Allocation | None], state: StreamState) -> None:
+    """Queued work on ``state`` writes ``allocs`` (the stream's lock held; a loop under a lock
+    is a function of its own: ARCHITECTURE.md)."""
+    for a in allocs:
+        if a is not None:
+            a.writer = state
+
+
+def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, hold: Any,
+           outputs: Sequence[Allocation | None]) -> None:
+    """The second phase on ``state``'s stream, keeping ``hold`` (what the kernel reads and
+    writes, the workspace) there until the kernel has run; ``outputs`` are what it writes."""
+    state.device.check()
+    with core.holder.lock:
         core.check_live()
-        consumes = not core.repeatable
         with state.lock:
             state.check_open()
-            state.device.activate()
-            state.ledger.hold(hold)
-            aclnn.launch(core.spec.api, workspace, size, core.handle, state.handle, consumes)
-            state.stamp(writes)
-            done = state.ledger.after_enqueue()
+            acl.use_context(state.ctx)
+            state.hold(hold)
+            written(outputs, state)
+            aclnn.launch(core.spec.api, workspace, size, core.handle, state.handle, not core.repeatable)
+            done = state.fenced()
     del done
-    _lifetime.collect()
 
 
-def _allocations(core: ExecutorCore) -> tuple[Allocation, ...]:
-    return tuple(t.alloc for t in core.tensors.values() if t is not None and t.alloc is not None)
-
-
-def output_tracks(core: ExecutorCore) -> tuple[tuple[Any, bool], ...]:
-    """(Track, whole) of the memory the executor's outputs point at (StreamState.stamp)."""
-    return tuple((t.alloc.track, t.whole) for n, t in core.tensors.items()
-                 if t is not None and t.alloc is not None and n in core.spec.outputs)
-
-
-def mark_uses(core: ExecutorCore, state: StreamState) -> None:
-    """Record that work on ``state`` reads the inputs and writes the outputs."""
-    for name, t in core.tensors.items():
-        if t is not None and t.alloc is not None:
-            t.alloc.used_on(state, write=name in core.spec.outputs)
-
-
-class Executor(_lifetime.Owner):
+class Executor:
     """An aclOpExecutor from the first phase.
 
     A one-shot executor is consumed by its launch (CANN frees it); call
     :meth:`set_repeatable` before launching to reuse it, and :meth:`close` to destroy it
-    (aclDestroyAclOpExecutor, unless a launch consumed it). It keeps the aclTensors it was
-    built from alive until it is consumed or closed.
+    (aclDestroyAclOpExecutor, unless a launch consumed it or a plan still uses it). It keeps
+    the aclTensors it was built from alive until it is consumed or closed.
     """
 
     __slots__ = ("_core", "_tensors", "__weakref__")
-    RELEASE_API = "aclDestroyAclOpExecutor"
 
     def __init__(self, core: ExecutorCore, tensors: tuple[AclTensor, ...]) -> None:
         self._core: ExecutorCore | None = core
         self._tensors = tensors
 
     def core(self) -> ExecutorCore:
-        """The executor's owner, checked live (for pyacl_moe's own layers)."""
+        """The executor's core, checked live (for pyacl_moe's own layers)."""
         c = self._core
         if c is None:
             raise ClosedError("executor", "it was closed")
@@ -263,8 +242,7 @@ class Executor(_lifetime.Owner):
             raise InvalidArgument("index", f"{kind} {i} ({names[i]}) was passed as a null pointer to the first "
                                            "phase: it has no address to set")
         t = _args.instance("tensor", tensor, AclTensor, "an AclTensor")
-        addr = _args.integer("address", address, 0, 2**64 - 1)
-        core.set_address(names[i], t.core(), addr)
+        core.set_address(names[i], t.core(), _args.integer("address", address, 0, 2**64 - 1))
 
     def set_input_addr(self, index: int, tensor: AclTensor, address: int) -> None:
         """aclSetInputTensorAddr: the storage base of input ``index`` (the operator's order)."""
@@ -276,8 +254,20 @@ class Executor(_lifetime.Owner):
         address to set)."""
         self._set_address("output", index, tensor, address)
 
-    def _dropped(self) -> None:
-        self._tensors = ()
+    def close(self) -> None:
+        """Destroy the executor, at once unless a plan still uses it (then when it lets go);
+        CANN's refusal is raised (the device tries again later). Safe twice."""
+        core, self._core, self._tensors = self._core, None, ()
+        if core is not None:
+            device, holder = core.device, core.holder
+            del core
+            device.release_if_gone(holder)
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         c = self._core
@@ -293,8 +283,7 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
     Refused on the host, since CANN would return without recycling a one-shot executor: a
     workspace_size below the executor's, and a missing (or too small) workspace for a
     non-zero size."""
-    ex = _args.instance("executor", executor, Executor, "an Executor")
-    core = ex.core()
+    core = _args.instance("executor", executor, Executor, "an Executor").core()
     size = _args.uint64("workspace_size", workspace_size)
     if size < core.workspace_size:
         raise InvalidArgument("workspace_size",
@@ -303,12 +292,11 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
     if isinstance(workspace, DeviceArray):
         ws_alloc = checked_workspace(workspace, size, core.device, "executor")
         ws = workspace.address
-    elif workspace is None:
-        ws = 0
     else:
-        ws = _args.integer("workspace", workspace, 0, 2**64 - 1)
+        ws = 0 if workspace is None else _args.integer("workspace", workspace, 0, 2**64 - 1)
     if size and not ws:
         raise InvalidArgument("workspace", f"is missing but workspace_size is {size}: pass device memory of that size")
     state = resolve_stream(stream, core.device)
-    mark_uses(core, state)
-    launch(core, state, ws, size, (ws_alloc, *_allocations(core)), output_tracks(core))
+    allocs = tuple(t.alloc for t in core.tensors.values() if t is not None)
+    outs = [t.alloc for n, t in core.tensors.items() if t is not None and n in core.spec.outputs]
+    launch(core, state, ws, size, (ws_alloc, allocs), outs)

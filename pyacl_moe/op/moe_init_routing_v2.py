@@ -159,7 +159,6 @@ class MoeInitRoutingV2(Plan):
         repeatable: bool = True,
         validate: bool = True,
     ) -> None:
-        self._closed = True  # until prepared
         validate = _args.boolean("validate", validate)
         attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                        expert_tokens_before_capacity_flag)
@@ -184,18 +183,18 @@ class MoeInitRoutingV2(Plan):
         self._validate = validate
         self._prepare(dev, arrays, attrs, _args.boolean("repeatable", repeatable))
 
-    def _result(self) -> RoutingResult:
-        a = self._arrays
-        return RoutingResult(*(a.get(n) for n in _OUTPUTS))
+    @staticmethod
+    def _result_of(arrays: Mapping[str, DeviceArray]) -> RoutingResult:
+        return RoutingResult(*(arrays.get(n) for n in _OUTPUTS))
 
     @property
     def outputs(self) -> RoutingResult:
         """The output arrays the plan writes (after a rebind, the new ones)."""
-        return self._result()
+        return self._result_of(self._c.arrays)
 
     def __repr__(self) -> str:
-        a = self._arrays
-        state = "closed" if self._closed else "repeatable" if self._repeatable else "one-shot"
+        a = self._c.arrays
+        state = "closed" if self.closed else "repeatable" if self._repeatable else "one-shot"
         return f"<MoeInitRoutingV2 x={a['x'].shape} expert_idx={a['expert_idx'].shape} {state}>"
 
     def rebind(self, x: DeviceArray | None = None, expert_idx: DeviceArray | None = None, *,

@@ -122,7 +122,6 @@ class MoeInitRoutingV2Grad(Plan):
         repeatable: bool = True,
         validate: bool = True,
     ) -> None:
-        self._closed = True  # until prepared
         validate = _args.boolean("validate", validate)
         arrays = {
             "grad_expanded_x": _args.instance("grad_expanded_x", grad_expanded_x, DeviceArray, "a DeviceArray"),
@@ -151,14 +150,15 @@ class MoeInitRoutingV2Grad(Plan):
     @property
     def out(self) -> DeviceArray:
         """The output array the plan writes (after a rebind, the new one)."""
-        return self._arrays["out"]
+        return self._c.arrays["out"]
 
-    def _result(self) -> DeviceArray:
-        return self._arrays["out"]
+    @staticmethod
+    def _result_of(arrays: Mapping[str, DeviceArray]) -> DeviceArray:
+        return arrays["out"]
 
     def __repr__(self) -> str:
-        a = self._arrays
-        state = "closed" if self._closed else "repeatable" if self._repeatable else "one-shot"
+        a = self._c.arrays
+        state = "closed" if self.closed else "repeatable" if self._repeatable else "one-shot"
         return (f"<MoeInitRoutingV2Grad x={a['grad_expanded_x'].shape} idx={a['expanded_row_idx'].shape} "
                 f"out={a['out'].shape} {state}>")
 

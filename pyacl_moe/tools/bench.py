@@ -36,10 +36,9 @@ from .. import emulator, reference
 from .._cann import acl
 from .._cann.loader import EMULATOR, library_info
 from ..array import empty, to_device
-from ..device import current_device
+from ..device import current_device, empty_cache, memory_stats
 from ..op.moe_init_routing_v2 import MoeInitRoutingV2, execute, get_workspace_size, moe_init_routing_v2
 from ..op.moe_init_routing_v2_grad import MoeInitRoutingV2Grad, moe_init_routing_v2_grad
-from ..pool import empty_cache, memory_stats
 from ..stream import Event, Stream
 from .cases import DTYPES, Case, make_case, random_values
 
