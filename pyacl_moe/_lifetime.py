@@ -18,6 +18,8 @@ import threading
 import weakref
 from typing import Any
 
+from ._cann.acl import forked
+
 __all__ = ["Token", "collect", "retry", "track"]
 
 
@@ -50,8 +52,8 @@ def retry(token: Token) -> None:
 def collect() -> None:
     """The safe point: hand every dead owner's token to its device. Never waits for queued
     work; never called with a lock of the runtime held (lock order: this one first)."""
-    if _dead:  # (a deque's length: a token appended meanwhile waits for the next safe point)
-        with _lock:
+    if _dead and not forked():  # (a deque's length: one appended meanwhile waits for the next safe point;
+        with _lock:  # in a fork() child nothing inherited is released, and a parent thread may hold the lock)
             _drain()
 
 

@@ -498,21 +498,22 @@ def _given(stream: Stream | None, device: Device) -> StreamState | None:
 
 def _host_access(alloc: Allocation, state: StreamState | None) -> StreamState:
     """The stream a host access of ``alloc`` is queued on: ``state``, else the memory's last
-    writer (else the default stream). A writer that is another stream is waited for on the
-    host first (a read on an event-ordered stream would never learn of its fault); memory
-    whose writer cannot be known (borrowed), the whole device."""
+    writer when that is the default stream, else the default stream. A writer that is another
+    stream is waited for on the host first (even while another thread closes it: its close may
+    not have run the write yet; a read on an event-ordered stream would never learn of its
+    fault); memory whose writer cannot be known (borrowed), the whole device."""
     dev, w = alloc.device, alloc.writer
+    on = state if state is not None else dev.default_stream.state
     if w is None:
         if alloc.owner is not None:  # borrowed: whoever wrote it, a device-wide wait covers it
             dev.check()
             dev.wait_all("a host access of borrowed memory")
-        return state if state is not None else dev.default_stream.state
-    if w is not state and (state is not None or w.closing):
+    elif w is not on:
         dev.check()
         w.synchronize(closing=True)
         if w.after_events:
             dev.wait_all(f"a read of what {w!r} wrote")
-    return state if state is not None else (w if not w.closing else dev.default_stream.state)
+    return on
 
 
 def wait_for(state: StreamState) -> None:

@@ -166,9 +166,10 @@ class Device:
             raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {self._id}")
         ctx = acl.open_device(self._id)
         # ``lock`` also guards _blocks, _idle, _counts and fault (fault: one store, read without
-        # it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns.
+        # it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns;
+        # ``free_lock`` across every aclrtFree(Host), so that a block is freed once.
         self._owned: dict[Any, _lifetime.Token | None]  # holder -> token (None: no owner to wait for)
-        self.sync_lock = threading.Lock()
+        self.sync_lock, self.free_lock = threading.Lock(), threading.Lock()
         self.fault: tuple[int, str, str, str] | None = None  # (status, api, message, which wait learned it)
         self._blocks: dict[Block, None] = {}  # every block made and not yet freed
         self._idle: dict[tuple[bool, int], list[Block]] = {}  # (pinned, size) -> idle blocks, newest last
@@ -403,23 +404,20 @@ class Device:
     def _free(self, block: Block) -> None:
         """aclrtFree (or aclrtFreeHost) of a block no one uses. One CANN refuses stays a stray
         (no token, not idle): the next trim, or the device's close, tries it again."""
-        if not block.handle.release():
-            with self.lock:
-                self._blocks.pop(block, None)
+        with self.free_lock:
+            _freed([block], self)
 
     def trim(self) -> list[BaseException]:
         """Free the idle blocks (and strays an interrupt left); the errors CANN reported."""
-        with self.lock:
-            blocks = self._unused()
-        errors = []
-        for block in blocks:
-            status = block.handle.release()
-            if status:
-                errors.append(error_for(status, block.handle.API, ""))
-                continue
+        with self.free_lock:
             with self.lock:
-                self._blocks.pop(block, None)
-        return errors
+                blocks = self._unused()
+            return _freed(blocks, self)
+
+    def forget_block(self, block: Block) -> None:
+        """A block was freed."""
+        with self.lock:
+            self._blocks.pop(block, None)
 
     def _unused(self) -> list[Block]:
         # (lock held; a loop under a lock is a function of its own)
@@ -458,6 +456,7 @@ class Device:
         return out
 
     def count_workspace(self) -> None:
+        """A stream took or grew its workspace (memory_stats' workspace_takes)."""
         with self.lock:
             self._counts["workspace_takes"] += 1
 
@@ -547,10 +546,10 @@ class Device:
                     check(self.release(holder), holder.API)
                 except AclError as exc:
                     errors.append(exc)
-        with self.lock:
-            blocks = list(self._blocks)
-        for block in blocks:
-            self._free(block)
+        with self.free_lock:
+            with self.lock:
+                blocks = list(self._blocks)
+            errors += _freed(blocks, self)
         if ctx.alive:
             try:
                 acl.reset_device(ctx)
@@ -578,6 +577,20 @@ class Device:
             _tls.device = None  # the next call without a device picks device 0 again
         else:
             previous.activate()
+
+
+def _freed(blocks: list[Block], device: Device) -> list[BaseException]:
+    # (the device's free_lock held, so each handle is released once; a loop under a lock is a
+    # function of its own: ARCHITECTURE.md) The errors CANN reported.
+    errors: list[BaseException] = []
+    for block in blocks:
+        try:
+            check(block.handle.release(), block.handle.API)
+        except AclError as exc:
+            errors.append(exc)
+            continue
+        device.forget_block(block)
+    return errors
 
 
 def _rounded(nbytes: int) -> int:

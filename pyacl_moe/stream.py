@@ -162,9 +162,8 @@ class StreamState:
                 self.events.append(h)  # owned before it exists
                 acl.create_event(h)
                 self.spare.append(h)
-            h = self.spare.pop()
-            acl.record_event(h, self.handle)
-            self.fences.append((self.point, h))
+            acl.record_event(self.spare[-1], self.handle)
+            self.fences.append((self.point, self.spare.pop()))
         except AclError:
             return
 
@@ -325,10 +324,14 @@ class StreamState:
         return status
 
     def dropped(self) -> int:
-        """The Stream is gone (a safe point): destroyed once its work has run, never waited for."""
+        """The Stream is gone (a safe point): destroyed once its work has run, never waited for
+        (a query that fails is a status: asked again at a later safe point)."""
         with self.lock:
             self.closing = True
-            idle = not self._live() or _idle(self)
+            try:
+                idle = not self._live() or _idle(self)
+            except AclError as exc:
+                return exc.status
         return self.release() if idle else NOT_YET
 
 

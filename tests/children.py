@@ -209,11 +209,14 @@ def child_a_stream_dropped_while_its_device_closes():
     for _ in range(5):  # each output dropped at once: an idle block that queued work still writes
         pm.moe_init_routing_v2_grad(x, idx, 1, stream=streams[0])
 
-    def drop_the_stream(device):
+    real_wait = Device.wait_all
+
+    def drop_the_stream_first(device, where):  # the close has refused new work, not yet waited
         streams.clear()
         gc.collect()
         _lifetime.collect()
+        return real_wait(device, where)
 
-    Device.close_hooks.insert(0, drop_the_stream)
+    Device.wait_all = drop_the_stream_first
     dev.close()
     print("closed cleanly")

@@ -52,9 +52,11 @@ def main() -> None:
     os.environ.setdefault("PYACL_MOE_EMULATOR", "1")
     import pyacl_moe as pm
 
-    pm.Device(0)
+    dev = pm.Device(0)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     while True:
+        if dev.fault is not None:  # a case that faulted the device: sticky until a reset
+            dev.reset()
         req = _read(inp)
         if req is None:
             return

@@ -243,11 +243,11 @@ def test_reading_back_waits_for_the_last_writer(device, lazy_streams, no_leaks):
         del arr, x, idx, out
 
 
-def test_reading_back_reports_a_fault_of_the_work_that_wrote_the_array(device, no_leaks):
+def test_reading_back_reports_a_fault_of_the_work_that_wrote_the_array(device):
     # The kernel faults (an index past the rows, unchecked with validate=False); by the time
     # the array is read back the device is idle, and a query would say so without the fault:
-    # the read back synchronizes the writer's stream, so the fault is reported here, and on
-    # every read of the array; a synchronize does not raise it again.
+    # the read back waits for the writer's stream, so the fault is reported here, and on every
+    # later read, launch and wait of the device until it is reset.
     x = pm.to_device(np.ones((8, 4), np.float32))
     bad = pm.to_device(np.full(8, 99, np.int32))
     out = pm.moe_init_routing_v2_grad(x, bad, 2, validate=False)
@@ -259,9 +259,12 @@ def test_reading_back_reports_a_fault_of_the_work_that_wrote_the_array(device, n
     assert info.value.status == 507015
     with pytest.raises(pm.AclRuntimeError, match="507015"):
         out.to_host()
-    out2 = pm.moe_init_routing_v2_grad(x, pm.to_device(np.arange(8, dtype=np.int32)), 2)
+    with pytest.raises(pm.AclRuntimeError, match="507015"):
+        pm.moe_init_routing_v2_grad(x, pm.to_device(np.arange(8, dtype=np.int32)), 2)
+    device.reset()
+    ones, ids = pm.to_device(np.ones((8, 4), np.float32)), pm.to_device(np.arange(8, dtype=np.int32))
+    out2 = pm.moe_init_routing_v2_grad(ones, ids, 2)
     assert np.array_equal(out2.to_host(), np.full((4, 4), 2.0, np.float32))  # the next one is clean
-    device.synchronize()
 
 
 def test_a_host_write_waits_for_queued_work_that_reads_the_array(device, lazy_streams):
@@ -274,7 +277,8 @@ def test_a_host_write_waits_for_queued_work_that_reads_the_array(device, lazy_st
         assert np.array_equal(out.to_host(s), expected)
         with closing(pm.Stream(device)) as t:
             out2 = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
-            x.copy_from_host(case.grad_expanded_x, stream=t)  # on another stream: ordered by an event
+            t.wait_event(s.record())  # on another stream: the caller orders it, as in CUDA
+            x.copy_from_host(case.grad_expanded_x, stream=t)
             assert np.array_equal(out2.to_host(s), np.zeros_like(expected))
             t.synchronize()
         assert np.array_equal(x.to_host(), case.grad_expanded_x)

@@ -446,16 +446,17 @@ def test_selecting_or_building_the_emulator_with_a_malformed_variable_raises_fir
 def child_a_kernel_reading_another_devices_memory() -> None:
     pm.use_emulator()
     d0, d1 = pm.Device(0), pm.Device(1)
-    s1 = d1.default_stream
     x = np.arange(32, dtype=np.float32).reshape(8, 4)
     ids = pm.routing.random_top_k(8, 2, 4, seed=0)
     elsewhere = pm.to_device(x + 100, stream=d0.default_stream)
     d0.synchronize()
-    fwd = pm.MoeInitRoutingV2(pm.to_device(x, stream=s1), pm.to_device(ids, stream=s1))
-    bwd = pm.MoeInitRoutingV2Grad(pm.to_device(np.ones((16, 4), np.float32), stream=s1),
-                                  pm.to_device(np.arange(16, dtype=np.int32), stream=s1), 2)
-    d1.synchronize()  # the inputs are written: a fault later is no fault of their copies
-    for plan in (fwd, bwd):
+    plans = (lambda s1: pm.MoeInitRoutingV2(pm.to_device(x, stream=s1), pm.to_device(ids, stream=s1)),
+             lambda s1: pm.MoeInitRoutingV2Grad(pm.to_device(np.ones((16, 4), np.float32), stream=s1),
+                                                pm.to_device(np.arange(16, dtype=np.int32), stream=s1), 2))
+    for make in plans:
+        s1 = d1.default_stream
+        plan = make(s1)
+        d1.synchronize()  # the inputs are written: a fault later is no fault of their copies
         ex = plan.executor
         ex.set_input_addr(0, ex.tensors[0], elsewhere.address)
         plan(s1)
@@ -465,6 +466,7 @@ def child_a_kernel_reading_another_devices_memory() -> None:
         except pm.AclRuntimeError as e:
             print(e.status, "memory of device 0" in str(e))
         plan.close()
+        d1.reset()  # the fault is the device's until then
     print(pm.emulator.stats()["device_faults"])
 
 

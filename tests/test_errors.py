@@ -75,10 +75,11 @@ def test_every_bindings_wrapper_checks_its_status(device):
     free, total = acl.get_mem_info()
     assert 0 < free <= total
     mem = acl.DeviceMemory(device.context)
-    acl.malloc(mem, 64)
-    assert mem.ptr != 0 and mem.ptr == mem.address
-    for call, api in ((lambda: acl.memset(mem.ptr, 64, 0, 128), "aclrtMemset"),
-                      (lambda: acl.memcpy(mem.ptr, 64, mem.ptr, 128, "ACL_MEMCPY_DEVICE_TO_DEVICE"), "aclrtMemcpy"),
+    ptr = acl.malloc(mem, 64)
+    assert ptr != 0 and ptr == mem.address
+    for call, api in ((lambda: acl.memset_async(ptr, 64, 0, 128, None), "aclrtMemsetAsync"),
+                      (lambda: acl.memcpy_async(ptr, 64, ptr + 1, 128, "ACL_MEMCPY_DEVICE_TO_DEVICE", None),
+                       "aclrtMemcpyAsync"),
                       (lambda: acl.synchronize_stream(None, -5), "aclrtSynchronizeStreamWithTimeout")):
         with pytest.raises(pm.AclRuntimeError) as info:
             call()
@@ -91,7 +92,7 @@ def test_every_bindings_wrapper_checks_its_status(device):
     with pytest.raises(pm.AclRuntimeError) as info:
         # Freed twice behind the handle's back: the vendor's status (the driver's "address not
         # allocated", 107000), not a crash.
-        errcheck.check(loader.libs().acl.aclrtFree(acl._void(mem.ptr)), "aclrtFree")
+        errcheck.check(loader.libs().acl.aclrtFree(acl._void(ptr)), "aclrtFree")
     assert info.value.status == 107000
     arr = pm.to_device(np.zeros((8, 4), np.float32))
     with pm.AclTensor(arr) as t:

@@ -96,7 +96,7 @@ def child_fork_while_a_thread_holds_the_plans_locks() -> None:
     held, release = threading.Event(), threading.Event()
 
     def inside():  # a parent thread inside the plan, its executor and its stream at fork
-        with plan._lock, plan._core.lock, s.state.lock:
+        with plan._c.lock, plan._c.executor.holder.lock, s.state.lock:
             held.set()
             release.wait()
 

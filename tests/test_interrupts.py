@@ -333,15 +333,15 @@ def test_an_interrupted_stop_of_a_plans_launches_leaves_none_of_the_old_binding(
     with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids)) as plan:
         plan()
         plan()  # the steady state
-        real, calls = plan_mod._Slot.stop, []
+        real, calls = plan_mod._unbind, []
 
-        def interrupted_once(slot):
+        def interrupted_once(state, core):
             if not calls:
                 calls.append(1)
                 raise KeyboardInterrupt
-            return real(slot)
+            return real(state, core)
 
-        monkeypatch.setattr(plan_mod._Slot, "stop", interrupted_once)
+        monkeypatch.setattr(plan_mod, "_unbind", interrupted_once)
         new = pm.empty((16, 4), np.float32)
         with pytest.raises(KeyboardInterrupt):
             plan.rebind(expanded_x=new)
@@ -360,34 +360,34 @@ def child_a_plans_close_waits_for_launches_in_flight() -> None:
     with closing(pm.Stream(device)) as s:
         plan = pm.MoeInitRoutingV2(pm.to_device(x, stream=s), pm.to_device(ids, stream=s))
         plan(s)
-        plan(s)  # the steady state for s (no fault was ever recorded in this process)
-        slot = plan._now[1]
+        plan(s)  # the steady state for s
+        key = plan._c.key
         inside, release = threading.Event(), threading.Event()
-        real_call = slot.call
+        real_call = s.state.plans[key]
 
         def held_call():  # a launch in flight: its foreign call waits until released
             inside.set()
             release.wait(30)
             return real_call()
 
-        slot.call = held_call
+        s.state.plans[key] = held_call
         launcher = threading.Thread(target=lambda: (device.set_current(), plan(s)))  # its context current
         launcher.start()
         assert inside.wait(10)
-        real_stop, stops = plan_mod._Slot.stop, []
+        real_unbind, stops = plan_mod._unbind, []
 
-        def interrupted_stop(self):
+        def interrupted_unbind(state, core):
             if not stops:
                 stops.append(1)
                 raise KeyboardInterrupt
-            return real_stop(self)
+            return real_unbind(state, core)
 
-        plan_mod._Slot.stop = interrupted_stop
+        plan_mod._unbind = interrupted_unbind
         try:
             plan.close()
         except KeyboardInterrupt:
             print("interrupted")
-        plan_mod._Slot.stop = real_stop
+        plan_mod._unbind = real_unbind
         closed = threading.Event()
         closer = threading.Thread(target=lambda: (plan.close(), closed.set()))
         closer.start()
@@ -478,17 +478,19 @@ def test_keyboard_interrupt_anywhere_in_the_forward_leaks_nothing_and_frees_noth
 def test_an_interrupt_after_a_stream_is_marked_closed_still_destroys_it(device, no_leaks, monkeypatch, how):
     """close() (or the release of a dropped Stream) interrupted after the stream was marked
     closed and before aclrtDestroyStream: a second close(), or the drop, destroys it."""
+    from pyacl_moe.stream import StreamState
+
     base = pm.emulator.stats()["streams"]
-    real = type(device).remove_queue
+    real = StreamState.release
     hits = []
 
-    def interrupted_once(self, q):
+    def interrupted_once(self):
         if not hits:
-            hits.append(q)
+            hits.append(self)
             raise KeyboardInterrupt
-        real(self, q)
+        return real(self)
 
-    monkeypatch.setattr(type(device), "remove_queue", interrupted_once)
+    monkeypatch.setattr(StreamState, "release", interrupted_once)
     s = pm.Stream(device)
     assert pm.emulator.stats()["streams"] == base + 1
     if how == "close":

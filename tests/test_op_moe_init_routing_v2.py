@@ -408,12 +408,13 @@ def test_a_plans_executor_lists_the_tensors_it_was_built_with(device):
     """An optional output passed as a null pointer has no aclTensor: asking a forward plan
     for its executor raised KeyError."""
     x, idx = _inputs(np.float32)
-    with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(idx), **SCENARIOS["drop-pad-before"]) as plan:
+    dx, di = pm.to_device(x), pm.to_device(idx)
+    with pm.MoeInitRoutingV2(dx, di, **SCENARIOS["drop-pad-before"]) as plan:
         ex = plan.executor
         assert ex.repeatable and ex.workspace_size == plan.workspace_size
-        assert [t.array for t in ex.tensors] == [plan._arrays[n] for n in ("x", "expert_idx", "expanded_x",
-                                                                             "expanded_row_idx",
-                                                                             "expert_tokens_before_capacity")]
+        out = plan.outputs
+        assert [t.array for t in ex.tensors] == [dx, di, out.expanded_x, out.expanded_row_idx,
+                                                 out.expert_tokens_before_capacity]
 
 
 def test_a_workspace_that_shares_memory_with_a_tensor_or_is_strided_is_refused(device, no_leaks):

@@ -165,8 +165,8 @@ def test_a_shared_array(device, no_leaks, case, iterations):
     def writer(i, steps):
         with closing(pm.Stream(device)) as own:
             for _ in range(steps):
-                # Same values, so every reader's result stays exact; the writes must still wait
-                # for (or be ordered after) the kernels that read x.
+                # Same values, so every reader's result stays exact whatever the order (ordering
+                # a write after kernels of other streams that read x is the caller's, as in CUDA).
                 x.copy_from_host(c.grad_expanded_x, stream=own if i % 2 else None)
 
     errors = hammer([reader] * (THREADS - 2) + [writer] * 2, iterations)

@@ -193,6 +193,7 @@ class Handle:
     __slots__ = ("_slot", "context", "__weakref__")
     SLOT_TYPE = "void **"
     LIBRARY, API = "acl", ""  # the library and the CANN function that releases it
+    RELEASED_ANYWAY: frozenset[int] = frozenset()  # failures after which the object is gone all the same
 
     def __init__(self, context: Context | None = None) -> None:
         self._slot = _ffi.new(declare.ctype(self.SLOT_TYPE))
@@ -226,7 +227,7 @@ class Handle:
         with interrupts_deferred():
             self._slot[0] = _NULL
             status = int(fn(h))
-            if status:
+            if status and status not in self.RELEASED_ANYWAY:
                 self._slot[0] = h
         return status
 
@@ -261,6 +262,7 @@ class DeviceMemory(Handle):
 
     __slots__ = ()
     API = "aclrtFree"
+    RELEASED_ANYWAY = frozenset({507053})  # memory whose guard bytes were overwritten: freed, and reported
 
 
 class HostMemory(Handle):

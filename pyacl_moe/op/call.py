@@ -241,11 +241,9 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         if done is not None:
             del done
             return arrays[n_in:]
-    workspace_alloc = None
     if workspace is not None:
         check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
-        workspace_alloc = workspace.allocation("workspace")
-    _launch_cached(op, number, arrays, allocs, firsts, values, state, workspace_alloc)
+    _launch_cached(op, number, arrays, allocs, firsts, values, state, workspace)
     return arrays[n_in:]
 
 
@@ -284,7 +282,7 @@ def _device_of(spec: OpSpec, arrays: list[DeviceArray | None], workspace: Device
 
 def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], allocs: list[Allocation | None],
                    firsts: list[int], values: tuple[Any, ...], state: StreamState,
-                   workspace: Allocation | None) -> None:
+                   workspace: DeviceArray | None) -> None:
     """Every launch but the steady state's: the stream's executor for entry ``number`` (built
     here on a miss, outside the lock: another thread may add one meanwhile), the stream's
     workspace (or the caller's), then the launch under the stream's lock."""
@@ -299,9 +297,8 @@ def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], a
         if e is None and built is None:
             built = _Cached(spec, dev, arrays, op.attrs(*values))
         size = (e or built).size  # type: ignore[union-attr]
-        if workspace is not None:
-            checked_workspace_alloc(workspace, size)
-        elif size:
+        ws = checked_workspace(workspace, size, dev, "stream") if workspace is not None else None
+        if workspace is None and size:
             state.ensure_workspace(size)
         evicted: list[Any] = []
         with state.lock:
@@ -318,10 +315,10 @@ def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], a
             if firsts != e.bound:
                 e.rebind(spec, firsts)
             acl.use_context(state.ctx)
-            state.hold((allocs, workspace))
+            state.hold((allocs, ws))
             written(allocs[len(spec.inputs):], state)
             if workspace is not None:
-                check(aclnn.bound_launch(spec.api, workspace.ptr, e.size, e.core.handle, state.handle)(), spec.api)
+                check(aclnn.bound_launch(spec.api, workspace.address, e.size, e.core.handle, state.handle)(), spec.api)
             else:
                 if e.call is None or (e.size and e.ws is not state.workspace):
                     e.bind(spec, state)
@@ -331,12 +328,6 @@ def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], a
         for old in evicted if built is None else [*evicted, built]:
             old.destroy()
         return
-
-
-def checked_workspace_alloc(workspace: Allocation, size: int) -> None:
-    """A caller's workspace must hold the launch's workspace."""
-    if workspace.nbytes < size:
-        raise InvalidArgument("workspace", f"holds {workspace.nbytes} bytes, less than the {size} the launch needs")
 
 
 def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
