@@ -19,10 +19,11 @@ aclFinalize comes only at exit: CANN 8.1.RC1 allows one aclInit per process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,8 @@ from ._cann import acl
 from ._cann.errcheck import check
 from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument, error_for
 
-__all__ = ["Allocation", "Device", "Holder", "acl_version", "current_device", "device_count", "empty_cache", "is_fault",
-           "is_pinned", "memory_stats", "open_devices", "pinned_empty", "resolve_device", "set_caching", "soc_name"]
+__all__ = ["Allocation", "Device", "Holder", "acl_version", "calling", "current_device", "device_count",
+           "empty_cache", "is_fault", "is_pinned", "memory_stats", "open_devices", "pinned_empty", "resolve_device", "set_caching", "soc_name"]
 
 _ROUND = 512  # CANN aligns blocks to at least this; rounding makes sizes meet in the caches
 _OOM = (207001, 207018)  # ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_DEVICE_OOM
@@ -352,15 +353,16 @@ class Device:
             self._counts["pinned_misses" if pinned else "misses"] += 1
         fill = acl.malloc_host if pinned else acl.malloc
         try:
-            acl.use_context(ctx)
-            try:
-                block.ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
-            except AclRuntimeError as exc:
-                if exc.status not in _OOM:
-                    raise
-                self.reclaim()
+            with calling(self, ctx):
                 acl.use_context(ctx)
-                block.ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
+                try:
+                    block.ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
+                except AclRuntimeError as exc:
+                    if exc.status not in _OOM:
+                        raise
+                    self.reclaim()
+                    acl.use_context(ctx)
+                    block.ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
         except BaseException:
             with self.lock:
                 block.token = None  # a stray: freed by the next trim (an empty handle frees nothing)
@@ -591,6 +593,19 @@ def _freed(blocks: list[Block], device: Device) -> list[BaseException]:
             continue
         device.forget_block(block)
     return errors
+
+
+@contextlib.contextmanager
+def calling(device: Device, ctx: acl.Context) -> Iterator[None]:
+    """A CANN call of ``device`` made outside any stream's lock (an allocation, a stream or an
+    event made): the device may close meanwhile, on another thread; CANN's error is then a
+    ClosedError, as every other call of a closed device raises."""
+    try:
+        yield
+    except AclError:
+        if ctx.open:
+            raise
+        raise ClosedError(f"device {device.device_id}", _closed_reason()) from None
 
 
 def _rounded(nbytes: int) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 from . import _args, _lifetime
 from ._cann import acl
 from ._cann.errcheck import check
-from .device import EVENTS, NOT_YET, STREAMS, Allocation, Device, Holder, is_fault, resolve_device
+from .device import EVENTS, NOT_YET, STREAMS, Allocation, Device, Holder, calling, is_fault, resolve_device
 from .errors import AclError, ClosedError, InvalidArgument
 
 __all__ = ["Event", "Stream", "StreamState", "current_stream", "resolve_stream", "thread_current"]
@@ -255,9 +255,9 @@ class StreamState:
             old = self.workspace
             if old is not None and old.nbytes >= nbytes:
                 return  # another thread got there first (ours goes back)
+            done = self.keep(old) if old is not None else _NOTHING  # held before it is let go
             self.workspace = new
             self.plans = {}  # bound to the old block's address
-            done = self.keep(old) if old is not None else _NOTHING
         del done
 
     def workspace_size(self) -> int:
@@ -274,11 +274,10 @@ class StreamState:
         if ws is not None:
             self.device.uncache(ws)  # (another thread may replace it meanwhile: that one is kept)
         with self.lock:
+            idle = self._live() and _idle(self)  # nothing queued: all of it goes now
+            # (what queued work may still use is held before it is let go)
+            done = self._advance(self.point) if idle else self.keep(self.workspace) if self.workspace else self.poll()
             cached, ws = self._drop_caches()
-            if self._live() and _idle(self):  # nothing queued: all of it goes now
-                done = self._advance(self.point)
-            else:
-                done = self.keep(ws) if ws is not None else self.poll()
             self.events = _release_spare(self.events, self.spare)
             self.spare = []
         _destroy(cached)
@@ -386,8 +385,9 @@ class Stream:
         self.state = StreamState(dev, acl.StreamHandle(dev.context))
         self._is_default = False
         dev.own(self.state, self)  # owned before it exists; released once this object is gone
-        acl.use_context(dev.context)
-        acl.create_stream(self.state.handle)  # type: ignore[arg-type]
+        with calling(dev, self.state.ctx):
+            acl.use_context(self.state.ctx)
+            acl.create_stream(self.state.handle)  # type: ignore[arg-type]
 
     @classmethod
     def from_handle(cls, handle: Any, device: Device | int | None = None, owner: Any = None) -> Stream:
@@ -551,8 +551,10 @@ class Event:
         _lifetime.collect()
         core = _EventCore(dev)
         dev.own(core.holder, core)
-        acl.use_context(dev.context)
-        acl.create_event(core.holder.handle)  # type: ignore[arg-type]
+        ctx = core.holder.handle.context
+        with calling(dev, ctx):  # type: ignore[arg-type]
+            acl.use_context(ctx)  # type: ignore[arg-type]
+            acl.create_event(core.holder.handle)  # type: ignore[arg-type]
         self._device, self._core = dev, core
 
     def core(self, what: str = "event") -> _EventCore:

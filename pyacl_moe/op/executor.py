@@ -18,7 +18,7 @@ from typing import Any
 from .. import _args, _lifetime
 from .._cann import acl, aclnn
 from ..array import DeviceArray
-from ..device import EXECUTORS, Allocation, Device, Holder, current_device
+from ..device import EXECUTORS, Allocation, Device, Holder, calling, current_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
 from ..stream import Stream, StreamState, resolve_stream
@@ -76,11 +76,13 @@ def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None]
           attrs: Mapping[str, Any]) -> ExecutorCore:
     """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (None or absent: a null
     pointer) and ``attrs``, which the caller has checked for their C types."""
+    ctx = device.context
     device.activate()
     core = ExecutorCore(spec, device, tensors)
     args = [attrs[p.name] if p.kind == "attr" else (t.handle if (t := tensors.get(p.name)) is not None else None)
             for p in spec.params]
-    core.workspace_size = aclnn.get_workspace_size(spec.api, args, core.handle)
+    with calling(device, ctx):
+        core.workspace_size = aclnn.get_workspace_size(spec.api, args, core.handle)
     return core
 
 
