@@ -196,6 +196,43 @@ def check_routing(x_shape: tuple[int, ...], x_dtype: Any, idx_shape: tuple[int, 
                                             "expert_num above 0")
 
 
+ROUTING_OUTPUTS = ("expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum", "expert_tokens_before_capacity")
+
+
+def routing_outputs(n: int, k: int, h: int, x_dtype: Any, active_num: int, expert_capacity: int, expert_num: int,
+                    drop_pad_mode: int, count_flag: int, before_flag: bool) -> dict[str, Any]:
+    """What aclnnMoeInitRoutingV2 writes for N tokens of K ids and H columns: each output's
+    (shape, dtype), None where the scenario writes none. A negative attribute (unchecked)
+    gives an empty dimension, not a negative one, so that the vendor sees it and refuses it."""
+    total, num, cap = n * k, max(expert_num, 0), max(expert_capacity, 0)
+    rows = total if active_num == 0 else max(min(active_num, total), 0)
+    i32 = np.dtype(np.int32)
+    return {
+        "expanded_x": ((num, cap, h) if drop_pad_mode == 1 else (rows, h), np.dtype(x_dtype)),
+        "expanded_row_idx": ((total,), i32),
+        "expert_tokens_count_or_cumsum": ((num,), i32) if drop_pad_mode == 0 and count_flag else None,
+        "expert_tokens_before_capacity": ((num,), i32) if drop_pad_mode == 1 and before_flag else None,
+    }
+
+
+def check_routing_call(x_shape: tuple[int, ...], x_dtype: Any, idx_shape: tuple[int, ...], idx_dtype: Any,
+                       attrs: tuple[int, int, int, int, int, bool]) -> dict[str, Any]:
+    """:func:`check_routing`, the vendor's tiling rule on the capacity, and outputs that can be
+    addressed: what :func:`routing_outputs` gives."""
+    active, cap, num, mode, flag, _ = attrs
+    check_routing(x_shape, x_dtype, idx_shape, idx_dtype, active, cap, num, mode, flag)
+    if mode == 1 and cap > x_shape[0]:  # the vendor's tiling rule; the reference computes any capacity
+        raise InvalidArgument("expert_capacity", f"must be at most N = {x_shape[0]}, got {cap}")
+    outs = routing_outputs(x_shape[0], idx_shape[1], x_shape[1], x_dtype, *attrs)
+    for name, want in outs.items():
+        # The vendor sets no bound on expert_num, but the outputs it sizes must be addressable:
+        # only it makes an output bigger than the inputs, bar mode 0's N*K rows.
+        if want is not None:
+            by_x = name == "expanded_x" and mode == 0
+            _args.nbytes(name if by_x else "expert_num", want[0], want[1].itemsize, makes="" if by_x else name)
+    return outs
+
+
 def check_expert_ids(ids: np.ndarray, expert_num: int, drop_pad_mode: int, count_flag: int) -> None:
     """The ids' documented range: [0, expert_num) when drop/pad or a count output uses them as
     expert numbers, else not negative."""

@@ -214,8 +214,8 @@ def test_a_plan_writes_into_given_outputs_and_leaves_unwritten_ones_out(device):
 
 @pytest.mark.parametrize("outputs, name, rule", [
     ({"expert_tokens_count_or_cumsum": ((6,), np.int32)}, "expert_tokens_count_or_cumsum", "not written"),
-    ({"expanded_x": ((6, 4, 16), np.float16)}, "expanded_x", "must be (6, 4, 16) float32"),
-    ({"expanded_row_idx": ((35,), np.int32)}, "expanded_row_idx", "must be (36,) int32"),
+    ({"expanded_x": ((6, 4, 16), np.float16)}, "expanded_x", "must have shape (6, 4, 16) and dtype float32"),
+    ({"expanded_row_idx": ((35,), np.int32)}, "expanded_row_idx", "must have shape (36,) and dtype int32"),
 ])
 def test_plan_refuses_outputs_the_scenario_does_not_write_as_given(device, outputs, name, rule):
     x, idx = _inputs(np.float32)

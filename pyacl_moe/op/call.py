@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _args, _contract, _lifetime
+from .. import _args, _lifetime
 from .._cann import acl, aclnn, declare
 from .._cann.errcheck import check
 from ..array import DeviceArray, contiguous_layout, empty_from, host_array, wait_for
@@ -34,11 +34,11 @@ from ..errors import InvalidArgument
 from ..host import TORCH, host_view, in_family
 from ..stream import Stream, StreamState, resolve_stream, thread_current
 from ..tensor import TensorCore
-from .executor import build, check_output_layout, checked_workspace, device_of, first_phase, launch, written
+from .executor import build, check_output_layout, checked_workspace, device_of, first_phase, fits, launch, written
 from .plan import check_no_overlap, check_workspace_apart
 from .spec import OpSpec
 
-__all__ = ["OneCall", "Outputs", "run_device", "run_host"]
+__all__ = ["OneCall", "Outputs", "one_call", "run_device", "run_host"]
 
 # output name -> (shape, dtype) it must have, or None when the scenario does not write it
 Outputs = dict[str, "tuple[tuple[int, ...], np.dtype] | None"]
@@ -137,16 +137,6 @@ class _Cached:
         self.core.destroy()
 
 
-def _fits(name: str, want: tuple[tuple[int, ...], np.dtype] | None, shape: tuple[int, ...], dtype: np.dtype) -> None:
-    """A given output must be what the contract says the inputs make."""
-    if want is None:
-        raise InvalidArgument(name, "is not written in this scenario: pass None")
-    if shape != want[0] or dtype != want[1]:
-        what = _contract.dtype_name
-        raise InvalidArgument(name, f"must have shape {want[0]} and dtype {what(want[1])} (what the inputs make), "
-                                    f"got shape {shape} and dtype {what(dtype)}")
-
-
 def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> tuple[Any, ...]:
     """A memo miss: the contract on the inputs and attributes, given outputs fit it; what to
     make of each output."""
@@ -160,10 +150,36 @@ def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, .
             want = wanted[name]
             made.append(None if want is None else contiguous_layout(*want))
         else:
-            _fits(name, wanted[name], a.shape, a.dtype)
+            fits(name, wanted[name], a.shape, a.dtype)
             check_output_layout(name, a)
             made.append(None)
     return tuple(made)
+
+
+def one_call(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], names: list[str],
+             stream: Stream | None, workspace: DeviceArray | None, validate: bool) -> list[Any]:
+    """An op's one-call function, its arguments checked by name (``names``: the outputs'):
+    on DeviceArrays (:func:`run_device`) or on host arrays (:func:`run_host`)."""
+    spec = op.spec
+    on_device = isinstance(inputs[0], DeviceArray)
+    for name, a in zip(spec.inputs[1:], inputs[1:]):
+        if isinstance(a, DeviceArray) != on_device:
+            raise InvalidArgument(name, f"must be a DeviceArray when {spec.inputs[0]} is one, and a host array "
+                                        "otherwise")
+    for name, o in zip(names, out):
+        if on_device and o is not None:
+            _args.instance(name, o, DeviceArray, "a DeviceArray or None when the inputs are DeviceArrays")
+        elif isinstance(o, DeviceArray):
+            raise InvalidArgument(name, "must be a host array or None when the inputs are host arrays, got a "
+                                        "DeviceArray")
+    if stream is not None:
+        _args.instance("stream", stream, Stream, "a Stream or None")
+    if workspace is not None:
+        _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
+    validate = _args.boolean("validate", validate)
+    if on_device:
+        return run_device(op, [*inputs, *out], values, stream, workspace, validate)
+    return run_host(op, inputs, values, out, stream, workspace, validate)
 
 
 def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], stream: Stream | None,
@@ -392,7 +408,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     if validate:  # the contract first: its messages name the rule an input breaks
         wanted = op.check({n: (v.shape, v.dtype.newbyteorder("=")) for n, v in raw.items()}, attrs)
         for name, host in given.items():
-            _fits(name, wanted[name], host.shape, host.dtype)
+            fits(name, wanted[name], host.shape, host.dtype)
     views = {n: host_array(v, n) for n, v in raw.items()}  # each input converted once
     if validate:
         op.check_values(views, attrs)

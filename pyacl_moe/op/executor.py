@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import _args, _lifetime
+import numpy as np
+
+from .. import _args, _contract, _lifetime
 from .._cann import acl, aclnn
 from ..array import DeviceArray
 from ..device import EXECUTORS, Allocation, Device, Holder, calling, current_device
@@ -26,7 +28,7 @@ from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
 __all__ = ["Executor", "ExecutorCore", "build", "check_output_layout", "checked_workspace", "device_of", "execute",
-           "first_phase", "launch", "written"]
+           "first_phase", "fits", "launch", "written"]
 
 
 class ExecutorCore:
@@ -131,6 +133,16 @@ def check_output_layout(name: str, out: DeviceArray) -> None:
         raise InvalidArgument(name, f"must be contiguous: the op of CANN {applies.release or 'this release'} writes "
                                     "its outputs densely from the view's address (from 9.1 it writes through the "
                                     "strides)")
+
+
+def fits(name: str, want: tuple[tuple[int, ...], np.dtype] | None, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """A given output must be what the contract says the inputs make."""
+    if want is None:
+        raise InvalidArgument(name, "is not written in this scenario: pass None")
+    if shape != want[0] or dtype != want[1]:
+        what = _contract.dtype_name
+        raise InvalidArgument(name, f"must have shape {want[0]} and dtype {what(want[1])} (what the inputs make), "
+                                    f"got shape {shape} and dtype {what(dtype)}")
 
 
 def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> Allocation:

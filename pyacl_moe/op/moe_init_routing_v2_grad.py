@@ -18,30 +18,22 @@ from typing import Any, overload
 import numpy as np
 
 from .. import _args, _contract
-from ..array import DeviceArray, empty
+from ..array import DeviceArray
 from ..device import Device, resolve_device
-from ..errors import InvalidArgument
 from ..stream import Stream
 from ..tensor import AclTensor
-from .call import OneCall, Outputs, run_device, run_host
-from .executor import Executor, check_output_layout, device_of, first_phase
+from .call import OneCall, Outputs, one_call, run_device
+from .executor import Executor, first_phase
 from .executor import execute as execute
-from .plan import Plan, check_no_overlap
+from .plan import Plan
 from .spec import OpSpec, Param
 
 __all__ = ["SPEC", "MoeInitRoutingV2Grad", "execute", "get_workspace_size", "moe_init_routing_v2_grad"]
 
-SPEC = OpSpec(
-    "aclnnMoeInitRoutingV2Grad",
-    (
-        Param("grad_expanded_x", "input", "gradExpandedX"),
-        Param("expanded_row_idx", "input", "expandedRowIdx"),
-        Param("top_k", "attr", "topK"),
-        Param("drop_pad_mode", "attr", "dropPadMode"),
-        Param("active_num", "attr", "activeNum"),
-        Param("out", "output", "out"),
-    ),
-)
+SPEC = OpSpec("aclnnMoeInitRoutingV2Grad", (
+    Param("grad_expanded_x", "input", "gradExpandedX"), Param("expanded_row_idx", "input", "expandedRowIdx"),
+    Param("top_k", "attr", "topK"), Param("drop_pad_mode", "attr", "dropPadMode"),
+    Param("active_num", "attr", "activeNum"), Param("out", "output", "out")))
 
 
 def _attrs(top_k: Any, drop_pad_mode: Any, active_num: Any) -> dict[str, int]:
@@ -49,29 +41,21 @@ def _attrs(top_k: Any, drop_pad_mode: Any, active_num: Any) -> dict[str, int]:
             "active_num": _args.int64("active_num", active_num)}
 
 
-# ---------------------------------------------------------------------------- the two phases
-
-def get_workspace_size(
-    grad_expanded_x: AclTensor | DeviceArray | None,
-    expanded_row_idx: AclTensor | DeviceArray | None,
-    top_k: int,
-    drop_pad_mode: int = 0,
-    active_num: int = 0,
-    out: AclTensor | DeviceArray | None = None,
-    device: Device | int | None = None,
-) -> tuple[int, Executor]:
+def get_workspace_size(grad_expanded_x: AclTensor | DeviceArray | None,
+                       expanded_row_idx: AclTensor | DeviceArray | None, top_k: int, drop_pad_mode: int = 0,
+                       active_num: int = 0,
+                       out: AclTensor | DeviceArray | None = None, device: Device | int | None = None
+                       ) -> tuple[int, Executor]:
     """Phase one, as CANN has it: (workspace bytes, executor).
 
     Nothing of the contract is checked on the host (the vendor validates; None passes a null
     pointer), only the attributes' C type (int64). DeviceArrays are wrapped in aclTensors the
     executor keeps.
     """
-    attrs = _attrs(top_k, drop_pad_mode, active_num)
     given = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx, "out": out}
-    return first_phase(SPEC, given, attrs, resolve_device(device) if device is not None else None)
+    return first_phase(SPEC, given, _attrs(top_k, drop_pad_mode, active_num),
+                       resolve_device(device) if device is not None else None)
 
-
-# ---------------------------------------------------------------------------- the contract
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
     (xs, xd), (ixs, ixd) = layouts["grad_expanded_x"], layouts["expanded_row_idx"]
@@ -79,7 +63,7 @@ def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mappi
     return {"out": ((geo.tokens, geo.hidden), xd)}
 
 
-def _sizes(arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any]) -> Outputs:
+def _sizes(arrays: Mapping[str, Any], attrs: Mapping[str, Any]) -> Outputs:
     # validate=False: [len(idx) / top_k, H] as far as the arrays say (0 where a rank is wrong).
     x, idx, k = arrays["grad_expanded_x"], arrays["expanded_row_idx"], attrs["top_k"]
     return {"out": (((idx.shape[0] // k if idx.ndim and k > 0 else 0), (x.shape[-1] if x.ndim else 0)), x.dtype)}
@@ -95,8 +79,6 @@ def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> 
 ONE_CALL = OneCall(SPEC, _attrs, _check, _sizes, _check_values)
 
 
-# ---------------------------------------------------------------------------- the prepared plan
-
 class MoeInitRoutingV2Grad(Plan):
     """A prepared launch of the op on fixed DeviceArrays: the first phase runs once, and each
     call relaunches the same (repeatable) executor.
@@ -108,44 +90,13 @@ class MoeInitRoutingV2Grad(Plan):
     may launch a plan, on any stream of its device.
     """
 
-    _spec = SPEC
+    _op = ONE_CALL
 
-    def __init__(
-        self,
-        grad_expanded_x: DeviceArray,
-        expanded_row_idx: DeviceArray,
-        top_k: int,
-        drop_pad_mode: int = 0,
-        active_num: int = 0,
-        *,
-        out: DeviceArray | None = None,
-        repeatable: bool = True,
-        validate: bool = True,
-    ) -> None:
-        validate = _args.boolean("validate", validate)
-        arrays = {
-            "grad_expanded_x": _args.instance("grad_expanded_x", grad_expanded_x, DeviceArray, "a DeviceArray"),
-            "expanded_row_idx": _args.instance("expanded_row_idx", expanded_row_idx, DeviceArray, "a DeviceArray"),
-        }
-        if out is not None:
-            arrays["out"] = _args.instance("out", out, DeviceArray, "a DeviceArray or None")
-        dev = device_of(arrays)
-        attrs = _attrs(top_k, drop_pad_mode, active_num)
-        x, idx = grad_expanded_x, expanded_row_idx
-        if validate:
-            geo = _contract.check_shapes(x.shape, x.dtype, idx.shape, idx.dtype, top_k, drop_pad_mode, active_num,
-                                         None if out is None else out.shape, None if out is None else out.dtype)
-            if out is not None:
-                check_output_layout("out", out)
-                check_no_overlap(SPEC, arrays)
-            n, h = geo.tokens, geo.hidden
-        else:
-            k = attrs["top_k"]
-            n, h = (idx.shape[0] // k if idx.ndim and k > 0 else 0), (x.shape[-1] if x.ndim else 0)
-        if out is None:
-            out = arrays["out"] = empty((n, h), x.dtype, dev)
-        self._validate = validate
-        self._prepare(dev, arrays, attrs, _args.boolean("repeatable", repeatable))
+    def __init__(self, grad_expanded_x: DeviceArray, expanded_row_idx: DeviceArray, top_k: int,
+                 drop_pad_mode: int = 0, active_num: int = 0, *, out: DeviceArray | None = None,
+                 repeatable: bool = True, validate: bool = True) -> None:
+        self._build([grad_expanded_x, expanded_row_idx, out], (top_k, drop_pad_mode, active_num), repeatable,
+                    validate)
 
     @property
     def out(self) -> DeviceArray:
@@ -156,56 +107,26 @@ class MoeInitRoutingV2Grad(Plan):
     def _result_of(arrays: Mapping[str, DeviceArray]) -> DeviceArray:
         return arrays["out"]
 
-    def __repr__(self) -> str:
-        a = self._c.arrays
-        state = "closed" if self.closed else "repeatable" if self._repeatable else "one-shot"
-        return (f"<MoeInitRoutingV2Grad x={a['grad_expanded_x'].shape} idx={a['expanded_row_idx'].shape} "
-                f"out={a['out'].shape} {state}>")
-
     def rebind(self, grad_expanded_x: DeviceArray | None = None, expanded_row_idx: DeviceArray | None = None,
                out: DeviceArray | None = None) -> None:
         """Point the executor at other arrays with the same shape, dtype and strides (the
         offset may differ). Launches already queued keep the arrays they were queued with; a
         launch in flight on another thread completes first."""
-        self._rebind(self._checked_changes({"grad_expanded_x": grad_expanded_x,
-                                            "expanded_row_idx": expanded_row_idx, "out": out}))
+        self._rebind({"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx, "out": out})
 
-
-# ---------------------------------------------------------------------------- one call
 
 @overload
 def moe_init_routing_v2_grad(grad_expanded_x: DeviceArray, expanded_row_idx: DeviceArray, top_k: int,
                              drop_pad_mode: int = ..., active_num: int = ..., *, out: DeviceArray | None = ...,
                              stream: Stream | None = ..., workspace: DeviceArray | None = ...,
                              validate: bool = ...) -> DeviceArray: ...
-
-
 @overload
-def moe_init_routing_v2_grad(grad_expanded_x: np.ndarray, expanded_row_idx: np.ndarray, top_k: int,
-                             drop_pad_mode: int = ..., active_num: int = ..., *, out: np.ndarray | None = ...,
-                             stream: Stream | None = ..., workspace: DeviceArray | None = ...,
-                             validate: bool = ...) -> np.ndarray: ...
-
-
-@overload
-def moe_init_routing_v2_grad(grad_expanded_x: Any, expanded_row_idx: Any, top_k: int,
-                             drop_pad_mode: int = ..., active_num: int = ..., *, out: Any = ...,
-                             stream: Stream | None = ..., workspace: DeviceArray | None = ...,
-                             validate: bool = ...) -> Any: ...
-
-
-def moe_init_routing_v2_grad(
-    grad_expanded_x: Any,
-    expanded_row_idx: Any,
-    top_k: int,
-    drop_pad_mode: int = 0,
-    active_num: int = 0,
-    *,
-    out: Any = None,
-    stream: Stream | None = None,
-    workspace: DeviceArray | None = None,
-    validate: bool = True,
-) -> Any:
+def moe_init_routing_v2_grad(grad_expanded_x: Any, expanded_row_idx: Any, top_k: int, drop_pad_mode: int = ...,
+                             active_num: int = ..., *, out: Any = ..., stream: Stream | None = ...,
+                             workspace: DeviceArray | None = ..., validate: bool = ...) -> Any: ...
+def moe_init_routing_v2_grad(grad_expanded_x: Any, expanded_row_idx: Any, top_k: int, drop_pad_mode: int = 0,
+                             active_num: int = 0, *, out: Any = None, stream: Stream | None = None,
+                             workspace: DeviceArray | None = None, validate: bool = True) -> Any:
     """The backward of MoE token routing: ``out[i] = sum_t grad_expanded_x[expanded_row_idx[i*top_k+t]]``.
 
     grad_expanded_x: [N*top_k, H] (dropless), [A, H] (active, A = active_num) or [E, C, H]
@@ -230,18 +151,5 @@ def moe_init_routing_v2_grad(
             out is None or type(out) is DeviceArray) and (stream is None or type(stream) is Stream) and (
             workspace is None and validate is True):  # the common device call, checked in one test
         return run_device(ONE_CALL, [grad_expanded_x, expanded_row_idx, out], values, stream, None, True)[0]
-    on_device = isinstance(grad_expanded_x, DeviceArray)
-    if on_device != isinstance(expanded_row_idx, DeviceArray):
-        raise InvalidArgument(
-            "expanded_row_idx", "must be a DeviceArray when grad_expanded_x is one, and a host array otherwise"
-        )
-    if stream is not None:
-        _args.instance("stream", stream, Stream, "a Stream or None")
-    if workspace is not None:
-        _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
-    validate = _args.boolean("validate", validate)
-    if on_device:
-        if out is not None:
-            _args.instance("out", out, DeviceArray, "a DeviceArray when the inputs are, or None")
-        return run_device(ONE_CALL, [grad_expanded_x, expanded_row_idx, out], values, stream, workspace, validate)[0]
-    return run_host(ONE_CALL, [grad_expanded_x, expanded_row_idx], values, [out], stream, workspace, validate)[0]
+    return one_call(ONE_CALL, [grad_expanded_x, expanded_row_idx], values, [out], ["out"], stream, workspace,
+                    validate)[0]

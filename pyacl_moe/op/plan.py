@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 from .. import _args, _lifetime
 from .._cann import acl, aclnn
 from .._cann.errcheck import check
-from ..array import DeviceArray, may_overlap
+from ..array import DeviceArray, empty, may_overlap
 from ..device import PLANS, Allocation, Device
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream, thread_current
 from ..tensor import AclTensor
-from .executor import Executor, build, checked_workspace, launch, written
+from .executor import Executor, build, check_output_layout, checked_workspace, device_of, fits, launch, written
 from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "check_workspace_apart"]
@@ -117,14 +117,41 @@ def _unbind(state: StreamState, core: _PlanCore) -> None:
 class Plan:
     """A prepared launch of an operator on fixed DeviceArrays (see the module docstring).
 
-    Subclasses (one per operator) check their contract and call ``_prepare``. ``plan(stream,
-    workspace)`` queues the kernel; ``rebind(...)`` points it at other arrays of the same
-    layout; ``close()`` releases it once the work it queued is done.
+    Subclasses (one per operator) name their op's one call (``_op``: its contract) and call
+    ``_build``. ``plan(stream, workspace)`` queues the kernel; ``rebind(...)`` points it at
+    other arrays of the same layout; ``close()`` releases it once the work it queued is done.
     """
 
-    _spec: OpSpec
-    _validate = True  # whether outputs are checked against sharing memory (a subclass sets it)
+    _op: Any  # the op's OneCall: its spec and contract
     _c: _PlanCore
+
+    def _build(self, given: list[Any], values: tuple[Any, ...], repeatable: Any, validate: Any) -> None:
+        """The plan on ``given`` (the op's tensors in order: the inputs, then the outputs, None
+        for one to make) and the attribute ``values``: the contract checked (with
+        ``validate``), the outputs not given made (those the scenario writes)."""
+        op = self._op
+        spec = self._spec = op.spec
+        self._validate = validate = _args.boolean("validate", validate)
+        repeatable = _args.boolean("repeatable", repeatable)
+        n_in = len(spec.inputs)
+        arrays = {name: _args.instance(name, a, DeviceArray, "a DeviceArray" if i < n_in else "a DeviceArray or None")
+                  for i, (name, a) in enumerate(zip(spec.tensors, given)) if a is not None or i < n_in}
+        dev = device_of(arrays)
+        attrs = op.attrs(*values)
+        inputs = {n: arrays[n] for n in spec.inputs}
+        wanted = op.check({n: (a.shape, a.dtype) for n, a in inputs.items()}, attrs) if validate else \
+            op.sizes(inputs, attrs)
+        for name in spec.outputs:
+            a, want = arrays.get(name), wanted[name]
+            if a is not None and validate:
+                fits(name, want, a.shape, a.dtype)
+                check_output_layout(name, a)
+            elif a is None and want is not None:
+                _args.nbytes(name, want[0], want[1].itemsize)
+                arrays[name] = empty(want[0], want[1], dev)
+        if validate:
+            check_no_overlap(spec, arrays)
+        self._prepare(dev, arrays, attrs, repeatable)
 
     def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
                  repeatable: bool) -> None:
@@ -305,9 +332,10 @@ class Plan:
             changes[name] = new
         return changes
 
-    def _rebind(self, changes: Mapping[str, DeviceArray]) -> None:
-        """Point the executor at ``changes`` (checked by :meth:`_checked_changes` for layout and
-        device; for overlap here, under the lock). Launches already queued keep their arrays."""
+    def _rebind(self, given: Mapping[str, Any]) -> None:
+        """Point the executor at the arrays ``given`` (None: unchanged), each checked for its
+        layout and device (for overlap under the lock). Launches already queued keep theirs."""
+        changes = self._checked_changes(given)
         # CANN keeps the tensor's view offset: the base puts the first element where the new
         # array has it.
         todo: dict[str, tuple[DeviceArray, Allocation, int]] = {
@@ -332,6 +360,12 @@ class Plan:
             return
         check(c.device.release(c), "aclDestroyAclOpExecutor")
         _lifetime.collect()
+
+    def __repr__(self) -> str:
+        c = getattr(self, "_c", None)
+        arrays = "" if c is None else "".join(f" {n}={a.shape}" for n, a in c.arrays.items())
+        state = "closed" if self.closed else "repeatable" if self._repeatable else "one-shot"
+        return f"<{type(self).__name__}{arrays} {state}>"
 
     def __enter__(self: _P) -> _P:
         return self
