@@ -277,48 +277,31 @@ class DeviceArray:
     # -- views
 
     def __getitem__(self, key: Any) -> DeviceArray:
-        """Basic slicing (ints, slices with positive steps, Ellipsis): a view, no copy. Fancy
-        (integer-array) and boolean indexing are refused: they copy, which a view cannot."""
+        """Basic slicing (ints, slices with positive steps, Ellipsis), as NumPy has it: a view,
+        no copy. Fancy (integer-array) and boolean indexing are refused: they copy, which a view
+        cannot."""
         alloc = self.allocation()
-        key = key if isinstance(key, tuple) else (key,)
-        for k in key:
-            if isinstance(k, (DeviceArray, np.ndarray, list)) or (hasattr(k, "__array__")
-                                                                  and not isinstance(k, np.generic)):
-                raise InvalidArgument(
-                    "key", "fancy (integer-array) and boolean indexing are not supported on a DeviceArray: they "
-                           "copy, and DeviceArray indexing gives views; index the host copy (to_host()[key]) instead")
-        ellipses = [i for i, k in enumerate(key) if k is Ellipsis]  # by identity: NumPy scalars compare elementwise
-        if len(ellipses) > 1:
-            raise IndexError("an index can only have a single ellipsis ('...')")
-        if ellipses:
-            i = ellipses[0]
-            key = key[:i] + (slice(None),) * (self.ndim - (len(key) - 1)) + key[i + 1:]
-        if len(key) > self.ndim:
-            raise IndexError(f"too many indices: array is {self.ndim}-dimensional, got {len(key)}")
-        shape, strides, offset = [], [], self._offset
-        for d, k in enumerate(key):
-            n, s = self._shape[d], self._strides[d]
-            if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
-                k = int(k)
-                if not -n <= k < n:
-                    raise IndexError(f"index {k} is out of bounds for axis {d} with size {n}")
-                offset += (k % n) * s
-            elif isinstance(k, slice):
-                start, stop, step = k.indices(n)
-                if step <= 0:
-                    raise InvalidArgument("key", "negative slice steps are not supported: CANN views take "
-                                                 "non-negative strides")
-                length = max(0, (stop - start + step - 1) // step)
-                offset += start * s if length else 0
-                shape.append(length)
-                strides.append(s * step)
-            elif k is None:
+        for k in key if isinstance(key, tuple) else (key,):
+            if k is None:
                 raise InvalidArgument("key", "None (np.newaxis) is not supported: use reshape() to add an axis")
-            else:
+            if isinstance(k, slice) and k.step is not None and k.step < 0:
+                raise InvalidArgument("key", "negative slice steps are not supported: CANN views take non-negative "
+                                             "strides")
+            if isinstance(k, (DeviceArray, np.ndarray, list)) or hasattr(k, "__array__") and not isinstance(
+                    k, np.generic):
+                raise InvalidArgument("key", "fancy (integer-array) and boolean indexing are not supported on a "
+                                             "DeviceArray: they copy, and DeviceArray indexing gives views; index the "
+                                             "host copy (to_host()[key]) instead")
+            if not (k is Ellipsis or isinstance(k, (slice, int, np.integer))) or isinstance(k, (bool, np.bool_)):
                 raise InvalidArgument("key", f"only ints, slices and '...' index a DeviceArray, got {type(k).__name__}")
-        shape += self._shape[len(key):]
-        strides += self._strides[len(key):]
-        return DeviceArray(alloc, tuple(shape), self._dtype, tuple(strides), offset)
+        # NumPy's own basic indexing, on an array that only describes the view (nothing is
+        # read); a leading axis of one keeps every result an array, never a scalar.
+        item = self._dtype.itemsize
+        whole = np.lib.stride_tricks.as_strided(np.empty(1, f"V{item}"), (1, *self._shape), (item, *self.strides))
+        view = whole[(slice(None), *(key if isinstance(key, tuple) else (key,)))]
+        moved = view.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
+        return DeviceArray(alloc, view.shape[1:], self._dtype, tuple(n // item for n in view.strides[1:]),
+                           self._offset + moved // item)
 
     # -- copies
 
@@ -394,23 +377,12 @@ class DeviceArray:
     def reshape(self, *shape: Any) -> DeviceArray:
         """The same elements in another shape (one entry may be -1). A view of the same memory
         when the array is C-contiguous; otherwise a contiguous copy (see :meth:`copy`)."""
-        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
-            shape = tuple(shape[0])
-        size, dims = self.size, list(shape)
-        unknown = [i for i, d in enumerate(dims) if isinstance(d, (int, np.integer)) and int(d) == -1]
-        if len(unknown) > 1:
-            raise InvalidArgument("shape", "can only have one -1 entry")
-        if unknown:
-            known = 1
-            for i, d in enumerate(dims):
-                if i != unknown[0]:
-                    known *= _args.int64("shape", d, lo=0)
-            if known == 0 or size % known:
-                raise InvalidArgument("shape", f"cannot infer the -1 entry of {tuple(shape)} from {size} elements")
-            dims[unknown[0]] = size // known
-        shp = _args.shape("shape", dims)
-        if int(np.prod(shp, dtype=np.int64)) != size:
-            raise InvalidArgument("shape", f"{shp} has {int(np.prod(shp, dtype=np.int64))} elements, the array {size}")
+        try:  # NumPy's rules, on an array of zero strides that holds nothing
+            shp = np.lib.stride_tricks.as_strided(np.empty(1, np.uint8), self._shape, (0,) * self.ndim).reshape(
+                *shape).shape
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument("shape", f"must hold the array's {self.size} elements, with at most one -1 "
+                                           f"entry, got {shape} ({exc})") from None
         base = self if self.is_contiguous else self.copy()
         return DeviceArray(base.allocation(), shp, self._dtype, _contiguous_strides(shp), base._offset)
 
@@ -680,16 +652,6 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
 
 _NO_OWNER = object()  # what a borrowed allocation without an owner keeps (it marks the memory borrowed)
 
-# torch's dtype names -> NumPy dtypes (torch itself is never imported here).
-_TORCH_DTYPES = {
-    "torch.float16": np.dtype(np.float16), "torch.bfloat16": np.dtype(bfloat16), "torch.float32": np.dtype(np.float32),
-    "torch.float64": np.dtype(np.float64), "torch.int8": np.dtype(np.int8), "torch.uint8": np.dtype(np.uint8),
-    "torch.int16": np.dtype(np.int16), "torch.int32": np.dtype(np.int32), "torch.int64": np.dtype(np.int64),
-    "torch.bool": np.dtype(np.bool_), "torch.complex64": np.dtype(np.complex64),
-    "torch.complex128": np.dtype(np.complex128),
-}
-
-
 def from_torch(tensor: Any) -> DeviceArray:
     """A DeviceArray viewing a torch_npu tensor's device memory: no copy, same shape, strides,
     storage offset and dtype, on the tensor's device. The tensor is kept alive as long as the
@@ -705,9 +667,11 @@ def from_torch(tensor: Any) -> DeviceArray:
     if where.type != "npu":
         raise InvalidArgument("tensor", f"is on {where}, not an NPU: from_torch wraps torch_npu tensors; pass "
                                         "host tensors to moe_init_routing_v2_grad or to_device directly")
-    dt = _TORCH_DTYPES.get(str(tensor.dtype))
-    if dt is None:
-        raise InvalidArgument("tensor", f"has dtype {tensor.dtype}, which CANN's tensors here do not take")
+    try:  # torch's dtype names are NumPy's (bfloat16: ml_dtypes')
+        dt = np.dtype(str(tensor.dtype).rpartition(".")[2])
+        acl_data_type(dt)
+    except (InvalidArgument, TypeError):
+        raise InvalidArgument("tensor", f"has dtype {tensor.dtype}, which CANN's tensors here do not take") from None
     return from_pointer(int(tensor.untyped_storage().data_ptr()), tuple(int(n) for n in tensor.shape), dt,
                         tuple(int(s) * dt.itemsize for s in tensor.stride()),  # torch's are in elements
                         int(tensor.storage_offset()), owner=tensor,

@@ -82,37 +82,37 @@ class AclTensor:
     @property
     def view_shape(self) -> tuple[int, ...]:
         """aclGetViewShape."""
-        return aclnn.tensor_view_shape(self.core().handle)
+        return aclnn.tensor_query(self.core().handle, "ViewShape")  # type: ignore[no-any-return]
 
     @property
     def view_strides(self) -> tuple[int, ...]:
         """aclGetViewStrides (elements)."""
-        return aclnn.tensor_view_strides(self.core().handle)
+        return aclnn.tensor_query(self.core().handle, "ViewStrides")  # type: ignore[no-any-return]
 
     @property
     def view_offset(self) -> int:
         """aclGetViewOffset (elements)."""
-        return aclnn.tensor_view_offset(self.core().handle)
+        return aclnn.tensor_query(self.core().handle, "ViewOffset")  # type: ignore[no-any-return]
 
     @property
     def storage_shape(self) -> tuple[int, ...]:
         """aclGetStorageShape."""
-        return aclnn.tensor_storage_shape(self.core().handle)
+        return aclnn.tensor_query(self.core().handle, "StorageShape")  # type: ignore[no-any-return]
 
     @property
     def data_type(self) -> int:
         """aclGetDataType: the aclDataType code."""
-        return aclnn.tensor_data_type(self.core().handle)
+        return aclnn.tensor_query(self.core().handle, "DataType")  # type: ignore[no-any-return]
 
     @property
     def format(self) -> int:
         """aclGetFormat: the aclFormat code."""
-        return aclnn.tensor_format(self.core().handle)
+        return aclnn.tensor_query(self.core().handle, "Format")  # type: ignore[no-any-return]
 
     @property
     def raw_address(self) -> int:
         """aclGetRawTensorAddr: the storage base address CANN holds."""
-        return aclnn.tensor_raw_addr(self.core().handle)
+        return aclnn.tensor_query(self.core().handle, "RawTensorAddr")  # type: ignore[no-any-return]
 
     def rebound(self, array: DeviceArray) -> None:
         """Point the wrapper at ``array`` after CANN was told its new address (a plan's rebind)."""

@@ -97,7 +97,7 @@ def test_every_bindings_wrapper_checks_its_status(device):
     arr = pm.to_device(np.zeros((8, 4), np.float32))
     with pm.AclTensor(arr) as t:
         h = t.core().handle
-        assert aclnn.tensor_raw_addr(h) == arr.data_ptr and aclnn.tensor_view_shape(h) == (8, 4)
+        assert aclnn.tensor_query(h, "RawTensorAddr") == arr.data_ptr and aclnn.tensor_query(h, "ViewShape") == (8, 4)
         size, ex = pm.get_workspace_size(t, pm.to_device(np.arange(8, dtype=np.int32)), 2, 0, 0,
                                          pm.empty((4, 4), np.float32))
         with pytest.raises(pm.AclnnError) as info:

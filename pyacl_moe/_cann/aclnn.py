@@ -16,12 +16,8 @@ from . import declare, loader
 from .acl import Handle, StreamHandle, interrupts_deferred
 from .errcheck import check, null_result
 
-__all__ = [
-    "ExecutorHandle", "TensorDesc", "TensorHandle", "bound_launch", "create_tensor", "get_workspace_size",
-    "launch", "set_input_addr", "set_output_addr", "set_repeatable", "tensor_data_type",
-    "tensor_format", "tensor_raw_addr", "tensor_storage_shape", "tensor_view_offset", "tensor_view_shape",
-    "tensor_view_strides",
-]
+__all__ = ["ExecutorHandle", "TensorDesc", "TensorHandle", "bound_launch", "create_tensor", "get_workspace_size",
+           "launch", "set_input_addr", "set_output_addr", "set_repeatable", "tensor_query"]
 
 _ffi = declare.ffi
 _NULL = declare.NULL
@@ -45,13 +41,9 @@ class TensorDesc:
     def __init__(self, shape: Sequence[int], dtype: int, strides: Sequence[int], offset: int,
                  storage_shape: Sequence[int]) -> None:
         arr = declare.ctype("int64_t[]")
-        self.dims = _ffi.new(arr, list(shape) or [0])
-        self.ndim = len(shape)
-        self.dtype = dtype
-        self.strides = _ffi.new(arr, list(strides) or [0])
-        self.offset = offset
-        self.sdims = _ffi.new(arr, list(storage_shape) or [0])
-        self.sndim = len(storage_shape)
+        self.dims, self.ndim, self.dtype = _ffi.new(arr, list(shape) or [0]), len(shape), dtype
+        self.strides, self.offset = _ffi.new(arr, list(strides) or [0]), offset
+        self.sdims, self.sndim = _ffi.new(arr, list(storage_shape) or [0]), len(storage_shape)
 
 
 class TensorHandle(Handle):
@@ -69,59 +61,28 @@ def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> Non
         raise null_result("aclCreateTensor")
 
 
-def _int64_list(getter: Any, api: str, h: TensorHandle) -> tuple[int, ...]:
+# aclGet<what>: the C type it fills (None: an int64 array CANN allocates, the caller frees).
+_GETTERS = {"ViewShape": None, "ViewStrides": None, "StorageShape": None, "ViewOffset": "int64_t *",
+            "DataType": "aclDataType *", "Format": "aclFormat *", "RawTensorAddr": "void **"}
+_libc: list[Any] = []  # the process's own C library (free), opened at the first use
+
+
+def tensor_query(h: TensorHandle, what: str) -> Any:
+    """``aclGet<what>`` of a tensor (``what``: a key of the table above), as Python ints."""
+    api = "aclGet" + what
+    fn, ctype = getattr(loader.libs().nn, api), _GETTERS[what]
+    if ctype is not None:
+        v = _ffi.new(declare.ctype(ctype))
+        check(fn(h._slot[0], v), api)
+        return int(_ffi.cast(declare.ctype("uintptr_t"), v[0])) if what == "RawTensorAddr" else int(v[0])
     arr, n = _ffi.new(declare.ctype("int64_t **")), _ffi.new(declare.ctype("uint64_t *"))
-    check(getter(h._slot[0], arr, n), api)
+    check(fn(h._slot[0], arr, n), api)
     try:
         return tuple(int(arr[0][i]) for i in range(n[0]))
     finally:
-        # CANN hands the array to the caller; the C library's free releases it.
-        _libc_free(arr[0])
-
-
-_libc: list[Any] = []
-
-
-def _libc_free(ptr: Any) -> None:
-    if not _libc:
-        _libc.append(_ffi.dlopen(None))
-    _libc[0].free(ptr)
-
-
-def tensor_view_shape(h: TensorHandle) -> tuple[int, ...]:
-    return _int64_list(loader.libs().nn.aclGetViewShape, "aclGetViewShape", h)
-
-
-def tensor_view_strides(h: TensorHandle) -> tuple[int, ...]:
-    return _int64_list(loader.libs().nn.aclGetViewStrides, "aclGetViewStrides", h)
-
-
-def tensor_storage_shape(h: TensorHandle) -> tuple[int, ...]:
-    return _int64_list(loader.libs().nn.aclGetStorageShape, "aclGetStorageShape", h)
-
-
-def tensor_view_offset(h: TensorHandle) -> int:
-    v = _ffi.new(declare.ctype("int64_t *"))
-    check(loader.libs().nn.aclGetViewOffset(h._slot[0], v), "aclGetViewOffset")
-    return int(v[0])
-
-
-def tensor_data_type(h: TensorHandle) -> int:
-    v = _ffi.new(declare.ctype("aclDataType *"))
-    check(loader.libs().nn.aclGetDataType(h._slot[0], v), "aclGetDataType")
-    return int(v[0])
-
-
-def tensor_format(h: TensorHandle) -> int:
-    v = _ffi.new(declare.ctype("aclFormat *"))
-    check(loader.libs().nn.aclGetFormat(h._slot[0], v), "aclGetFormat")
-    return int(v[0])
-
-
-def tensor_raw_addr(h: TensorHandle) -> int:
-    v = _ffi.new(declare.ctype("void **"))
-    check(loader.libs().nn.aclGetRawTensorAddr(h._slot[0], v), "aclGetRawTensorAddr")
-    return int(_ffi.cast(declare.ctype("uintptr_t"), v[0]))
+        if not _libc:
+            _libc.append(_ffi.dlopen(None))
+        _libc[0].free(arr[0])  # CANN hands the array to the caller; the C library's free releases it
 
 
 # ---------------------------------------------------------------------------- executors
