@@ -204,8 +204,7 @@ class Device:
 
     def check(self) -> None:
         """Raise ClosedError if the device was closed, its fault if it is faulted."""
-        if not self.context.open:
-            raise ClosedError(f"device {self._id}", _closed_reason())
+        self.check_open()
         if self.fault is not None:
             raise self.fault_error()
 
@@ -224,7 +223,7 @@ class Device:
         return error_for(status, api, f"{message}\n  (device {self._id} is faulted since {where} learned of it: "
                                       "every launch, copy, wait and read on it raises this until Device.reset())")
 
-    def activate(self) -> None:
+    def activate(self) -> None:  # (set_current returns the device)
         """Make this device current on the calling thread."""
         self.check_open()
         acl.use_context(self.context)
@@ -232,8 +231,7 @@ class Device:
 
     def set_current(self) -> Device:
         """Make this device the calling thread's current device; returns self."""
-        self.activate()
-        return self
+        return self.activate() or self
 
     @property
     def default_stream(self) -> Any:
@@ -532,39 +530,25 @@ class Device:
         for s in self.holders(STREAMS):
             s.shut()  # (under its lock: launches in progress end first)
         known = self.fault
-        try:
-            self.wait_all(where)
-        except AclError as exc:
-            errors.append(exc)
+        _noting(errors, self.wait_all, where)
         if self.fault is not known:  # this wait learned of a fault: the close reports it
             errors.append(self.fault_error())
-            try:
-                acl.synchronize_device()  # CANN reported and cleared it: now wait for what is left
-            except AclError:
-                pass
-        for rank in (STREAMS, EVENTS):  # (plans, executors and tensors are host objects: they go with their owners)
-            for holder in self.holders(rank):
-                try:
-                    check(self.release(holder), holder.API)
-                except AclError as exc:
-                    errors.append(exc)
+            _noting([], acl.synchronize_device)  # CANN reported and cleared it: wait for what is left
+        # (plans, executors and tensors are host objects: they go with their owners)
+        for holder in self.holders(STREAMS) + self.holders(EVENTS):
+            _noting(errors, lambda h: check(self.release(h), h.API), holder)
         with self.free_lock:
             with self.lock:
                 blocks = list(self._blocks)
             errors += _freed(blocks, self)
         if ctx.alive:
-            try:
-                acl.reset_device(ctx)
-            except AclError as exc:
-                errors.append(exc)
+            _noting(errors, acl.reset_device, ctx)
         with self.lock:
             self._blocks, self._idle = {}, {}
         return errors
 
     def __enter__(self) -> Device:
-        saved = getattr(_tls, "saved", None)
-        if saved is None:
-            saved = _tls.saved = []
+        saved = _tls.__dict__.setdefault("saved", [])
         saved.append(getattr(_tls, "device", None))
         try:
             self.activate()
@@ -581,17 +565,24 @@ class Device:
             previous.activate()
 
 
+def _noting(errors: list[BaseException], fn: Any, *args: Any) -> None:
+    """``fn(*args)``, CANN's error appended to ``errors`` rather than raised."""
+    try:
+        fn(*args)
+    except AclError as exc:
+        errors.append(exc)
+
+
 def _freed(blocks: list[Block], device: Device) -> list[BaseException]:
     # (the device's free_lock held, so each handle is released once; a loop under a lock is a
     # function of its own: ARCHITECTURE.md) The errors CANN reported.
     errors: list[BaseException] = []
     for block in blocks:
-        try:
-            check(block.handle.release(), block.handle.API)
-        except AclError as exc:
-            errors.append(exc)
-            continue
-        device.forget_block(block)
+        status = block.handle.release()
+        if status:
+            _noting(errors, check, status, block.handle.API)
+        else:
+            device.forget_block(block)
     return errors
 
 
