@@ -36,10 +36,11 @@ _dead: collections.deque[Token] = collections.deque()
 _lock = threading.Lock()  # one collector at a time: guards the left end of _dead
 
 
-def track(owner: Any, device: Any, what: Any) -> Token:
-    """A token for ``owner``: once it is gone, ``device.drop`` receives ``what``. The caller
-    keeps the token alive where the device finds it (a token nothing refers to never fires)."""
-    token = Token(owner, _dead.append)
+def track(owner: Any, device: Any, what: Any, queue: collections.deque[Token] | None = None) -> Token:
+    """A token for ``owner``: once it is gone, ``device.drop`` receives ``what`` (or, with
+    ``queue``, the token goes there: the device's dead blocks, which its allocator takes). The
+    caller keeps the token alive where the device finds it (one nothing refers to never fires)."""
+    token = Token(owner, (_dead if queue is None else queue).append)
     token.device, token.what, token.tries = device, what, 0
     return token
 

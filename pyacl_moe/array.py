@@ -23,9 +23,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import _args, _lifetime
+from . import _args
 from ._cann import acl, aclnn, declare
-from .device import Allocation, Device, is_pinned, pinned_block, resolve_device
+from .device import Allocation, Device, collect, is_pinned, pinned_block, resolve_device
 from .errors import ClosedError, InvalidArgument
 from .host import host_view
 from .stream import Stream, StreamState, resolve_stream, thread_current
@@ -394,7 +394,7 @@ class DeviceArray:
         alloc = self.allocation()
         if not self.is_contiguous:
             return to_device(self.to_host(stream), stream=stream, device=alloc.device)
-        out = empty(self._shape, self._dtype, alloc.device)
+        out = empty(self._shape, self._dtype, alloc.device, stream)
         n = self.nbytes
         if n:
             given = _given(stream, alloc.device)
@@ -450,7 +450,7 @@ class DeviceArray:
         """Drop this array's hold on the memory; it goes back once no array views it and no
         queued work uses it. Safe twice."""
         self.alloc = None
-        _lifetime.collect()
+        collect()
 
     def __enter__(self) -> DeviceArray:
         return self
@@ -492,7 +492,7 @@ def wait_for(state: StreamState) -> None:
     """Wait for ``state`` and what it was ordered after through events (a device-wide wait
     then); raises the device's fault if any wait learned of one."""
     dev = state.device
-    _lifetime.collect()
+    collect()
     state.synchronize(closing=True)  # (a stream another thread is closing still runs what it took)
     if state.after_events:
         dev.wait_all(f"a read on {state!r}")
@@ -570,21 +570,22 @@ def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...
     return (layout, n, _layout_id(layout), acl_data_type(dtype))
 
 
-def empty_from(made: Sequence[tuple[Any, ...]], device: Device) -> list[DeviceArray]:
+def empty_from(made: Sequence[tuple[Any, ...]], device: Device, home: StreamState | None) -> list[DeviceArray]:
     """New contiguous DeviceArrays of :func:`contiguous_layout` s (one call's outputs: nothing is
-    computed again), their memory taken at once."""
-    allocs = device.allocate([m[1] for m in made])
+    computed again), their memory taken at once for work on stream ``home``."""
+    allocs = device.allocate([m[1] for m in made], home)
     return [DeviceArray(a, m[0][0], m[0][1], m[0][2], 0, (m[2], m[3], m[1])) for a, m in zip(allocs, made)]
 
 
-def empty(shape: Any, dtype: Any, device: Device | int | None = None) -> DeviceArray:
-    """A new contiguous DeviceArray with uninitialized contents."""
+def empty(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
+    """A new contiguous DeviceArray with uninitialized contents, for work on ``stream`` (default:
+    the thread's current stream): memory that stream let go of may be taken at once."""
     shp = _args.shape("shape", shape)
     dt = _dtype(dtype)
     _args.nbytes("shape", shp, dt.itemsize)
-    dev = resolve_device(device)
-    _lifetime.collect()
-    return empty_from([contiguous_layout(shp, dt)], dev)[0]
+    dev = resolve_device(device) if device is not None or stream is None else stream.device
+    collect()
+    return empty_from([contiguous_layout(shp, dt)], dev, _given(stream, dev) or dev.default_stream.state)[0]
 
 
 def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
@@ -592,7 +593,7 @@ def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: St
     stream inside ``with stream:``; else waited for)."""
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
-    arr = empty(shape, dtype, device if device is not None or stream is None else stream.device)
+    arr = empty(shape, dtype, device, stream)
     arr.fill(0, stream)
     return arr
 
@@ -608,7 +609,7 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
     dev = resolve_device(device) if device is not None or stream is None else stream.device
-    out = empty(host.shape, host.dtype, dev)
+    out = empty(host.shape, host.dtype, dev, stream)
     alloc = out.allocation()
     _copy_in(alloc, alloc.ptr, host, _given(stream, dev))
     return out

@@ -19,6 +19,7 @@ aclFinalize comes only at exit: CANN 8.1.RC1 allows one aclInit per process.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import os
 import sys
@@ -33,8 +34,9 @@ from ._cann import acl
 from ._cann.errcheck import check
 from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument, error_for
 
-__all__ = ["Allocation", "Device", "Holder", "acl_version", "calling", "current_device", "device_count",
-           "empty_cache", "is_fault", "is_pinned", "memory_stats", "open_devices", "pinned_empty", "resolve_device", "set_caching", "soc_name"]
+__all__ = ["Allocation", "Device", "Holder", "acl_version", "calling", "collect", "current_device", "device_count",
+           "empty_cache", "is_fault", "is_pinned", "memory_stats", "open_devices", "pinned_empty", "resolve_device",
+           "set_caching", "soc_name"]
 
 _ROUND = 512  # CANN aligns blocks to at least this; rounding makes sizes meet in the caches
 _OOM = (207001, 207018)  # ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_DEVICE_OOM
@@ -72,15 +74,21 @@ class Holder:
 
 class Block:
     """One block of device (or pinned host) memory: idle in its device's cache, or behind the
-    Allocation whose token it keeps. Its fields are guarded by the device's lock."""
+    Allocation whose token it keeps. Its fields are guarded by the device's lock.
 
-    __slots__ = ("handle", "size", "pinned", "ptr", "token", "idle", "cached")
+    A device block is *homed* on the stream it was taken for: once its Allocation is gone, that
+    stream may take it again at once (its later work runs after the work that used it), any
+    other once the home's work queued until then (point ``since``) is known complete. Memory
+    used on another stream than its home is held there, alive, until that work is complete."""
+
+    __slots__ = ("handle", "size", "pinned", "ptr", "token", "idle", "home", "since")
 
     def __init__(self, handle: acl.Handle, size: int, pinned: bool) -> None:
         self.handle, self.size, self.pinned, self.ptr = handle, size, pinned, 0
         self.token: _lifetime.Token | None = None
         self.idle = False
-        self.cached = True  # back to the cache when its Allocation goes (False: freed, empty_cache's)
+        self.home: Any = None  # the StreamState it was taken for (None: free for any, pinned memory)
+        self.since = 0  # the home's point when it went idle
 
 
 class Allocation:
@@ -111,6 +119,7 @@ class _Process:
 
     lock = threading.RLock()
     devices: dict[int, Device] = {}
+    live: tuple[Device, ...] = ()  # the open devices, published whole under lock (read without it)
     initialized = False  # aclInit done (by us or by someone else in the process)
     owns_init = False  # aclInit done by us: aclFinalize at exit is ours to call
     # Idle blocks kept for reuse: PYACL_MOE_CACHE_ALLOCATIONS (0 or 1, default 1), read when the
@@ -150,6 +159,7 @@ class Device:
                 dev._owned = {}
                 dev._start()
                 _Process.devices[did] = dev
+                _Process.live = tuple(_Process.devices.values())
             return dev
 
     def _start(self) -> None:
@@ -173,6 +183,9 @@ class Device:
         self.sync_lock, self.free_lock = threading.Lock(), threading.Lock()
         self.fault: tuple[int, str, str, str] | None = None  # (status, api, message, which wait learned it)
         self._blocks: dict[Block, None] = {}  # every block made and not yet freed
+        # Tokens of Allocations that are gone: their callback appends (a deque's append is
+        # thread-safe), the allocator takes them under ``lock``, peeking before it pops.
+        self.dead_blocks: collections.deque[_lifetime.Token] = collections.deque()
         self._idle: dict[tuple[bool, int], list[Block]] = {}  # (pinned, size) -> idle blocks, newest last
         self._counts = {"hits": 0, "misses": 0, "pinned_hits": 0, "pinned_misses": 0, "workspace_takes": 0}
         self.context = ctx
@@ -241,7 +254,7 @@ class Device:
 
     def mem_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device's memory (what the process dropped is freed first)."""
-        _lifetime.collect()
+        collect()
         self.activate()
         return acl.get_mem_info()
 
@@ -273,7 +286,7 @@ class Device:
             token = self._owned.get(holder)
         if token is not None and token() is None:
             check(self.release(holder), holder.API)
-        _lifetime.collect()
+        collect()
 
     def holders(self, rank: int) -> list[Any]:
         """The inventory's holders of one rank (STREAMS: the device's stream states)."""
@@ -281,13 +294,10 @@ class Device:
             return [h for h in self._owned if h.RANK == rank]
 
     def drop(self, tokens: Sequence[_lifetime.Token]) -> None:
-        """Tokens of owners that are gone (the safe point): recycle their blocks, release their
-        holders; one whose release must wait is handed to the next safe point. Taking a token
-        twice does nothing."""
+        """Tokens of owners that are gone (the safe point): release their holders; one whose
+        release must wait is handed to the next safe point. Taking a token twice does nothing."""
         with self.lock:
-            free, holders = self._dropped(tokens)
-        for block in free:
-            self._free(block)
+            holders = [t for t in tokens if self._owned.get(t.what) is t]
         for token in holders:
             status = token.what.dropped()
             if not status:
@@ -297,54 +307,71 @@ class Device:
                 token.tries += status != NOT_YET
                 _lifetime.retry(token)
 
-    def _dropped(self, tokens: Sequence[_lifetime.Token]) -> tuple[list[Block], list[_lifetime.Token]]:
-        # (lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-        free, holders = [], []
-        for token in tokens:
-            what = token.what
-            if isinstance(what, Block):
-                if what.token is token and what in self._blocks and self._recycle(what):
-                    free.append(what)
-            elif self._owned.get(what) is token:
-                holders.append(token)
-        return free, holders
-
     # -- memory
 
-    def allocate(self, sizes: Sequence[int], pinned: bool = False, owners: Sequence[Any] | None = None
-                 ) -> list[Allocation]:
-        """New memory of each size in bytes: an idle block of the same rounded size (no call to
-        CANN), else aclrtMalloc (aclrtMallocHost when ``pinned``). A block goes back to the
-        cache once its Allocation (or, for pinned memory, ``owners[i]``) is gone."""
+    def allocate(self, sizes: Sequence[int], home: Any = None, pinned: bool = False,
+                 owners: Sequence[Any] | None = None) -> list[Allocation]:
+        """New memory of each size in bytes for work on stream ``home`` (a StreamState): an
+        idle block of the same rounded size that is free for it (no call to CANN), else
+        aclrtMalloc (aclrtMallocHost when ``pinned``: free blocks only, homed on no stream, the
+        host writes them directly). A block goes back to the cache once its Allocation (or,
+        for pinned memory, ``owners[i]``) is gone."""
         allocs = [Allocation(self, n) for n in sizes]
-        tokens = [_lifetime.track(o, self, None) for o in (owners or allocs)]
+        tokens = [_lifetime.track(o, self, None, self.dead_blocks) for o in (owners or allocs)]
         with self.lock:
             self.check_open()
-            missing = self._take(allocs, tokens, pinned)
+            self._reap()
+            missing = self._take(allocs, tokens, pinned, home)
         for i in missing:
-            self._malloc(allocs[i], tokens[i], pinned)
+            self._malloc(allocs[i], tokens[i], pinned, home)
+        if not _Process.caching[0]:
+            self.trim()  # what went idle is freed, not kept
         return allocs
 
-    def _take(self, allocs: list[Allocation], tokens: list[_lifetime.Token], pinned: bool) -> list[int]:
-        # (lock held; a loop under a lock is a function of its own) Idle blocks for what fits
-        # one; the positions of the rest.
+    def reap(self) -> None:
+        """Take the blocks of Allocations that are gone (a safe point does, and every
+        allocation); with caching off, free them."""
+        with self.lock:
+            self._reap()
+        if not _Process.caching[0]:
+            self.trim()
+
+    def _reap(self) -> None:
+        # (lock held; a loop under a lock is a function of its own) The blocks of Allocations
+        # that are gone go idle, each with its home's point: peeked, then popped, so that one
+        # an interrupt cut short is taken again (taking one twice does nothing).
+        dead = self.dead_blocks
+        batch = [dead[i] for i in range(len(dead))]
+        for token in batch:
+            block = token.what
+            if isinstance(block, Block) and block.token is token and block in self._blocks:
+                block.token, block.idle = None, True
+                if block.home is not None:
+                    block.since = block.home.mark()  # (the stream's lock, inside the device's)
+                self._idle.setdefault((block.pinned, block.size), []).append(block)
+        for _ in batch:
+            dead.popleft()
+
+    def _take(self, allocs: list[Allocation], tokens: list[_lifetime.Token], pinned: bool, home: Any) -> list[int]:
+        # (lock held; a loop under a lock is a function of its own) Idle blocks free for
+        # ``home`` for what fits one, newest first; the positions of the rest.
         missing = []
-        hits = "pinned_hits" if pinned else "hits"
         for i, a in enumerate(allocs):
-            idle = self._idle.get((pinned, _rounded(a.nbytes)))
-            if not idle:
+            idle = self._idle.get((pinned, _rounded(a.nbytes)), ())
+            block = next((b for b in reversed(idle) if b.home is home or _free_for_any(b)), None)  # type: ignore[call-overload]
+            if block is None:
                 missing.append(i)
                 continue
-            block = idle.pop()
-            block.idle, block.token, tokens[i].what = False, tokens[i], block
+            idle.remove(block)  # type: ignore[union-attr]
+            block.idle, block.token, block.home, tokens[i].what = False, tokens[i], home, block
             a.block, a.ptr = block, block.ptr
-            self._counts[hits] += 1
+            self._counts["pinned_hits" if pinned else "hits"] += 1
         return missing
 
-    def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool) -> None:
+    def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
         ctx = self.context
         block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), _rounded(alloc.nbytes), pinned)
-        block.token, token.what = token, block
+        block.token, block.home, token.what = token, home, block
         with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
             self.check_open()
             self._blocks[block] = None
@@ -368,38 +395,11 @@ class Device:
         alloc.block, alloc.ptr = block, block.ptr
 
     def give_back(self, allocs: Sequence[Allocation]) -> None:
-        """Return the blocks of allocations nothing uses any more (their queued work is known
-        complete and no array views them: the NumPy call's own) to the cache now."""
+        """Return the blocks of allocations nothing uses any more (no array views them and the
+        work that used them is known complete: the NumPy call's own) to the cache now, free
+        for any stream."""
         with self.lock:
-            free = self._give(allocs)
-        for block in free:
-            self._free(block)
-
-    def _give(self, allocs: Sequence[Allocation]) -> list[Block]:
-        # (lock held; a loop under a lock is a function of its own)
-        free = []
-        for a in allocs:
-            block, a.block = a.block, None
-            if block is not None and block in self._blocks and self._recycle(block):
-                free.append(block)
-        return free
-
-    def _recycle(self, block: Block) -> bool:
-        """(lock held) ``block`` is no Allocation's any more: idle in the cache; True when it
-        is to be freed instead (caching off, device closing)."""
-        block.token = None
-        if not (_Process.caching[0] and self.context.open and block.cached):
-            return True
-        block.idle = True
-        self._idle.setdefault((block.pinned, block.size), []).append(block)
-        return False
-
-    def uncache(self, alloc: Allocation) -> None:
-        """Free ``alloc``'s block once it goes, rather than keep it (empty_cache's, for a
-        workspace queued work still uses)."""
-        with self.lock:
-            if alloc.block is not None:
-                alloc.block.cached = False
+            _give(allocs, self._idle)
 
     def _free(self, block: Block) -> None:
         """aclrtFree (or aclrtFreeHost) of a block no one uses. One CANN refuses stays a stray
@@ -420,10 +420,14 @@ class Device:
             self._blocks.pop(block, None)
 
     def _unused(self) -> list[Block]:
-        # (lock held; a loop under a lock is a function of its own)
-        self._idle = {}
-        unused = [b for b in self._blocks if b.token is None]
+        # (lock held; a loop under a lock is a function of its own) The idle blocks no queued
+        # work may still use, and the strays (neither idle nor any Allocation's).
+        self._reap()
+        unused = [b for b in self._blocks if b.token is None and (not b.idle or _free_for_any(b))]
         for b in unused:
+            idle = self._idle.get((b.pinned, b.size), [])
+            if b in idle:
+                idle.remove(b)
             b.idle = False
         return unused
 
@@ -432,12 +436,15 @@ class Device:
         idle blocks (an allocation that ran out of memory tries again after this)."""
         for s in self.holders(STREAMS):
             s.reclaim()
-        _lifetime.collect()
+        collect()
         self.trim()
 
     def stats(self) -> dict[str, int]:
         """The memory figures of memory_stats for this device."""
+        if not _Process.caching[0]:
+            self.trim()
         with self.lock:
+            self._reap()
             out = self._figures()
         held = [n for n in (s.workspace_size() for s in self.holders(STREAMS)) if n]
         out.update(workspace_blocks=len(held), workspace_bytes=sum(held))
@@ -466,7 +473,7 @@ class Device:
         """Wait for every stream of the device (aclrtSynchronizeDevice). Raises the device's
         fault (AclRuntimeError, e.g. 507015) if this or any earlier wait learned of one."""
         self.check()
-        _lifetime.collect()
+        collect()
         self.wait_all("Device.synchronize")
         self.check()
 
@@ -502,6 +509,7 @@ class Device:
             self._torn_down = True
             if _Process.devices.get(self._id) is self:
                 del _Process.devices[self._id]
+                _Process.live = tuple(_Process.devices.values())
         if errors:
             raise errors[0]
 
@@ -518,7 +526,7 @@ class Device:
     def _teardown(self, where: str) -> list[BaseException]:
         """(Process.lock held) Each step may be made again: a teardown an interrupt cut short is
         finished by the next (at the latest the exit hook's)."""
-        _lifetime.collect()  # what was dropped goes first (a release CANN refused is tried again)
+        collect()  # what was dropped goes first (a release CANN refused is tried again)
         ctx = self.context
         with self.lock:
             ctx.open = False  # no new work: every call checks it before it takes a lock
@@ -563,6 +571,37 @@ class Device:
             _tls.device = None  # the next call without a device picks device 0 again
         else:
             previous.activate()
+
+
+def collect() -> None:
+    """The safe point, called on entry by every call that allocates, synchronizes or closes:
+    what dropped owners held is released (:func:`pyacl_moe._lifetime.collect`), and the
+    blocks of Allocations that are gone go back to their devices' caches. Never waits for
+    queued work; never called with a lock of the runtime held."""
+    _lifetime.collect()
+    for dev in _Process.live:
+        if dev.dead_blocks:
+            dev.reap()
+
+
+def _free_for_any(block: Block) -> bool:
+    """Whether an idle block is free for any stream: no home, or its home's work queued before
+    it went idle is known complete, or the home is gone. (The device's lock held; the home's
+    lock taken inside it: the lock order.)"""
+    home = block.home
+    if home is None:
+        return True
+    with home.lock:
+        return home.done >= block.since or not home.live()
+
+
+def _give(allocs: Sequence[Allocation], idle: dict[tuple[bool, int], list[Block]]) -> None:
+    # (the device's lock held; a loop under a lock is a function of its own)
+    for a in allocs:
+        block, a.block = a.block, None
+        if block is not None and block.token is not None:
+            block.token, block.idle, block.home = None, True, None
+            idle.setdefault((block.pinned, block.size), []).append(block)
 
 
 def _noting(errors: list[BaseException], fn: Any, *args: Any) -> None:
@@ -691,7 +730,7 @@ def empty_cache(device: Device | int | None = None) -> None:
     for dev in [resolve_device(device)] if device is not None else open_devices():
         for s in dev.holders(STREAMS):
             s.empty()
-        _lifetime.collect()
+        collect()
         errors = dev.trim()
         if errors:
             raise errors[0]
@@ -708,9 +747,9 @@ class _PinnedBase:
 def pinned_block(device: Device, nbytes: int) -> np.ndarray:
     """A 1-D uint8 NumPy array over a pinned host block of at least ``nbytes`` (aclrtMallocHost),
     from the device's cache."""
-    _lifetime.collect()
+    collect()
     base = _PinnedBase()
-    alloc = device.allocate((nbytes,), pinned=True, owners=(base,))[0]
+    alloc = device.allocate((nbytes,), None, True, (base,))[0]
     base.__array_interface__ = {"version": 3, "shape": (nbytes,), "typestr": "|u1", "data": (alloc.ptr, False)}
     return np.asarray(base)
 

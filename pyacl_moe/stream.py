@@ -23,10 +23,10 @@ import collections
 import threading
 from typing import Any
 
-from . import _args, _lifetime
+from . import _args
 from ._cann import acl
 from ._cann.errcheck import check
-from .device import EVENTS, NOT_YET, STREAMS, Allocation, Device, Holder, calling, is_fault, resolve_device
+from .device import EVENTS, NOT_YET, STREAMS, Allocation, Device, Holder, calling, collect, is_fault, resolve_device
 from .errors import AclError, ClosedError, InvalidArgument
 
 __all__ = ["Event", "Stream", "StreamState", "current_stream", "resolve_stream", "thread_current"]
@@ -133,14 +133,14 @@ class StreamState:
         self.fence()
         return self.poll()
 
-    def _live(self) -> bool:
+    def live(self) -> bool:
         """Not destroyed, its device not reset: work queued on it may still run."""
         return (self.handle is None or bool(self.handle)) and self.ctx.alive
 
     def keep(self, what: Any) -> list[Any]:
         """:meth:`retire`, but nothing to keep on a stream that was destroyed (it ran
         everything) or whose device was reset."""
-        return self.retire(what) if self._live() else _NOTHING
+        return self.retire(what) if self.live() else _NOTHING
 
     def fenced(self) -> list[Any]:
         """After a held task: a fence every FENCE_EVERY points, and what the fences show done."""
@@ -248,17 +248,14 @@ class StreamState:
             ws = self.workspace
         if ws is not None and ws.nbytes >= nbytes:
             return
-        new = self.device.allocate((nbytes,))[0]
+        new = self.device.allocate((nbytes,), self)[0]
         self.device.count_workspace()
         with self.lock:
             self.check_open()
-            old = self.workspace
-            if old is not None and old.nbytes >= nbytes:
+            if self.workspace is not None and self.workspace.nbytes >= nbytes:
                 return  # another thread got there first (ours goes back)
-            done = self.keep(old) if old is not None else _NOTHING  # held before it is let go
-            self.workspace = new
-            self.plans = {}  # bound to the old block's address
-        del done
+            # The old block is homed here: this stream's later work runs after what used it.
+            self.workspace, self.plans = new, {}  # (the plans were bound to the old one's address)
 
     def workspace_size(self) -> int:
         with self.lock:
@@ -266,17 +263,12 @@ class StreamState:
 
     def empty(self) -> None:
         """empty_cache(): give up the cached executors and the workspace (freed once the work
-        queued so far has run)."""
+        queued so far has run, by a later empty_cache)."""
         if not self.ctx.open:
             return
         with self.lock:
-            ws = self.workspace
-        if ws is not None:
-            self.device.uncache(ws)  # (another thread may replace it meanwhile: that one is kept)
-        with self.lock:
-            idle = self._live() and _idle(self)  # nothing queued: all of it goes now
-            # (what queued work may still use is held before it is let go)
-            done = self._advance(self.point) if idle else self.keep(self.workspace) if self.workspace else self.poll()
+            # (the workspace is homed here: free for others once the work queued so far has run)
+            done = self._advance(self.point) if self.live() and _idle(self) else self.poll()
             cached, ws = self._drop_caches()
             self.events = _release_spare(self.events, self.spare)
             self.spare = []
@@ -328,7 +320,7 @@ class StreamState:
         with self.lock:
             self.closing = True
             try:
-                idle = not self._live() or _idle(self)
+                idle = not self.live() or _idle(self)
             except AclError as exc:
                 return exc.status
         return self.release() if idle else NOT_YET
@@ -381,7 +373,7 @@ class Stream:
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
-        _lifetime.collect()
+        collect()
         self.state = StreamState(dev, acl.StreamHandle(dev.context))
         self._is_default = False
         dev.own(self.state, self)  # owned before it exists; released once this object is gone
@@ -400,7 +392,7 @@ class Stream:
         dev = resolve_device(device)
         if address == 0:
             return dev.default_stream  # type: ignore[no-any-return]
-        _lifetime.collect()
+        collect()
         s = cls.__new__(cls)
         s.state, s._is_default = StreamState(dev, acl.BorrowedStreamHandle(dev.context, address), owner), False
         dev.own(s.state, s)
@@ -448,7 +440,7 @@ class Stream:
             timeout_ms = _args.int32("timeout_ms", timeout_ms, lo=-1)
         s = self.state
         s.device.check()
-        _lifetime.collect()
+        collect()
         s.synchronize(timeout_ms)
         s.device.check()
 
@@ -486,7 +478,7 @@ class Stream:
         s.shut()
         learned = s.synchronize(closing=True)
         check(s.device.release(s), "aclrtDestroyStream")
-        _lifetime.collect()
+        collect()
         if learned:
             raise s.device.fault_error()
 
@@ -548,7 +540,7 @@ class Event:
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
-        _lifetime.collect()
+        collect()
         core = _EventCore(dev)
         dev.own(core.holder, core)
         ctx = core.holder.handle.context

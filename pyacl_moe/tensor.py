@@ -8,10 +8,10 @@ AclTensor nor an executor built from it holds it (``close()`` drops the AclTenso
 
 from __future__ import annotations
 
-from . import _args, _lifetime
+from . import _args
 from ._cann import aclnn, declare
 from .array import DeviceArray
-from .device import TENSORS, Allocation, Holder
+from .device import TENSORS, Allocation, Holder, collect
 from .errors import ClosedError
 
 __all__ = ["AclTensor", "TensorCore"]
@@ -48,7 +48,7 @@ class AclTensor:
     def __init__(self, array: DeviceArray, fmt: int | None = None) -> None:
         _args.instance("array", array, DeviceArray, "a DeviceArray")
         code = declare.const("ACL_FORMAT_ND") if fmt is None else _args.int32("fmt", fmt)
-        _lifetime.collect()
+        collect()
         self._array = array
         self._core: TensorCore | None = None
         self._core = TensorCore(array, code)

@@ -126,7 +126,9 @@ def test_no_faulted_result_is_ever_returned_without_an_error(device):
         x, good, bad = pm.to_device(X), pm.to_device(GOOD), pm.to_device(BAD)
         errors: list[BaseException] = []
 
-        def worker(i: int) -> None:
+        def worker(i: int, round_: int = round_, streams: list[pm.Stream] = streams, x: pm.DeviceArray = x,
+                   good: pm.DeviceArray = good, bad: pm.DeviceArray = bad,
+                   errors: list[BaseException] = errors) -> None:
             rng = random.Random(round_ * 100 + i)
             try:
                 for n in range(ITERATIONS):

@@ -12,8 +12,8 @@ process is bound to a real CANN instead.
 
 from __future__ import annotations
 
-from .. import _lifetime
 from .._cann import aclemu, loader
+from ..device import collect
 from . import _releases
 from ._build import SRC_DIR, build, build_tree, cache_root
 from ._env import EmulatorConfigError, check_environment
@@ -120,7 +120,7 @@ def stats() -> dict[str, int]:
     """Live-object counters of the loaded emulator: allocations and bytes, streams, events,
     tensors, scalars, int arrays, executors, pending tasks, and cumulative figures. What the
     process dropped is released first, so the counters show what is really alive."""
-    _lifetime.collect()
+    collect()
     return aclemu.stats()
 
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import _args, _lifetime
+from .. import _args
 from .._cann import acl, aclnn, declare
 from .._cann.errcheck import check
 from ..array import DeviceArray, contiguous_layout, empty_from, host_array, wait_for
-from ..device import Allocation, Device, current_device
+from ..device import Allocation, Device, collect, current_device
 from ..errors import InvalidArgument
 from ..host import TORCH, host_view, in_family
 from ..stream import Stream, StreamState, resolve_stream, thread_current
@@ -230,8 +230,10 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         entry = memo.put(tuple(key), _checked(op, arrays, values), any(arrays[i] is not None
                                                                         for i in spec.output_positions))
     made, number, makes, given = entry
+    held = allocs  # what the launch keeps alive: not the outputs it makes, homed on its stream
     if makes:
-        _made(made, empty_from(makes, dev), arrays, allocs, firsts, len(spec.inputs))
+        held = allocs[:]
+        _made(made, empty_from(makes, dev, state), arrays, allocs, firsts, len(spec.inputs))
     if given and memo.apart != (number, firsts):
         # A given output must share no memory with another tensor. The outcome depends only on
         # the layouts and the addresses, so the last pair that passed is not checked again.
@@ -248,7 +250,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
                     acl.use_context(state.ctx)
                 if firsts != e.bound:
                     e.rebind(spec, firsts)
-                state.hold(allocs)
+                state.hold(held)
                 written(allocs[n_in:], state)
                 st = e.call()
                 if st:
@@ -259,7 +261,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             return arrays[n_in:]
     if workspace is not None:
         check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
-    _launch_cached(op, number, arrays, allocs, firsts, values, state, workspace)
+    _launch_cached(op, number, arrays, allocs, firsts, values, state, workspace, held)
     return arrays[n_in:]
 
 
@@ -297,14 +299,14 @@ def _device_of(spec: OpSpec, arrays: list[DeviceArray | None], workspace: Device
 
 
 def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], allocs: list[Allocation | None],
-                   firsts: list[int], values: tuple[Any, ...], state: StreamState,
-                   workspace: DeviceArray | None) -> None:
+                   firsts: list[int], values: tuple[Any, ...], state: StreamState, workspace: DeviceArray | None,
+                   held: list[Allocation | None]) -> None:
     """Every launch but the steady state's: the stream's executor for entry ``number`` (built
     here on a miss, outside the lock: another thread may add one meanwhile), the stream's
     workspace (or the caller's), then the launch under the stream's lock."""
     spec, dev = op.spec, state.device
     dev.check()
-    _lifetime.collect()
+    collect()
     built: _Cached | None = None
     while True:
         with state.lock:
@@ -331,7 +333,7 @@ def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], a
             if firsts != e.bound:
                 e.rebind(spec, firsts)
             acl.use_context(state.ctx)
-            state.hold((allocs, ws))
+            state.hold((held, ws))
             written(allocs[len(spec.inputs):], state)
             if workspace is not None:
                 check(aclnn.bound_launch(spec.api, workspace.address, e.size, e.core.handle, state.handle)(), spec.api)
@@ -365,7 +367,7 @@ def _run_unchecked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[
         want = sizes[name]
         if arrays[i] is None and want is not None:
             _args.nbytes(name, want[0], want[1].itemsize)  # what the attributes size must be addressable
-            arrays[i] = empty_from([contiguous_layout(*want)], dev)[0]
+            arrays[i] = empty_from([contiguous_layout(*want)], dev, state)[0]
     named = dict(zip(spec.tensors, arrays))
     size, executor = first_phase(spec, named, attrs, dev)
     try:
@@ -424,7 +426,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     layouts = [contiguous_layout(v.shape, v.dtype) for v in views.values()]
     outs = [wanted[n] for n in spec.outputs]
     layouts += [contiguous_layout(*w) for w in outs if w is not None]
-    arrays = empty_from(layouts, dev)
+    arrays = empty_from(layouts, dev, state)
     n_in = len(spec.inputs)
     ins = arrays[:n_in]
     state.enqueue_all(views, [(acl.memcpy_async, (a.span[0], v.nbytes, v.ctypes.data, v.nbytes, _H2D))

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _args, _contract, _lifetime
+from .. import _args, _contract
 from .._cann import acl, aclnn
 from ..array import DeviceArray
-from ..device import EXECUTORS, Allocation, Device, Holder, calling, current_device
+from ..device import EXECUTORS, Allocation, Device, Holder, calling, collect, current_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
 from ..stream import Stream, StreamState, resolve_stream
@@ -101,7 +101,7 @@ def first_phase(spec: OpSpec, given: Mapping[str, AclTensor | DeviceArray | None
             raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
         tensors[name] = value
     dev = device_of({n: t.array for n, t in tensors.items() if t is not None}, device)
-    _lifetime.collect()
+    collect()
     core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
     return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
 

@@ -18,11 +18,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from .. import _args, _lifetime
+from .. import _args
 from .._cann import acl, aclnn
 from .._cann.errcheck import check
 from ..array import DeviceArray, empty, may_overlap
-from ..device import PLANS, Allocation, Device
+from ..device import PLANS, Allocation, Device, collect
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream, thread_current
 from ..tensor import AclTensor
@@ -155,7 +155,7 @@ class Plan:
 
     def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
                  repeatable: bool) -> None:
-        _lifetime.collect()
+        collect()
         c = _PlanCore()
         c.lock, c.spec, c.device, c.ctx = threading.Lock(), self._spec, device, device.context
         c.arrays = dict(arrays)
@@ -359,7 +359,7 @@ class Plan:
             c.closed = True  # nothing of the parent's to release (and its locks may be held)
             return
         check(c.device.release(c), "aclDestroyAclOpExecutor")
-        _lifetime.collect()
+        collect()
 
     def __repr__(self) -> str:
         c = getattr(self, "_c", None)
