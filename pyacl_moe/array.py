@@ -573,8 +573,12 @@ def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...
 def empty_from(made: Sequence[tuple[Any, ...]], device: Device, home: StreamState | None) -> list[DeviceArray]:
     """New contiguous DeviceArrays of :func:`contiguous_layout` s (one call's outputs: nothing is
     computed again), their memory taken at once for work on stream ``home``."""
-    allocs = device.allocate([m[1] for m in made], home)
-    return [DeviceArray(a, m[0][0], m[0][1], m[0][2], 0, (m[2], m[3], m[1])) for a, m in zip(allocs, made)]
+    sizes, out = [], []
+    for m in made:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
+        sizes.append(m[1])
+    for a, m in zip(device.allocate(sizes, home), made):
+        out.append(DeviceArray(a, m[0][0], m[0][1], m[0][2], 0, (m[2], m[3], m[1])))
+    return out
 
 
 def empty(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:

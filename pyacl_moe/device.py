@@ -316,8 +316,11 @@ class Device:
         aclrtMalloc (aclrtMallocHost when ``pinned``: free blocks only, homed on no stream, the
         host writes them directly). A block goes back to the cache once its Allocation (or,
         for pinned memory, ``owners[i]``) is gone."""
-        allocs = [Allocation(self, n) for n in sizes]
-        tokens = [_lifetime.track(o, self, None, self.dead_blocks) for o in (owners or allocs)]
+        allocs, tokens, died = [], [], self.dead_blocks.append
+        for n in sizes:  # (a loop, not a comprehension: no frame of its own on CPython 3.11)
+            allocs.append(Allocation(self, n))
+        for o in owners or allocs:
+            tokens.append(_lifetime.Token(o, died))  # (its device and what: set when it gets a block)
         with self.lock:
             self.check_open()
             self._reap()
@@ -340,16 +343,19 @@ class Device:
         # (lock held; a loop under a lock is a function of its own) The blocks of Allocations
         # that are gone go idle, each with its home's point: peeked, then popped, so that one
         # an interrupt cut short is taken again (taking one twice does nothing).
-        dead = self.dead_blocks
-        batch = [dead[i] for i in range(len(dead))]
-        for token in batch:
-            block = token.what
+        dead, marks = self.dead_blocks, {}
+        n = len(dead)
+        for i in range(n):
+            token = dead[i]
+            block = getattr(token, "what", None)
             if isinstance(block, Block) and block.token is token and block in self._blocks:
-                block.token, block.idle = None, True
-                if block.home is not None:
-                    block.since = block.home.mark()  # (the stream's lock, inside the device's)
+                block.token, block.idle, home = None, True, block.home
+                if home is not None:
+                    if home not in marks:
+                        marks[home] = home.mark()  # (the stream's lock, inside the device's)
+                    block.since = marks[home]
                 self._idle.setdefault((block.pinned, block.size), []).append(block)
-        for _ in batch:
+        for _ in range(n):
             dead.popleft()
 
     def _take(self, allocs: list[Allocation], tokens: list[_lifetime.Token], pinned: bool, home: Any) -> list[int]:
@@ -357,21 +363,26 @@ class Device:
         # ``home`` for what fits one, newest first; the positions of the rest.
         missing = []
         for i, a in enumerate(allocs):
-            idle = self._idle.get((pinned, _rounded(a.nbytes)), ())
-            block = next((b for b in reversed(idle) if b.home is home or _free_for_any(b)), None)  # type: ignore[call-overload]
-            if block is None:
+            idle = self._idle.get((pinned, max(_ROUND, -(-a.nbytes // _ROUND) * _ROUND)), ())
+            for j in range(len(idle) - 1, -1, -1):  # newest first: the one its own stream let go of last
+                block = idle[j]
+                if block.home is home or block.home is None or _free_for_any(block):
+                    del idle[j]  # type: ignore[attr-defined]
+                    token = tokens[i]
+                    token.device, token.what, token.tries = self, block, 0
+                    block.idle, block.token, block.home = False, token, home
+                    a.block, a.ptr = block, block.ptr
+                    self._counts["pinned_hits" if pinned else "hits"] += 1
+                    break
+            else:
                 missing.append(i)
-                continue
-            idle.remove(block)  # type: ignore[union-attr]
-            block.idle, block.token, block.home, tokens[i].what = False, tokens[i], home, block
-            a.block, a.ptr = block, block.ptr
-            self._counts["pinned_hits" if pinned else "hits"] += 1
         return missing
 
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
         ctx = self.context
         block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), _rounded(alloc.nbytes), pinned)
-        block.token, block.home, token.what = token, home, block
+        block.token, block.home = token, home
+        token.device, token.what, token.tries = self, block, 0
         with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
             self.check_open()
             self._blocks[block] = None
@@ -394,12 +405,12 @@ class Device:
             raise
         alloc.block, alloc.ptr = block, block.ptr
 
-    def give_back(self, allocs: Sequence[Allocation]) -> None:
-        """Return the blocks of allocations nothing uses any more (no array views them and the
+    def give_back(self, arrays: Sequence[Any]) -> None:
+        """Return the blocks of arrays nothing uses any more (no other array views them and the
         work that used them is known complete: the NumPy call's own) to the cache now, free
         for any stream."""
         with self.lock:
-            _give(allocs, self._idle)
+            _give(arrays, self._idle)
 
     def _free(self, block: Block) -> None:
         """aclrtFree (or aclrtFreeHost) of a block no one uses. One CANN refuses stays a stray
@@ -595,9 +606,10 @@ def _free_for_any(block: Block) -> bool:
         return home.done >= block.since or not home.live()
 
 
-def _give(allocs: Sequence[Allocation], idle: dict[tuple[bool, int], list[Block]]) -> None:
+def _give(arrays: Sequence[Any], idle: dict[tuple[bool, int], list[Block]]) -> None:
     # (the device's lock held; a loop under a lock is a function of its own)
-    for a in allocs:
+    for array in arrays:
+        a = array.alloc
         block, a.block = a.block, None
         if block is not None and block.token is not None:
             block.token, block.idle, block.home = None, True, None

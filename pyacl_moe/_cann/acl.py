@@ -50,8 +50,13 @@ _contexts: weakref.WeakSet[Context] = weakref.WeakSet()
 _contexts_lock = threading.Lock()
 
 
+_VOIDP = _ffi.typeof("void *")  # (parsed at import: see declare's docstring)
+_cast = _ffi.cast
+_KINDS: dict[str, int] = {}  # an aclrtMemcpyKind's name -> its value, read from the headers at first use
+
+
 def _void(address: int) -> Any:
-    return _ffi.cast(declare.ctype("void *"), address)
+    return _cast(_VOIDP, address)
 
 
 def forked() -> bool:
@@ -316,7 +321,9 @@ def create_stream(h: StreamHandle) -> None:
 def synchronize_stream(h: StreamHandle | None, timeout_ms: int | None = None) -> None:
     acl = loader.libs().acl
     if timeout_ms is None:
-        check(acl.aclrtSynchronizeStream(_stream(h)), "aclrtSynchronizeStream")
+        st = acl.aclrtSynchronizeStream(_NULL if h is None else h._slot[0])
+        if st:
+            check(st, "aclrtSynchronizeStream")
     else:
         check(acl.aclrtSynchronizeStreamWithTimeout(_stream(h), timeout_ms), "aclrtSynchronizeStreamWithTimeout")
 
@@ -375,8 +382,13 @@ def malloc_host(mem: HostMemory, size: int) -> int:
 
 
 def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: str, stream: StreamHandle | None) -> None:
-    check(loader.libs().acl.aclrtMemcpyAsync(_void(dst), dst_max, _void(src), count, declare.const(kind),
-                                             _stream(stream)), "aclrtMemcpyAsync")
+    code = _KINDS.get(kind)
+    if code is None:
+        code = _KINDS[kind] = declare.const(kind)
+    st = loader.libs().acl.aclrtMemcpyAsync(_cast(_VOIDP, dst), dst_max, _cast(_VOIDP, src), count, code,
+                                            _NULL if stream is None else stream._slot[0])
+    if st:  # (the common case costs no call: this is the NumPy call's copies' path)
+        check(st, "aclrtMemcpyAsync")
 
 
 def memset_async(ptr: int, max_count: int, value: int, count: int, stream: StreamHandle | None) -> None:

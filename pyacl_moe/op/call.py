@@ -58,6 +58,7 @@ class _Memo:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.host: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # the NumPy call's: by shapes, dtypes and values
         # (entry number, first addresses) of the last call whose given outputs were checked apart
         self.apart: tuple[Any, ...] = ()
 
@@ -70,6 +71,14 @@ class _Memo:
             entry = new[key] = (made, next(_entry_numbers), makes, given)
             self.checked = new
             return entry
+
+    def put_host(self, key: tuple[Any, ...], entry: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Record a NumPy call that passed (published whole, as ``checked``)."""
+        with self.lock:
+            new = dict(self.host) if len(self.host) < self.SIZE else {}
+            new[key] = entry
+            self.host = new
+        return entry
 
 
 _thread = acl.thread_state  # the calling thread's current context (read only)
@@ -393,63 +402,110 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     ``spec.outputs`` order, None for an output to make): the outputs, new arrays in the family
     of the first input, or the host arrays given in ``out``, written in place."""
     spec = op.spec
-    attrs = op.attrs(*values)
-    raw, family = {}, None
+    raw, family = [], None
     for name, value in zip(spec.inputs, inputs):
-        raw[name], fam = host_view(value, name)
+        view, fam = host_view(value, name)
+        raw.append(view)
         family = family or fam
-    given: dict[str, np.ndarray] = {}
+    given: list[np.ndarray | None] = []
     for name, value in zip(spec.outputs, out):
         if value is not None:
             if not isinstance(value, np.ndarray) and family is not TORCH:
                 raise InvalidArgument(name, f"must be a NumPy array when the inputs are host arrays, got "
                                             f"{type(value).__name__}")
-            given[name], _ = host_view(value, name)  # a torch tensor's own memory, written in place
-            if not given[name].flags.writeable:
+            value = host_view(value, name)[0]  # a torch tensor's own memory, written in place
+            if not value.flags.writeable:
                 raise InvalidArgument(name, "must be writable")
-    if validate:  # the contract first: its messages name the rule an input breaks
-        wanted = op.check({n: (v.shape, v.dtype.newbyteorder("=")) for n, v in raw.items()}, attrs)
-        for name, host in given.items():
-            fits(name, wanted[name], host.shape, host.dtype)
-    views = {n: host_array(v, n) for n, v in raw.items()}  # each input converted once
+        given.append(value)
+    key: list[Any] = [values, tuple(map(type, values)), validate]
+    for v in raw:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
+        key.append((v.shape, v.dtype))
+    for g in given:
+        key.append(None if g is None else (g.shape, g.dtype))
+    try:
+        entry = op.memo.host.get(tuple(key))
+    except TypeError:  # a value that cannot be a key (a list, an array): the checks name it
+        op.attrs(*values)
+        raise
+    if entry is None:
+        entry = op.memo.put_host(tuple(key), _host_checked(op, raw, given, values, validate))
+    attrs, layouts, outs = entry
+    views = []
+    for name, v in zip(spec.inputs, raw):
+        views.append(v if v.flags.c_contiguous and v.dtype.isnative else host_array(v, name))
     if validate:
-        op.check_values(views, attrs)
-    else:
-        wanted = op.sizes(views, attrs)
-        for name, want in wanted.items():
-            if want is not None:
-                _args.nbytes(name, want[0], want[1].itemsize)
+        op.check_values(dict(zip(spec.inputs, views)), attrs)
     dev = stream.device if stream is not None else current_device()
     state = resolve_stream(stream, dev)
     # Device memory for the inputs and the outputs at once; the copies in, the launch and the
     # copies out queued on the stream, then one wait: the blocks are idle again after it.
-    layouts = [contiguous_layout(v.shape, v.dtype) for v in views.values()]
-    outs = [wanted[n] for n in spec.outputs]
-    layouts += [contiguous_layout(*w) for w in outs if w is not None]
     arrays = empty_from(layouts, dev, state)
     n_in = len(spec.inputs)
-    ins = arrays[:n_in]
-    state.enqueue_all(views, [(acl.memcpy_async, (a.span[0], v.nbytes, v.ctypes.data, v.nbytes, _H2D))
-                              for a, v in zip(ins, views.values()) if v.nbytes])
+    state.enqueue_all(views, _copies(arrays, views, True))
     it = iter(arrays[n_in:])
-    devouts = [None if w is None else next(it) for w in outs]
-    run_device(op, [*ins, *devouts], values, stream, workspace, validate)
-    results: list[Any] = []
-    copies = []
-    for name, d, mine in zip(spec.outputs, devouts, out):
+    tensors: list[DeviceArray | None] = arrays[:n_in]  # type: ignore[assignment]
+    made, hosts, results = [], [], []
+    for w, target, mine in zip(outs, given, out):
+        d = None if w is None else next(it)
+        tensors.append(d)
         if d is None:
             results.append(None)
             continue
-        target = given.get(name)
-        host = target if target is not None and target.flags.c_contiguous and target.dtype.isnative else \
-            np.empty(d.shape, d.dtype)
-        if host.nbytes:
-            copies.append((acl.memcpy_async, (host.ctypes.data, host.nbytes, d.span[0], host.nbytes, _D2H)))
+        fit = target is not None and target.flags.c_contiguous and target.dtype.isnative
+        host = target if fit else np.empty(w[0], w[1])
+        made.append(d)
+        hosts.append(host)
         results.append((host, target, mine))
-    state.enqueue_all(results, copies)
+    run_device(op, tensors, values, stream, workspace, validate)
+    state.enqueue_all(results, _copies(made, hosts, False))
     wait_for(state)
-    dev.give_back([a.alloc for a in arrays])  # type: ignore[misc]
+    dev.give_back(arrays)
     return [None if r is None else _delivered(r, family) for r in results]
+
+
+def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | None], values: tuple[Any, ...],
+                  validate: bool) -> tuple[Any, ...]:
+    """A host memo miss: the attributes, the contract (or, without ``validate``, the sizes the
+    attributes give), the given outputs fitted to it; the device layouts of the inputs and the
+    outputs to write, and each output's (shape, dtype) or None."""
+    spec = op.spec
+    attrs = op.attrs(*values)
+    natives = [np.empty((0,), v.dtype.newbyteorder("=")) for v in raw]  # (only their dtypes are read)
+    if validate:  # the contract first: its messages name the rule an input breaks
+        wanted = op.check({n: (v.shape, d.dtype) for n, v, d in zip(spec.inputs, raw, natives)}, attrs)
+        for name, host in zip(spec.outputs, given):
+            if host is not None:
+                fits(name, wanted[name], host.shape, host.dtype)
+    else:
+        wanted = op.sizes({n: _Shape(v.shape, d.dtype) for n, v, d in zip(spec.inputs, raw, natives)}, attrs)
+        for name, want in wanted.items():
+            if want is not None:
+                _args.nbytes(name, want[0], want[1].itemsize)
+    for name, d in zip(spec.inputs, natives):
+        host_array(d, name)  # a dtype CANN has no type for is refused here
+    outs = [wanted[n] for n in spec.outputs]
+    layouts = [contiguous_layout(v.shape, d.dtype) for v, d in zip(raw, natives)]
+    return attrs, layouts + [contiguous_layout(*w) for w in outs if w is not None], outs
+
+
+class _Shape:
+    """What :attr:`OneCall.sizes` reads of an array: its shape, rank and dtype."""
+
+    __slots__ = ("shape", "ndim", "dtype")
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.shape, self.ndim, self.dtype = shape, len(shape), dtype
+
+
+def _copies(arrays: list[DeviceArray], hosts: list[np.ndarray], inward: bool) -> list[tuple[Any, tuple[Any, ...]]]:
+    """The copies between DeviceArrays and the host arrays of the same bytes, as queued calls."""
+    out = []
+    for a, h in zip(arrays, hosts):
+        n = h.nbytes
+        if n:
+            args = (a.span[0], n, h.ctypes.data, n, _H2D) if inward else (h.ctypes.data, n, a.span[0], n, _D2H)
+            out.append((acl.memcpy_async, args))
+    return out
 
 
 _H2D, _D2H = "ACL_MEMCPY_HOST_TO_DEVICE", "ACL_MEMCPY_DEVICE_TO_HOST"

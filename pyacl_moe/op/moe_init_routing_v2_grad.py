@@ -70,10 +70,11 @@ def _sizes(arrays: Mapping[str, Any], attrs: Mapping[str, Any]) -> Outputs:
 
 
 def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> None:
-    x, idx = hosts["grad_expanded_x"], hosts["expanded_row_idx"]
-    geo = _contract.check_shapes(x.shape, x.dtype, idx.shape, idx.dtype, attrs["top_k"], attrs["drop_pad_mode"],
-                                 attrs["active_num"])
-    _contract.check_indices(idx, geo, attrs["top_k"], attrs["active_num"])
+    # (the shapes passed the contract already: the geometry is theirs)
+    x, idx, k, mode, active = hosts["grad_expanded_x"], hosts["expanded_row_idx"], *attrs.values()
+    rows = x.shape[0] * x.shape[1] if mode == 1 else x.shape[0]
+    geo = _contract.Geometry(idx.shape[0] // k, x.shape[-1], rows, _contract.scenario(mode, active))
+    _contract.check_indices(idx, geo, k, active)
 
 
 ONE_CALL = OneCall(SPEC, _attrs, _check, _sizes, _check_values)
