@@ -50,14 +50,15 @@ class StreamState:
     its work has run, or when the device closes).
 
     ``lock`` guards every field below but ``device``, ``ctx``, ``handle`` and ``wait_lock``: the
-    points, holds and fences, ``closing``, ``workspace``, ``executors`` (the one call's cached
+    points, holds and fences, ``closing``, ``workspace`` and ``ws_gen``, ``executors`` (the one call's cached
     executors, by key), ``plans`` (plans' bound launches, by plan) and ``after_events``.
     ``wait_lock`` is held across every CANN wait on the stream and across its destroy, so the
     destroy waits for a wait in progress; a query and every enqueue run under ``lock``.
     """
 
     __slots__ = ("device", "ctx", "handle", "lock", "wait_lock", "point", "done", "holds", "fences", "spare",
-                 "events", "next_fence", "closing", "workspace", "executors", "plans", "after_events", "owner",
+                 "events", "next_fence", "closing", "workspace", "ws_gen", "executors", "plans", "after_events",
+                 "owner",
                  "__weakref__")
     RANK = STREAMS
     API = "aclrtDestroyStream"
@@ -77,6 +78,7 @@ class StreamState:
         self.next_fence = self.FENCE_EVERY
         self.closing = False  # no new work
         self.workspace: Allocation | None = None
+        self.ws_gen = 0  # counts the workspaces: a launch bound to another's address binds again
         self.executors: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         self.plans: dict[int, Any] = {}
         self.after_events = False  # it waited on another stream's event: a read waits for the device
@@ -256,6 +258,7 @@ class StreamState:
                 return  # another thread got there first (ours goes back)
             # The old block is homed here: this stream's later work runs after what used it.
             self.workspace, self.plans = new, {}  # (the plans were bound to the old one's address)
+            self.ws_gen += 1
 
     def workspace_size(self) -> int:
         with self.lock:
@@ -284,6 +287,7 @@ class StreamState:
             if not self.closing and _idle(self):
                 done, ws = self._advance(self.point), self.workspace
                 self.workspace, self.plans = None, {}
+                self.ws_gen += 1
             else:
                 done, ws = self.poll(), None
         del done, ws
@@ -291,6 +295,7 @@ class StreamState:
     def _drop_caches(self) -> tuple[list[Any], Allocation | None]:
         cached, ws = list(self.executors.values()), self.workspace
         self.executors, self.plans, self.workspace = collections.OrderedDict(), {}, None
+        self.ws_gen += 1
         return cached, ws
 
     # -- release

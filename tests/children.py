@@ -220,3 +220,36 @@ def child_a_stream_dropped_while_its_device_closes():
     Device.wait_all = drop_the_stream_first
     dev.close()
     print("closed cleanly")
+
+
+def child_exit_in_the_middle_of_work(kind: int) -> None:
+    # Leaves the process with work of the binding's streams in flight, a daemon thread
+    # launching, or the device opened on someone else's aclInit (so nobody finalizes and the
+    # emulator's engine thread is still there at exit): the exit must be clean.
+    import threading
+
+    import cffi
+    import numpy as np
+
+    import pyacl_moe as pm
+
+    pm.use_emulator()
+    if kind % 4 == 3:
+        ffi = cffi.FFI()
+        ffi.cdef("int aclInit(const char *);")
+        assert ffi.dlopen(pm.library_info().paths["ascendcl"]).aclInit(ffi.NULL) == 0  # "the framework"
+    dev = pm.Device(0)
+    x, idx = np.ones((256, 64), np.float32), np.arange(256, dtype=np.int32)
+    s = pm.Stream(dev)
+    dx, di = pm.to_device(x, stream=s), pm.to_device(idx, stream=s)
+    if kind % 4 == 1:
+        def launch() -> None:
+            while True:
+                pm.moe_init_routing_v2_grad(dx, di, 2, stream=s)
+
+        threading.Thread(target=launch, daemon=True).start()
+    for _ in range(64):
+        pm.moe_init_routing_v2_grad(dx, di, 2, stream=s)  # queued, running as the process exits
+    if kind % 4 == 2:
+        pm.moe_init_routing_v2_grad(x, idx, 2)
+    return [s, dx, di]  # type: ignore[return-value]  # (alive at exit)

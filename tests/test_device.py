@@ -316,3 +316,21 @@ def test_a_stream_dropped_while_its_device_closes_keeps_its_queued_work_memory(i
     # close raised their fault). What the exit did to a daemon thread's stream.
     r = isolated(children.child_a_stream_dropped_while_its_device_closes)
     assert r.returncode == 0 and "closed cleanly" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("count", [24, pytest.param(200, marks=pytest.mark.slow)], ids=["short", "long"])
+def test_emulator_children_never_die_at_exit(isolated, count):
+    """Children that exit with work in flight, a daemon thread launching, or nobody to call
+    aclFinalize (the emulator's engine thread then alive at exit), four at a time: none dies
+    at exit (a thread of the emulator running in it while the interpreter finalized once
+    crashed 4 of 92 such children)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .conftest import run_isolated
+
+    with ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda k: run_isolated(children.child_exit_in_the_middle_of_work, k),
+                             range(count)))
+    died = [(k, r.returncode, r.stderr[-500:]) for k, r in enumerate(done)
+            if r.returncode or "Traceback" in r.stderr]
+    assert not died, died[:3]

@@ -568,3 +568,68 @@ def test_an_interrupt_storm_in_releases_leaves_nothing_allocated_after_empty_cac
     r = isolated(child_interrupt_storm_in_releases, 400, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+@pytest.mark.parametrize("how", ["validate=False", "execute", "one-shot plan"])
+def test_an_interrupt_at_a_one_shot_launch_loses_no_executor(device, no_leaks, monkeypatch, how):
+    """A one-shot executor is CANN's from its launch on: the binding forgot it before the
+    call, so an interrupt in between lost it for good (never launched, never destroyed), even
+    past Device.close(). The launch and the forgetting are now one step for SIGINT."""
+    import signal
+
+    from pyacl_moe._cann import loader
+
+    case_x, case_i = np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32)
+    x, idx, out = pm.to_device(case_x), pm.to_device(case_i), pm.empty((4, 4), np.float32)
+    executors = pm.emulator.stats()["executors"]
+    libs = loader.libs()
+    real = libs.op
+
+    class SigintFirst:  # the launch function delivers SIGINT to this process just before CANN runs
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            if name != "aclnnMoeInitRoutingV2Grad":
+                return fn
+
+            def launch(*args):
+                signal.raise_signal(signal.SIGINT)
+                return fn(*args)
+            return launch
+
+    monkeypatch.setattr(libs, "op", SigintFirst())
+    with pytest.raises(KeyboardInterrupt):
+        if how == "validate=False":
+            pm.moe_init_routing_v2_grad(x, idx, 2, out=out, validate=False)
+        elif how == "execute":
+            size, ex = pm.get_workspace_size(x, idx, 2, 0, 0, out)
+            pm.execute(pm.empty((size,), np.uint8), size, ex)
+        else:
+            pm.MoeInitRoutingV2Grad(x, idx, 2, out=out, repeatable=False)()
+    monkeypatch.undo()
+    device.synchronize()
+    np.testing.assert_array_equal(out.to_host(), np.full((4, 4), 2.0, np.float32))  # it did launch
+    gc.collect()
+    assert pm.emulator.stats()["executors"] == executors  # consumed by its launch, not lost
+
+
+def test_an_interrupted_allocation_or_give_back_leaves_memory_stats_true(device, monkeypatch):
+    """An interrupt inside the allocator (taking a block, taking back the blocks of arrays
+    that went) leaves no block lost and memory_stats true once the caches are emptied (it was
+    16 MiB off: a workspace counted in use that no one held)."""
+    from pyacl_moe import device as device_mod
+
+    pm.empty_cache()
+    before = pm.emulator.stats()["device_allocations"]
+    for name in ("_take", "_reap"):
+        for _ in range(3):
+            a = pm.empty((1 << 20,), np.uint8)
+            del a  # its block: taken back by the next allocation, or by the interrupted one
+            _interrupt_after(monkeypatch, device_mod.Device, name)
+            with pytest.raises(KeyboardInterrupt):
+                pm.empty((1 << 20,), np.uint8)
+            monkeypatch.undo()
+    gc.collect()
+    pm.empty_cache()
+    st = pm.memory_stats()
+    assert st["array_bytes_in_use"] == 0 and st["array_bytes_idle"] == 0, st
+    assert pm.emulator.stats()["device_allocations"] == before

@@ -216,3 +216,51 @@ def test_the_caches_keep_count_of_every_block_under_threads(device):
     taken = st["array_hits"] + st["array_misses"] - st0["array_hits"] - st0["array_misses"]
     assert taken > 6 * 4 * ITERATIONS  # each out taken from the cache or made
     assert after["device_allocations"] == before["device_allocations"]
+
+
+def test_a_live_plan_keeps_no_closed_streams_workspace(device, no_leaks):
+    # A plan bound to a stream kept the stream's workspace for as long as the plan lived: 100
+    # short-lived streams held 1.6 GiB that empty_cache() did not free and memory_stats did
+    # not show. A stream's workspace is the stream's: its close gives it back.
+    pm.empty_cache()
+    case = make_case(8, 2, 16, "float32", "dropless", seed=21)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    before = pm.emulator.stats()["device_bytes"]
+    with pm.MoeInitRoutingV2Grad(x, idx, 2) as plan:
+        for _ in range(12):
+            with closing(pm.Stream(device)) as s:
+                plan(s)
+        st = pm.memory_stats()
+        assert st["workspace_blocks"] <= 1 and st["array_bytes_in_use"] < 2 * MIB16, st
+        pm.empty_cache()
+        assert pm.emulator.stats()["device_bytes"] - before < 2 * MIB16  # at most the default stream's
+        np.testing.assert_array_equal(plan(device.default_stream).to_host(), pm.reference.moe_init_routing_v2_grad(
+            *case.args()))
+
+
+def child_out_of_memory_frees_idle_workspaces() -> None:
+    import numpy as np
+
+    import pyacl_moe as pm
+
+    pm.use_emulator()
+    dev = pm.Device(0)
+    x, idx = pm.to_device(np.ones((8, 4), np.float32)), pm.to_device(np.arange(8, dtype=np.int32))
+    streams = [pm.Stream(dev) for _ in range(14)]
+    for s in streams:  # each takes a workspace of 16 MiB, kept while the stream lives
+        pm.moe_init_routing_v2_grad(x, idx, 2, stream=s).to_host(s)
+    print("held", pm.memory_stats()["workspace_bytes"] >> 20)
+    big = pm.empty((64 << 20,), np.uint8)  # 224 MiB held of 256: an idle workspace must go
+    big.fill(1)
+    print("allocated", big.nbytes >> 20, pm.memory_stats()["workspace_blocks"])
+
+
+def test_out_of_memory_gives_back_idle_streams_workspaces(isolated):
+    # With 256 MiB of device memory, 14 idle streams' workspaces made a 64 MiB allocation fail
+    # with 207001: the out-of-memory retry emptied only the block caches.
+    from .conftest import run_isolated
+
+    r = run_isolated(child_out_of_memory_frees_idle_workspaces, env={"PYACL_MOE_EMU_MEMORY": "256M"})
+    assert r.returncode == 0, r.stderr
+    held, allocated = r.stdout.split("\n")[:2]
+    assert held == "held 224" and allocated.startswith("allocated 64 "), r.stdout

@@ -105,9 +105,9 @@ class OneCall:
 class _Cached:
     """A repeatable executor for one memo entry on one stream (in the stream's ``executors``,
     used only under its lock): the first-element addresses it is bound to now, and its launch
-    with every argument bound for the workspace ``ws`` (the stream's, while it is the same)."""
+    with every argument bound for the stream's workspace of generation ``gen``."""
 
-    __slots__ = ("core", "tensors", "offsets", "bound", "unknown", "call", "ws", "size")
+    __slots__ = ("core", "tensors", "offsets", "bound", "unknown", "call", "gen", "size")
     SIZE = 8  # entries per stream
 
     def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray | None],
@@ -122,7 +122,7 @@ class _Cached:
         self.bound = [0 if a is None else a.span[0] for a in arrays]  # first-element addresses bound now
         self.unknown = [0 if a is None else -1 for a in arrays]  # while a rebind is under way
         self.call: Any = None
-        self.ws: Allocation | None = None
+        self.gen = -1  # the stream's workspace (its ws_gen) the launch is bound to
 
     def rebind(self, spec: OpSpec, firsts: Sequence[int]) -> None:
         """Point the executor at views whose first elements are at ``firsts`` (the stream's
@@ -138,8 +138,8 @@ class _Cached:
 
     def bind(self, spec: OpSpec, state: StreamState) -> None:
         """The launch with every argument bound, for the stream's workspace (its lock held)."""
-        self.ws = state.workspace if self.size else None
-        self.call = aclnn.bound_launch(spec.api, self.ws.ptr if self.ws is not None else 0, self.size,
+        ws, self.gen = state.workspace if self.size else None, state.ws_gen
+        self.call = aclnn.bound_launch(spec.api, ws.ptr if ws is not None else 0, self.size,
                                        self.core.handle, state.handle)
 
     def destroy(self) -> None:
@@ -254,7 +254,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         done: list[Any] | None = None
         with state.lock:
             e = state.executors.get(number)
-            if e is not None and not state.closing and (not e.size or e.ws is state.workspace):
+            if e is not None and not state.closing and (not e.size or e.gen == state.ws_gen):
                 if _thread.context is not state.ctx:
                     acl.use_context(state.ctx)
                 if firsts != e.bound:
@@ -347,7 +347,7 @@ def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], a
             if workspace is not None:
                 check(aclnn.bound_launch(spec.api, workspace.address, e.size, e.core.handle, state.handle)(), spec.api)
             else:
-                if e.call is None or (e.size and e.ws is not state.workspace):
+                if e.call is None or (e.size and e.gen != state.ws_gen):
                     e.bind(spec, state)
                 check(e.call(), spec.api)
             done = state.fenced()
