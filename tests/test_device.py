@@ -144,6 +144,48 @@ def test_close_releases_in_order_and_objects_die(isolated):
     assert r.stdout.strip() == "ok"
 
 
+def child_a_refused_release_is_tried_again() -> None:
+    # CANN refuses one release of each kind once: the refusal is raised where a caller released
+    # (AclTensor.close) or noted (empty_cache), and the device's close tries each again.
+    pm.use_emulator()
+    dev = pm.Device(0)
+    x = pm.to_device(np.ones((8, 4), np.float32))
+    tensors = [pm.AclTensor(x), pm.AclTensor(x)]
+    pinned = pm.pinned_empty((1024,), np.float32)
+    pinned.fill(1.0)
+    st = pm.emulator.stats()
+    assert st["tensors"] == 2 and st["host_allocations"] >= 1, st
+    pm.emulator.inject_fault("aclDestroyTensor", 1)
+    with pytest.raises(pm.AclError, match="aclDestroyTensor"):
+        tensors[0].close()
+    assert tensors[0].closed
+    tensors[0].close()  # safe twice: the handle is the device's to try again now
+    assert pm.emulator.stats()["tensors"] == 1  # (stats() is a safe point: it was tried again)
+    tensors.append(pm.AclTensor(x))
+    pm.emulator.inject_fault("aclDestroyTensor", 1)
+    del tensors[1]  # dropped, not closed: the safe point's release is refused, and kept
+    assert pm.emulator.stats()["tensors"] == 2
+    del pinned
+    pm.emulator.inject_fault("aclrtFreeHost", 1)
+    with pytest.raises(pm.AclError, match="aclrtFreeHost"):
+        pm.empty_cache()  # refused once: raised, and the block stays the device's
+    assert pm.emulator.stats()["host_allocations"] >= 1
+    dev.close()  # tries both refused releases again
+    st = pm.emulator.stats()
+    # The one AclTensor still referenced is a host object: it goes with its owner.
+    assert st["tensors"] == 1 and st["host_allocations"] == 0 and st["device_allocations"] == 0, st
+    assert tensors[1].closed
+    tensors.clear()
+    assert pm.emulator.stats()["tensors"] == 0
+    print("ok")
+
+
+def test_a_refused_release_is_tried_again(isolated):
+    r = isolated(child_a_refused_release_is_tried_again)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "ok"
+
+
 @pytest.fixture
 def exit_probe() -> tuple[str, str]:
     """What tests/children.py's exit probe reads the emulator's counters at exit through:
