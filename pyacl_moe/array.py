@@ -126,24 +126,26 @@ class DeviceArray:
     ``close()`` (or ``with``) drops this array's hold on the memory.
     """
 
-    __slots__ = ("alloc", "_shape", "_dtype", "_strides", "_offset", "_acl_dtype", "_desc", "_layout", "span",
-                 "layout_id", "__weakref__")
+    __slots__ = ("alloc", "_layout", "_offset", "_acl_dtype", "_desc", "span", "layout_id", "__weakref__")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
-                 offset: int, known: tuple[int, int, int] | None = None) -> None:
-        # ``known``: a new contiguous array's (layout id, aclDataType code, nbytes), already
-        # looked up (contiguous_layout): the view is all of ``alloc``.
+                 offset: int, known: tuple[Any, ...] | None = None) -> None:
+        # ``known``: a new contiguous array's contiguous_layout (shape, dtype and strides are
+        # its own): the view is all of ``alloc``, nothing is looked up again.
         #: the Allocation the view is of (None once closed); :meth:`allocation` checks it
         self.alloc: Allocation | None = alloc
-        self._shape, self._dtype, self._strides, self._offset = shape, dtype, strides, offset
-        self._acl_dtype = acl_data_type(dtype) if known is None else known[1]
+        self._offset = offset
         self._desc: aclnn.TensorDesc | None = None
-        self._layout = (shape, dtype, strides)
-        #: (first, last) device byte addresses the view touches (last < first when empty)
-        self.span = (_span(alloc.ptr, shape, strides, offset, dtype.itemsize) if known is None else
-                     (alloc.ptr, alloc.ptr + known[2] - 1))
-        #: a small int naming :attr:`layout` in this process: a cheap key for caches
-        self.layout_id = _layout_id(self._layout) if known is None else known[0]
+        if known is None:
+            self._layout = (shape, dtype, strides)
+            self._acl_dtype = acl_data_type(dtype)
+            #: (first, last) device byte addresses the view touches (last < first when empty)
+            self.span = _span(alloc.ptr, shape, strides, offset, dtype.itemsize)
+            #: a small int naming :attr:`layout` in this process: a cheap key for caches
+            self.layout_id = _layout_id(self._layout)
+        else:
+            self._layout, n, self.layout_id, self._acl_dtype = known
+            self.span = (alloc.ptr, alloc.ptr + n - 1)
 
     # -- for pyacl_moe's own layers
 
@@ -159,8 +161,8 @@ class DeviceArray:
         """What aclCreateTensor needs for this view, built once."""
         d = self._desc
         if d is None:
-            d = self._desc = aclnn.TensorDesc(self._shape, self._acl_dtype, self._strides, self._offset,
-                                              (self.allocation().nbytes // self._dtype.itemsize,))
+            d = self._desc = aclnn.TensorDesc(self.shape, self._acl_dtype, self._layout[2], self._offset,
+                                              (self.allocation().nbytes // self.dtype.itemsize,))
         return d
 
     @classmethod
@@ -179,22 +181,23 @@ class DeviceArray:
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape, as in NumPy."""
-        return self._shape
+        return self._layout[0]  # type: ignore[no-any-return]
 
     @property
     def dtype(self) -> np.dtype:
         """The element type, as in NumPy (bfloat16 is ml_dtypes.bfloat16)."""
-        return self._dtype
+        return self._layout[1]  # type: ignore[no-any-return]
 
     @property
     def strides(self) -> tuple[int, ...]:
         """Strides in bytes, as NumPy and CuPy have them."""
-        return tuple(s * self._dtype.itemsize for s in self._strides)
+        item = self.dtype.itemsize
+        return tuple(s * item for s in self._layout[2])
 
     @property
     def element_strides(self) -> tuple[int, ...]:
         """Strides in elements: what the aclTensor of the view gets (aclCreateTensor's unit)."""
-        return self._strides
+        return self._layout[2]  # type: ignore[no-any-return]
 
     @property
     def offset(self) -> int:
@@ -210,17 +213,17 @@ class DeviceArray:
     @property
     def ndim(self) -> int:
         """Number of dimensions."""
-        return len(self._shape)
+        return len(self.shape)
 
     @property
     def size(self) -> int:
         """Number of elements."""
-        return int(np.prod(self._shape, dtype=np.int64)) if self._shape else 1
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return self._dtype.itemsize
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -240,12 +243,12 @@ class DeviceArray:
     @property
     def address(self) -> int:
         """The device address of the first element."""
-        return self.allocation().ptr + self._offset * self._dtype.itemsize
+        return self.allocation().ptr + self._offset * self.dtype.itemsize
 
     @property
     def storage_size(self) -> int:
         """Elements in the underlying storage."""
-        return self.allocation().nbytes // self._dtype.itemsize
+        return self.allocation().nbytes // self.dtype.itemsize
 
     @property
     def owns_memory(self) -> bool:
@@ -255,7 +258,7 @@ class DeviceArray:
     @property
     def is_contiguous(self) -> bool:
         """True when the view is C-contiguous."""
-        return _is_contiguous(self._shape, self._strides)
+        return _is_contiguous(self.shape, self._layout[2])
 
     @property
     def closed(self) -> bool:
@@ -264,14 +267,14 @@ class DeviceArray:
         return a is None or not a.context.open
 
     def __len__(self) -> int:
-        if not self._shape:
+        if not self.shape:
             raise TypeError("len() of a 0-d DeviceArray")
-        return self._shape[0]
+        return self.shape[0]
 
     def __repr__(self) -> str:
         if self.closed:
-            return f"<DeviceArray closed shape={self._shape} dtype={self._dtype}>"
-        return (f"<DeviceArray shape={self._shape} dtype={self._dtype} element_strides={self._strides} "
+            return f"<DeviceArray closed shape={self.shape} dtype={self.dtype}>"
+        return (f"<DeviceArray shape={self.shape} dtype={self.dtype} element_strides={self._layout[2]} "
                 f"offset={self._offset} device={self.device.device_id} address={self.address:#x}>")
 
     # -- views
@@ -296,11 +299,11 @@ class DeviceArray:
                 raise InvalidArgument("key", f"only ints, slices and '...' index a DeviceArray, got {type(k).__name__}")
         # NumPy's own basic indexing, on an array that only describes the view (nothing is
         # read); a leading axis of one keeps every result an array, never a scalar.
-        item = self._dtype.itemsize
-        whole = np.lib.stride_tricks.as_strided(np.empty(1, f"V{item}"), (1, *self._shape), (item, *self.strides))
+        item = self.dtype.itemsize
+        whole = np.lib.stride_tricks.as_strided(np.empty(1, f"V{item}"), (1, *self.shape), (item, *self.strides))
         view = whole[(slice(None), *(key if isinstance(key, tuple) else (key,)))]
         moved = view.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
-        return DeviceArray(alloc, view.shape[1:], self._dtype, tuple(n // item for n in view.strides[1:]),
+        return DeviceArray(alloc, view.shape[1:], self.dtype, tuple(n // item for n in view.strides[1:]),
                            self._offset + moved // item)
 
     # -- copies
@@ -322,7 +325,7 @@ class DeviceArray:
         state = _given(stream, alloc.device)
         if out is not None:
             return self._to_host_into(alloc, out, state)
-        out = np.empty(self._shape, dtype=self._dtype)
+        out = np.empty(self.shape, dtype=self.dtype)
         lo, hi = self.span
         if hi < lo:
             return out
@@ -332,15 +335,15 @@ class DeviceArray:
         state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST")
         wait_for(state)
         if host is not out:
-            out[...] = np.lib.stride_tricks.as_strided(host.view(self._dtype), shape=self._shape,
+            out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), shape=self.shape,
                                                        strides=self.strides)
         return out
 
     def _to_host_into(self, alloc: Allocation, out: Any, state: StreamState | None) -> np.ndarray:
         if not isinstance(out, np.ndarray):
             raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
-        if out.shape != self._shape or out.dtype != self._dtype:
-            raise InvalidArgument("out", f"must have shape {self._shape} and dtype {self._dtype}, got "
+        if out.shape != self.shape or out.dtype != self.dtype:
+            raise InvalidArgument("out", f"must have shape {self.shape} and dtype {self.dtype}, got "
                                          f"{out.shape} {out.dtype}")
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgument("out", "must be C-contiguous and writable")
@@ -378,13 +381,13 @@ class DeviceArray:
         """The same elements in another shape (one entry may be -1). A view of the same memory
         when the array is C-contiguous; otherwise a contiguous copy (see :meth:`copy`)."""
         try:  # NumPy's rules, on an array of zero strides that holds nothing
-            shp = np.lib.stride_tricks.as_strided(np.empty(1, np.uint8), self._shape, (0,) * self.ndim).reshape(
+            shp = np.lib.stride_tricks.as_strided(np.empty(1, np.uint8), self.shape, (0,) * self.ndim).reshape(
                 *shape).shape
         except (TypeError, ValueError) as exc:
             raise InvalidArgument("shape", f"must hold the array's {self.size} elements, with at most one -1 "
                                            f"entry, got {shape} ({exc})") from None
         base = self if self.is_contiguous else self.copy()
-        return DeviceArray(base.allocation(), shp, self._dtype, _contiguous_strides(shp), base._offset)
+        return DeviceArray(base.allocation(), shp, self.dtype, _contiguous_strides(shp), base._offset)
 
     def copy(self, stream: Stream | None = None) -> DeviceArray:
         """A new contiguous DeviceArray with the same values. A contiguous array is copied on
@@ -394,7 +397,7 @@ class DeviceArray:
         alloc = self.allocation()
         if not self.is_contiguous:
             return to_device(self.to_host(stream), stream=stream, device=alloc.device)
-        out = empty(self._shape, self._dtype, alloc.device, stream)
+        out = empty(self.shape, self.dtype, alloc.device, stream)
         n = self.nbytes
         if n:
             given = _given(stream, alloc.device)
@@ -413,16 +416,16 @@ class DeviceArray:
         if not self.is_contiguous:
             raise InvalidArgument("array", "fill() needs a contiguous DeviceArray")
         try:
-            v = np.asarray(value).astype(self._dtype, casting="unsafe")
+            v = np.asarray(value).astype(self.dtype, casting="unsafe")
         except (TypeError, ValueError):
-            raise InvalidArgument("value", f"must convert to {self._dtype}, got {value!r}") from None
+            raise InvalidArgument("value", f"must convert to {self.dtype}, got {value!r}") from None
         if v.ndim:
             raise InvalidArgument("value", f"must be a scalar, got shape {v.shape}")
         alloc, n = self.allocation(), self.nbytes
         if not n:
             return
         if v.tobytes().strip(b"\0"):  # not all-zero bits (-0.0 is not): copied from the host
-            self.copy_from_host(np.full(self._shape, v, self._dtype), stream)
+            self.copy_from_host(np.full(self.shape, v, self.dtype), stream)
             return
         given = _given(stream, alloc.device)
         state = given or _host_access(alloc, None)
@@ -441,8 +444,8 @@ class DeviceArray:
         if not self.is_contiguous:
             raise InvalidArgument("array", "copy_from_host needs a contiguous DeviceArray")
         host = host_array(host_view(array, "array")[0], "array")
-        if host.shape != self._shape or host.dtype != self._dtype:
-            raise InvalidArgument("array", f"must have shape {self._shape} and dtype {self._dtype}, got "
+        if host.shape != self.shape or host.dtype != self.dtype:
+            raise InvalidArgument("array", f"must have shape {self.shape} and dtype {self.dtype}, got "
                                            f"{host.shape} {host.dtype}")
         _copy_in(alloc, self.address, host, _given(stream, alloc.device))
 
@@ -577,7 +580,7 @@ def empty_from(made: Sequence[tuple[Any, ...]], device: Device, home: StreamStat
     for m in made:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
         sizes.append(m[1])
     for a, m in zip(device.allocate(sizes, home), made):
-        out.append(DeviceArray(a, m[0][0], m[0][1], m[0][2], 0, (m[2], m[3], m[1])))
+        out.append(DeviceArray(a, *m[0], 0, m))
     return out
 
 

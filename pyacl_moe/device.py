@@ -81,14 +81,16 @@ class Block:
     other once the home's work queued until then (point ``since``) is known complete. Memory
     used on another stream than its home is held there, alive, until that work is complete."""
 
-    __slots__ = ("handle", "size", "pinned", "ptr", "token", "idle", "home", "since")
+    __slots__ = ("handle", "size", "pinned", "ptr", "token", "home", "since", "shelf")
 
-    def __init__(self, handle: acl.Handle, size: int, pinned: bool) -> None:
+    def __init__(self, handle: acl.Handle, size: int, pinned: bool, shelf: list[Block]) -> None:
         self.handle, self.size, self.pinned, self.ptr = handle, size, pinned, 0
+        # The device's idle blocks of its kind and size: where it waits while idle (a block
+        # with no token and not on its shelf is a stray an interrupt or a refused free left).
+        self.shelf = shelf
         self.token: _lifetime.Token | None = None
-        self.idle = False
         self.home: Any = None  # the StreamState it was taken for (None: free for any, pinned memory)
-        self.since = 0  # the home's point when it went idle
+        self.since = -1  # the home's point when another stream first asked for it (-1: not yet)
 
 
 class Allocation:
@@ -316,15 +318,36 @@ class Device:
         aclrtMalloc (aclrtMallocHost when ``pinned``: free blocks only, homed on no stream, the
         host writes them directly). A block goes back to the cache once its Allocation (or,
         for pinned memory, ``owners[i]``) is gone."""
-        allocs, tokens, died = [], [], self.dead_blocks.append
-        for n in sizes:  # (a loop, not a comprehension: no frame of its own on CPython 3.11)
-            allocs.append(Allocation(self, n))
-        for o in owners or allocs:
-            tokens.append(_lifetime.Token(o, died))  # (its device and what: set when it gets a block)
+        allocs, tokens, died, token = [], [], self.dead_blocks.append, _lifetime.Token
+        for n in sizes:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
+            a = Allocation(self, n)
+            allocs.append(a)
+            if owners is None:
+                tokens.append(token(a, died))  # (what it hands back, its block: set when it gets one)
+        for o in owners or ():
+            tokens.append(token(o, died))
+        missing = []
         with self.lock:
-            self.check_open()
-            self._reap()
-            missing = self._take(allocs, tokens, pinned, home)
+            if not self.context.open:
+                self.check_open()
+            if self.dead_blocks:
+                self._reap()
+            idle_of = self._idle
+            # An idle block free for ``home`` for what fits one, newest first (the one its own
+            # stream let go of last).
+            for i, a in enumerate(allocs):
+                idle = idle_of.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
+                if idle and (idle[-1].home is home or idle[-1].home is None):
+                    block = idle.pop()
+                else:
+                    block = _free_one(idle) if idle else None
+                    if block is None:
+                        missing.append(i)
+                        continue
+                tokens[i].what = block
+                block.token, block.home = tokens[i], home
+                a.block, a.ptr = block, block.ptr
+            self._counts["pinned_hits" if pinned else "hits"] += len(allocs) - len(missing)
         for i in missing:
             self._malloc(allocs[i], tokens[i], pinned, home)
         if not _Process.caching[0]:
@@ -340,49 +363,27 @@ class Device:
             self.trim()
 
     def _reap(self) -> None:
-        # (lock held; a loop under a lock is a function of its own) The blocks of Allocations
-        # that are gone go idle, each with its home's point: peeked, then popped, so that one
-        # an interrupt cut short is taken again (taking one twice does nothing).
-        dead, marks = self.dead_blocks, {}
-        n = len(dead)
-        for i in range(n):
-            token = dead[i]
-            block = getattr(token, "what", None)
-            if isinstance(block, Block) and block.token is token and block in self._blocks:
-                block.token, block.idle, home = None, True, block.home
-                if home is not None:
-                    if home not in marks:
-                        marks[home] = home.mark()  # (the stream's lock, inside the device's)
-                    block.since = marks[home]
-                self._idle.setdefault((block.pinned, block.size), []).append(block)
-        for _ in range(n):
+        # (lock held) The blocks of Allocations that are gone go idle. Each token is peeked,
+        # then popped, so that one an interrupt cut short is taken again (taking one twice
+        # does nothing). Its home's point is read when another stream first asks for the
+        # block (_free_for_any): a later point than when it went idle, so a wait for it covers
+        # at least the work that used it.
+        dead, blocks = self.dead_blocks, self._blocks
+        for _ in range(len(dead)):
+            block = getattr(dead[0], "what", None)
+            if block is not None and block.token is dead[0] and block in blocks:
+                block.token, block.since = None, -1
+                block.shelf.append(block)
             dead.popleft()
-
-    def _take(self, allocs: list[Allocation], tokens: list[_lifetime.Token], pinned: bool, home: Any) -> list[int]:
-        # (lock held; a loop under a lock is a function of its own) Idle blocks free for
-        # ``home`` for what fits one, newest first; the positions of the rest.
-        missing = []
-        for i, a in enumerate(allocs):
-            idle = self._idle.get((pinned, max(_ROUND, -(-a.nbytes // _ROUND) * _ROUND)), ())
-            for j in range(len(idle) - 1, -1, -1):  # newest first: the one its own stream let go of last
-                block = idle[j]
-                if block.home is home or block.home is None or _free_for_any(block):
-                    del idle[j]  # type: ignore[attr-defined]
-                    token = tokens[i]
-                    token.device, token.what, token.tries = self, block, 0
-                    block.idle, block.token, block.home = False, token, home
-                    a.block, a.ptr = block, block.ptr
-                    self._counts["pinned_hits" if pinned else "hits"] += 1
-                    break
-            else:
-                missing.append(i)
-        return missing
 
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
         ctx = self.context
-        block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), _rounded(alloc.nbytes), pinned)
+        size = _rounded(alloc.nbytes)
+        with self.lock:
+            shelf = self._idle.setdefault((pinned, size), [])
+        block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, shelf)
         block.token, block.home = token, home
-        token.device, token.what, token.tries = self, block, 0
+        token.what = block
         with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
             self.check_open()
             self._blocks[block] = None
@@ -410,7 +411,7 @@ class Device:
         work that used them is known complete: the NumPy call's own) to the cache now, free
         for any stream."""
         with self.lock:
-            _give(arrays, self._idle)
+            _give(arrays)
 
     def _free(self, block: Block) -> None:
         """aclrtFree (or aclrtFreeHost) of a block no one uses. One CANN refuses stays a stray
@@ -434,12 +435,10 @@ class Device:
         # (lock held; a loop under a lock is a function of its own) The idle blocks no queued
         # work may still use, and the strays (neither idle nor any Allocation's).
         self._reap()
-        unused = [b for b in self._blocks if b.token is None and (not b.idle or _free_for_any(b))]
+        unused = [b for b in self._blocks if b.token is None and (b not in b.shelf or _free_for_any(b))]
         for b in unused:
-            idle = self._idle.get((b.pinned, b.size), [])
-            if b in idle:
-                idle.remove(b)
-            b.idle = False
+            if b in b.shelf:
+                b.shelf.remove(b)
         return unused
 
     def reclaim(self) -> None:
@@ -467,7 +466,7 @@ class Device:
         out = {"workspace_takes": c["workspace_takes"], "array_hits": c["hits"], "array_misses": c["misses"],
                "pinned_hits": c["pinned_hits"], "pinned_misses": c["pinned_misses"]}
         for prefix, pinned in (("array_", False), ("pinned_", True)):
-            idle = [b.size for b in self._blocks if b.pinned is pinned and b.idle]
+            idle = [b.size for b in self._blocks if b.pinned is pinned and b.token is None and b in b.shelf]
             used = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None]
             out.update({prefix + "bytes_idle": sum(idle), prefix + "blocks_idle": len(idle),
                         prefix + "bytes_in_use": sum(used)})
@@ -597,23 +596,33 @@ def collect() -> None:
 
 def _free_for_any(block: Block) -> bool:
     """Whether an idle block is free for any stream: no home, or its home's work queued before
-    it went idle is known complete, or the home is gone. (The device's lock held; the home's
-    lock taken inside it: the lock order.)"""
+    it was first asked for is known complete, or the home is gone. (The device's lock held;
+    the home's lock taken inside it: the lock order.)"""
     home = block.home
     if home is None:
         return True
     with home.lock:
+        if block.since < 0:
+            block.since = home.point
         return home.done >= block.since or not home.live()
 
 
-def _give(arrays: Sequence[Any], idle: dict[tuple[bool, int], list[Block]]) -> None:
+def _free_one(idle: list[Block]) -> Block | None:
+    # (the device's lock held) The newest idle block free for any stream, taken from ``idle``.
+    for j in range(len(idle) - 1, -1, -1):
+        if _free_for_any(idle[j]):
+            return idle.pop(j)
+    return None
+
+
+def _give(arrays: Sequence[Any]) -> None:
     # (the device's lock held; a loop under a lock is a function of its own)
     for array in arrays:
         a = array.alloc
         block, a.block = a.block, None
         if block is not None and block.token is not None:
-            block.token, block.idle, block.home = None, True, None
-            idle.setdefault((block.pinned, block.size), []).append(block)
+            block.token, block.home = None, None
+            block.shelf.append(block)
 
 
 def _noting(errors: list[BaseException], fn: Any, *args: Any) -> None:
