@@ -481,11 +481,11 @@ def _host_score(host: dict[str, float]) -> float:
 
 def report(res: dict[str, Any], extra: dict[str, Any], quick: bool = False) -> str:
     unit = res["ffi_call_ns"]
-    scores = " / ".join(f"{x:.2f}" for x in extra["host_run_scores"])
+    scores = extra.get("host_run_scores", [])
     lines = [
         f"backend                {res['backend']}",
-        f"launch paths           best of {len(extra['host_run_scores'])} run(s) (each run's worst target "
-        f"over its limit: {scores})",
+        f"launch paths           best of {len(scores)} run(s) (each run's worst target over its limit: "
+        f"{' / '.join(f'{x:.2f}' for x in scores)})",
         f"bare foreign call      {unit:10.0f} ns   (the unit)",
         f"raw launch             {res['raw_launch_ns']:10.0f} ns   {res['raw_launch_ns'] / unit:6.2f} units "
         "(one bare foreign call of the second phase: the floor)",
