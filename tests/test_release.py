@@ -99,14 +99,14 @@ def test_versions_of_a_toolkit_install(tmp_path):
     _write(home / f"{layout.arch()}-linux" / "ascend_toolkit_install.info",
            "package_name=Ascend-cann-toolkit\nversion=8.1.RC1\ninnerversion=V100R001C21SPC001B238\n")
     _write(home / "runtime" / "version.info", "Version=7.7.0.1.238\nversion_dir=8.1.RC1\n")
-    v = layout.read_versions(str(home))
+    v = release.read_versions(str(home))
     assert (v.toolkit, v.ops, v.runtime) == ("8.1.RC1", None, "7.7.0.1.238")
     assert v.sources["toolkit_version"].endswith("ascend_toolkit_install.info")
 
 
 def test_the_legacy_version_cfg_names_the_release(tmp_path):
     _write(tmp_path / "version.cfg", "# version: 1.0\nruntime_running_version=[7.7.0.1.238:8.1.RC1]\n")
-    v = layout.read_versions(str(tmp_path))
+    v = release.read_versions(str(tmp_path))
     assert v.toolkit == "8.1.RC1" and v.sources["toolkit_version"].endswith("version.cfg")
 
 
@@ -116,11 +116,11 @@ def test_versions_of_a_cann_install_and_of_its_packages(tmp_path):
     _write(home / "aarch64-linux" / "ascend_ops_install.info", "package_name=Ascend-cann-910b-ops\nversion=9.1.0\n")
     _write(home / "share" / "info" / "ops_transformer" / "version.info", "Version=9.1.0-beta.3\nversion_dir=cann\n")
     _write(home / "share" / "info" / "runtime" / "version.info", "Version=9.0.0\n")
-    v = layout.read_versions(str(home))
+    v = release.read_versions(str(home))
     # ops-transformer upgraded apart: its own version.info wins over the ops package's record.
     assert (v.toolkit, v.ops, v.runtime) == ("9.1.0", "9.1.0-beta.3", "9.0.0")
     (home / "share" / "info" / "ops_transformer" / "version.info").unlink()
-    assert layout.read_versions(str(home)).ops == "9.1.0"
+    assert release.read_versions(str(home)).ops == "9.1.0"
 
 
 def test_a_library_found_by_the_loader_leads_to_its_install(tmp_path):
@@ -130,8 +130,8 @@ def test_a_library_found_by_the_loader_leads_to_its_install(tmp_path):
     _write(home / "aarch64-linux" / "ascend_toolkit_install.info", "version=8.1.RC1\n")
     (lib64 / "libascendcl.so").write_bytes(b"")
     (tmp_path / "lib64").symlink_to(lib64)
-    assert layout.read_versions(None, library_paths=[str(tmp_path / "lib64" / "libascendcl.so")]).toolkit == "8.1.RC1"
-    assert layout.read_versions(None, library_paths=["libascendcl.so"]).toolkit is None
+    assert release.read_versions(None, library_paths=[str(tmp_path / "lib64" / "libascendcl.so")]).toolkit == "8.1.RC1"
+    assert release.read_versions(None, library_paths=["libascendcl.so"]).toolkit is None
 
 
 # ---------------------------------------------------------------------------- reading a library's ELF

@@ -25,14 +25,6 @@ dynamic loader looks; :func:`dependency_order` finds each one in the home's libr
 A dependency with an unversioned name (``libX.so``, the form every CANN library has) found in
 none of those folders makes the library unfit; versioned names (``libc.so.6``) are the
 system's, left to the dynamic loader.
-
-**Versions** (:func:`read_versions`): the toolkit's release from
-``<arch>-linux/ascend_toolkit_install.info`` (``version=``) or the legacy ``version.cfg``
-(``runtime_running_version=[<build>:<release>]``); from 8.5 the ops-transformer and runtime
-packages' from ``share/info/<package>/version.info`` (``Version=``), through the runtime's
-aclsysGetVersionStr when the caller provides it, or the ops package's
-``<arch>-linux/ascend_ops_install.info``; up to 8.3 the runtime's inner build number from
-``runtime/version.info``.
 """
 
 from __future__ import annotations
@@ -45,8 +37,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DRIVER_FOLDERS", "OP_LIBRARIES", "RUNTIME_LIBRARIES", "Versions", "arch", "candidate_homes",
-           "defined_symbols", "dependency_order", "library_folders", "needed", "read_versions"]
+__all__ = ["DRIVER_FOLDERS", "OP_LIBRARIES", "RUNTIME_LIBRARIES", "arch", "candidate_homes",
+           "defined_symbols", "dependency_order", "library_folders", "needed"]
 
 RUNTIME_LIBRARIES = ("lib64/libascendcl.so", "lib64/libnnopbase.so")
 
@@ -287,103 +279,3 @@ def dependency_order(path: str, folders: list[str], present: Callable[[str], boo
 
 
 # ---------------------------------------------------------------------------- versions
-
-TOOLKIT_INFO = "ascend_toolkit_install.info"
-OPS_INFO = "ascend_ops_install.info"
-
-
-@dataclass
-class Versions:
-    """What an install says of its releases; ``sources`` names the file (or call) behind each."""
-
-    toolkit: str | None = None
-    ops: str | None = None
-    runtime: str | None = None
-    sources: dict[str, str] = field(default_factory=dict)
-
-
-def _key(path: Path, key: str) -> str | None:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        k, sep, value = line.partition("=")
-        if sep and k.strip() == key and value.strip():
-            return value.strip().strip('"')
-    return None
-
-
-def _arch_dirs(home: Path) -> list[Path]:
-    first = home / f"{arch()}-linux"
-    return [first, *sorted(d for d in home.glob("*-linux") if d != first)]
-
-
-def _version_cfg(home: Path) -> str | None:
-    # "runtime_running_version=[7.7.0.1.238:8.1.RC1]": the build number, then the release.
-    value = _key(home / "version.cfg", "runtime_running_version")
-    m = re.fullmatch(r"\[[^:\]]*:([^\]]+)\]", value or "")
-    return m.group(1) if m else None
-
-
-def install_root(library_paths: Iterable[str]) -> str | None:
-    """The home a library found through the dynamic loader's path belongs to: the nearest
-    folder above its real path that holds a toolkit release file or ``share/info``."""
-    for lib in library_paths:
-        if not os.path.isabs(lib):
-            continue
-        p = Path(lib).resolve().parent
-        for _ in range(8):
-            if (p / "share" / "info").is_dir() or any((d / TOOLKIT_INFO).is_file() for d in _arch_dirs(p)):
-                return str(p)
-            if p.parent == p:
-                break
-            p = p.parent
-    return None
-
-
-def read_versions(home: str | None, version_str: Callable[[str], str | None] | None = None,
-                  library_paths: Iterable[str] = ()) -> Versions:
-    """The releases an install records. ``version_str(package)`` is the runtime's
-    aclsysGetVersionStr, used only when ``$ASCEND_HOME_PATH`` is this home (it reads the
-    files of that variable's home, whatever was loaded)."""
-    v = Versions()
-    root = home or install_root(library_paths)
-    if root is None:
-        return v
-    h = Path(root)
-    env = os.environ.get("ASCEND_HOME_PATH")
-    ask = version_str if version_str and env and os.path.realpath(env) == os.path.realpath(root) else None
-
-    def package(name: str) -> tuple[str | None, str]:
-        if ask is not None:
-            got = ask(name)
-            if got:
-                return got, f"aclsysGetVersionStr({name!r})"
-        path = h / "share" / "info" / name / "version.info"
-        return _key(path, "Version"), str(path)
-
-    for d in _arch_dirs(h):
-        got = _key(d / TOOLKIT_INFO, "version")
-        if got:
-            v.toolkit, v.sources["toolkit_version"] = got, str(d / TOOLKIT_INFO)
-            break
-    if v.toolkit is None:
-        got = _version_cfg(h)
-        if got:
-            v.toolkit, v.sources["toolkit_version"] = got, str(h / "version.cfg")
-    ops, where = package("ops_transformer")
-    if ops is None:
-        for d in _arch_dirs(h):
-            ops = _key(d / OPS_INFO, "version")
-            if ops:
-                where = str(d / OPS_INFO)
-                break
-    if ops:
-        v.ops, v.sources["ops_version"] = ops, where
-    runtime, where = package("runtime")
-    if runtime is None:
-        runtime, where = _key(h / "runtime" / "version.info", "Version"), str(h / "runtime" / "version.info")
-    if runtime:
-        v.runtime, v.sources["runtime_version"] = runtime, where
-    return v

@@ -470,7 +470,8 @@ def run(quick: bool = False, log: Callable[[str], None] | None = None,
 
 # The launch-path targets (their figures come from _host_costs): name -> its key there.
 _HOST = {"plan overhead": ("plan", "raw", "ffi"), "one-shot launch": ("oneshot", None, "ffi"),
-         "forward one call, out given": ("fwd_oneshot_out", None, "ffi"), "forward one call": ("fwd_oneshot", None, "ffi")}
+         "forward one call, out given": ("fwd_oneshot_out", None, "ffi"),
+         "forward one call": ("fwd_oneshot", None, "ffi")}
 
 
 def _host_score(host: dict[str, float]) -> float:
