@@ -11,9 +11,11 @@ The public API, re-exported here; see docs/ARCHITECTURE.md for the layers behind
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from . import reference, release, routing
+from ._cann import loader as _loader
 from ._cann.loader import LibraryInfo, library_info, load, loaded_info
 from .array import DeviceArray, bfloat16, empty, from_pointer, from_torch, to_device, zeros
 from .device import (
@@ -46,6 +48,9 @@ from .tensor import AclTensor
 
 __version__ = "0.2.0"
 
+# The loader finds the bundled emulator, when asked for it, through this registration.
+_loader.register_finder(_loader.EMULATOR, lambda: importlib.import_module(".emulator", __name__))
+
 
 def use_emulator() -> None:
     """Bind this process to the bundled emulator (see :func:`pyacl_moe.emulator.use_emulator`)."""
@@ -59,8 +64,6 @@ def __getattr__(name: str) -> Any:
     # itself neither builds it nor declares its extras.
     # ``pm.torch`` likewise imports torch and registers the operators only when asked for.
     if name in ("emulator", "torch"):
-        import importlib
-
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -293,13 +293,14 @@ class Device:
     def holders(self, rank: int) -> list[Any]:
         """The inventory's holders of one rank (STREAMS: the device's stream states)."""
         with self.lock:
-            return [h for h in self._owned if h.RANK == rank]
+            owned = list(self._owned)
+        return [h for h in owned if h.RANK == rank]
 
     def drop(self, tokens: Sequence[_lifetime.Token]) -> None:
         """Tokens of owners that are gone (the safe point): release their holders; one whose
         release must wait is handed to the next safe point. Taking a token twice does nothing."""
         with self.lock:
-            holders = [t for t in tokens if self._owned.get(t.what) is t]
+            holders = _owned_by(self._owned, tokens)
         for token in holders:
             status = token.what.dropped()
             if not status:
@@ -326,28 +327,12 @@ class Device:
                 tokens.append(token(a, died))  # (what it hands back, its block: set when it gets one)
         for o in owners or ():
             tokens.append(token(o, died))
-        missing = []
         with self.lock:
             if not self.context.open:
                 self.check_open()
             if self.dead_blocks:
                 self._reap()
-            idle_of = self._idle
-            # An idle block free for ``home`` for what fits one, newest first (the one its own
-            # stream let go of last).
-            for i, a in enumerate(allocs):
-                idle = idle_of.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
-                if idle and (idle[-1].home is home or idle[-1].home is None):
-                    block = idle.pop()
-                else:
-                    block = _free_one(idle) if idle else None
-                    if block is None:
-                        missing.append(i)
-                        continue
-                tokens[i].what = block
-                block.token, block.home = tokens[i], home
-                a.block, a.ptr = block, block.ptr
-            self._counts["pinned_hits" if pinned else "hits"] += len(allocs) - len(missing)
+            missing = self._take(allocs, tokens, pinned, home)
         for i in missing:
             self._malloc(allocs[i], tokens[i], pinned, home)
         if not _Process.caching[0]:
@@ -361,6 +346,26 @@ class Device:
             self._reap()
         if not _Process.caching[0]:
             self.trim()
+
+    def _take(self, allocs: list[Allocation], tokens: list[_lifetime.Token], pinned: bool, home: Any) -> list[int]:
+        # (lock held; a loop under a lock is a function of its own) An idle block free for
+        # ``home`` for what fits one, newest first (the one its own stream let go of last);
+        # the positions of the rest.
+        missing, idle_of = [], self._idle
+        for i, a in enumerate(allocs):
+            idle = idle_of.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
+            if idle and (idle[-1].home is home or idle[-1].home is None):
+                block = idle.pop()
+            else:
+                block = _free_one(idle) if idle else None
+                if block is None:
+                    missing.append(i)
+                    continue
+            tokens[i].what = block
+            block.token, block.home = tokens[i], home
+            a.block, a.ptr = block, block.ptr
+        self._counts["pinned_hits" if pinned else "hits"] += len(allocs) - len(missing)
+        return missing
 
     def _reap(self) -> None:
         # (lock held) The blocks of Allocations that are gone go idle. Each token is peeked,
@@ -607,6 +612,12 @@ def _free_for_any(block: Block) -> bool:
         return home.done >= block.since or not home.live()
 
 
+def _owned_by(owned: dict[Any, Any], tokens: Sequence[_lifetime.Token]) -> list[_lifetime.Token]:
+    # (the device's lock held; a loop under a lock is a function of its own) The tokens that
+    # are their holders' in the inventory (one taken already is not).
+    return [t for t in tokens if owned.get(t.what) is t]
+
+
 def _free_one(idle: list[Block]) -> Block | None:
     # (the device's lock held) The newest idle block free for any stream, taken from ``idle``.
     for j in range(len(idle) - 1, -1, -1):
@@ -730,7 +741,8 @@ def set_caching(enabled: bool) -> None:
     soon as it is idle (False; what is cached now is freed)."""
     if not isinstance(enabled, bool):
         raise InvalidArgument("enabled", f"must be a bool, got {type(enabled).__name__}")
-    _Process.caching[0] = enabled
+    with _Process.lock:
+        _Process.caching[0] = enabled
     if not enabled:
         for dev in open_devices():
             dev.trim()

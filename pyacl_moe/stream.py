@@ -430,7 +430,11 @@ class Stream:
     @property
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
-        return self.state.closing or not self.state.ctx.open
+        s = self.state
+        if not s.ctx.open:
+            return True  # (before the lock: in a fork() child a parent thread may hold it)
+        with s.lock:
+            return s.closing
 
     def __repr__(self) -> str:
         kind = "default stream" if self._is_default else f"stream {self.handle:#x}"
@@ -464,7 +468,8 @@ class Stream:
             raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
                                            f"{s.device.device_id}")
         s.enqueue(core, acl.stream_wait_event, core.holder.handle)
-        s.after_events = True  # (one store of True, under no lock: only ever set)
+        with s.lock:
+            s.after_events = True  # (only ever set: read without the lock, ARCHITECTURE.md)
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) on this stream and return it."""
@@ -488,7 +493,11 @@ class Stream:
             raise s.device.fault_error()
 
     def __enter__(self) -> Stream:
-        self.state.check_open()
+        if self.state.ctx.open:  # (else raised without the lock: a fork() child's may be held)
+            with self.state.lock:
+                self.state.check_open()
+        else:
+            self.state.check_open()
         self.state.device.__enter__()
         thread_current.saved.append(thread_current.stream)
         thread_current.stream = self

@@ -621,7 +621,7 @@ def test_an_interrupted_allocation_or_give_back_leaves_memory_stats_true(device,
     pm.empty_cache()
     before = pm.emulator.stats()["device_allocations"]
     x, idx = np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32)
-    for name in ("allocate", "_reap", "give_back"):
+    for name in ("_take", "_reap", "give_back"):
         for _ in range(3):
             a = pm.empty((1 << 20,), np.uint8)
             del a  # its block: taken back by the next allocation, or by the interrupted one

@@ -22,7 +22,6 @@ extras.
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 from collections.abc import Callable
@@ -87,6 +86,9 @@ _lock = threading.Lock()  # guards every name below
 _providers: dict[str, Provider] = {}
 _selected: str | None = None  # a provider chosen before loading
 _libs: Libraries | None = None
+# name -> how to make that provider register itself: each stored once under _lock (by the
+# package's import), read without it (load calls it before taking the lock).
+_finders: dict[str, Callable[[], object]] = {}
 
 
 def _reset_lock_in_child() -> None:
@@ -105,6 +107,14 @@ def register_provider(provider: Provider) -> None:
             _providers[provider.name] = provider
             if provider.declarations:
                 declare.add_declarations(provider.declarations, provider.types)
+
+
+def register_finder(name: str, find: Callable[[], object]) -> None:
+    """How to make the provider ``name`` register itself when it is asked for and not yet
+    registered (pyacl_moe's top registers the emulator's import: this layer imports nothing
+    above it)."""
+    with _lock:
+        _finders[name] = find
 
 
 def _env_wants_emulator() -> bool:
@@ -323,11 +333,11 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
     if emulator is not None and not isinstance(emulator, bool):
         raise errors.InvalidArgument("emulator", f"must be a bool or None, got {type(emulator).__name__}")
     home_arg = os.fspath(ascend_home) if ascend_home is not None else None
-    if emulator or (emulator is None and _env_wants_emulator()):
-        # The bundled emulator registers itself when imported: asked for (the environment,
-        # load(emulator=True)), it is imported here, and only then (before the lock: its
-        # registration takes it).
-        importlib.import_module("pyacl_moe.emulator")
+    if (emulator or (emulator is None and _env_wants_emulator())) and EMULATOR in _finders:
+        # The bundled emulator registers itself when its package is imported: asked for (the
+        # environment, load(emulator=True)), the finder registered for it (the package's top
+        # imports it) runs here, and only then (before the lock: the registration takes it).
+        _finders[EMULATOR]()
     with _lock:
         provider = _selected
         if emulator or (emulator is None and provider is None and _env_wants_emulator()):

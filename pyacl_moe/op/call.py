@@ -247,7 +247,8 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         # A given output must share no memory with another tensor. The outcome depends only on
         # the layouts and the addresses, so the last pair that passed is not checked again.
         _check_outputs_apart(spec, arrays)
-        memo.apart = (number, firsts)
+        with memo.lock:
+            memo.apart = (number, firsts)
     n_in = len(spec.inputs)
     if workspace is None and ctx.open and dev.fault is None:  # type: ignore[union-attr]
         # The steady state: the stream's executor for this entry, bound to its workspace.
