@@ -547,8 +547,9 @@ class _EventCore:
 
 class Event:
     """A CANN event: a marker recorded on a stream, for ordering and timing. ``close()``
-    destroys it, at once unless queued work still records or waits on it. Neither its
-    synchronize nor its query reports a device fault (a stream's synchronize does)."""
+    destroys it, at once unless queued work still records or waits on it. CANN tells neither
+    its synchronize nor its query of a device fault (a stream's synchronize learns it); its
+    synchronize raises the fault of a device that is faulted."""
 
     __slots__ = ("_core", "_device", "__weakref__")
 
