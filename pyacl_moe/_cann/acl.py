@@ -405,6 +405,7 @@ def _after_fork_in_child() -> None:
     # a parent thread held at fork; this is the one at-fork hook of the package.
     global _contexts_lock
     _contexts_lock = threading.Lock()  # a parent thread may have held it
+    loader.after_fork_in_child()
     thread_state.__dict__.clear()
     if _initialized[0]:
         _forked[0] = True

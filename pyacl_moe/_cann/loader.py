@@ -91,13 +91,11 @@ _libs: Libraries | None = None
 _finders: dict[str, Callable[[], object]] = {}
 
 
-def _reset_lock_in_child() -> None:
-    # A thread of the parent may have held the lock at fork; it does not exist in the child.
+def after_fork_in_child() -> None:
+    """(the package's one at-fork hook, in _cann.acl, calls it) A thread of the parent may have
+    held the lock at fork; it does not exist in the child."""
     global _lock
     _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_lock_in_child)
 
 
 def register_provider(provider: Provider) -> None:
