@@ -27,6 +27,9 @@ class Token(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to an owner, with what its device releases once the owner is gone."""
 
     __slots__ = ("device", "what", "tries")
+    device: Any  # the device that releases ``what`` (unset for a block's token: its deque says)
+    what: Any  # the holder to release, or the block to take back
+    tries: int  # refusals so far
 
 
 # Tokens of owners that died (or whose release waits), oldest first. Appended by the garbage

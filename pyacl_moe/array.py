@@ -127,6 +127,7 @@ class DeviceArray:
     """
 
     __slots__ = ("alloc", "_layout", "_offset", "_acl_dtype", "_desc", "span", "layout_id", "__weakref__")
+    _layout: tuple[tuple[int, ...], np.dtype, tuple[int, ...]]  # shape, dtype, element strides
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int, known: tuple[Any, ...] | None = None) -> None:
@@ -181,12 +182,12 @@ class DeviceArray:
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape, as in NumPy."""
-        return self._layout[0]  # type: ignore[no-any-return]
+        return self._layout[0]
 
     @property
     def dtype(self) -> np.dtype:
         """The element type, as in NumPy (bfloat16 is ml_dtypes.bfloat16)."""
-        return self._layout[1]  # type: ignore[no-any-return]
+        return self._layout[1]
 
     @property
     def strides(self) -> tuple[int, ...]:
@@ -197,7 +198,7 @@ class DeviceArray:
     @property
     def element_strides(self) -> tuple[int, ...]:
         """Strides in elements: what the aclTensor of the view gets (aclCreateTensor's unit)."""
-        return self._layout[2]  # type: ignore[no-any-return]
+        return self._layout[2]
 
     @property
     def offset(self) -> int:
@@ -580,7 +581,8 @@ def empty_from(made: Sequence[tuple[Any, ...]], device: Device, home: StreamStat
     for m in made:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
         sizes.append(m[1])
     for a, m in zip(device.allocate(sizes, home), made):
-        out.append(DeviceArray(a, *m[0], 0, m))
+        layout = m[0]
+        out.append(DeviceArray(a, layout[0], layout[1], layout[2], 0, m))
     return out
 
 

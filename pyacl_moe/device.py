@@ -146,6 +146,20 @@ class Device:
     # The class of the default stream's public object: pyacl_moe.stream sets it, so that this
     # module never imports the stream layer above it (the one registration between modules).
     stream_class: Any = None
+    # (set by __new__ and _start: see there)
+    _id: int
+    _torn_down: bool
+    lock: threading.Lock
+    _owned: dict[Any, _lifetime.Token | None]
+    sync_lock: threading.Lock
+    free_lock: threading.Lock
+    fault: tuple[int, str, str, str] | None
+    _blocks: dict[Block, None]
+    dead_blocks: collections.deque[_lifetime.Token]
+    _idle: dict[tuple[bool, int], list[Block]]
+    _counts: dict[str, int]
+    context: acl.Context
+    _default: Any
 
     def __new__(cls, device_id: int = 0) -> Device:
         did = _args.int32("device_id", device_id, lo=0)
@@ -246,7 +260,8 @@ class Device:
 
     def set_current(self) -> Device:
         """Make this device the calling thread's current device; returns self."""
-        return self.activate() or self
+        self.activate()
+        return self
 
     @property
     def default_stream(self) -> Any:
@@ -274,7 +289,7 @@ class Device:
     def release(self, holder: Any) -> int:
         """Release ``holder`` now (its own lock makes that once); CANN's status. One CANN
         refuses stays in the inventory: the device's close tries it again."""
-        status = holder.release()
+        status: int = holder.release()
         if not status:
             with self.lock:
                 self._owned.pop(holder, None)
@@ -351,9 +366,11 @@ class Device:
         # (lock held; a loop under a lock is a function of its own) An idle block free for
         # ``home`` for what fits one, newest first (the one its own stream let go of last);
         # the positions of the rest.
-        missing, idle_of = [], self._idle
+        missing: list[int] = []
+        idle_of = self._idle
         for i, a in enumerate(allocs):
             idle = idle_of.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
+            block: Block | None
             if idle and (idle[-1].home is home or idle[-1].home is None):
                 block = idle.pop()
             else:
@@ -378,7 +395,10 @@ class Device:
             block = getattr(dead[0], "what", None)
             if block is not None and block.token is dead[0] and block in blocks:
                 block.token, block.since = None, -1
-                block.shelf.append(block)
+                if not block.ptr:  # an interrupt cut its _malloc short: the address is the handle's,
+                    block.ptr = block.handle.address  # or none (a stray: the next trim drops it)
+                if block.ptr:
+                    block.shelf.append(block)
             dead.popleft()
 
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
@@ -387,14 +407,13 @@ class Device:
         with self.lock:
             shelf = self._idle.setdefault((pinned, size), [])
         block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, shelf)
-        block.token, block.home = token, home
-        token.what = block
-        with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
-            self.check_open()
-            self._blocks[block] = None
-            self._counts["pinned_misses" if pinned else "misses"] += 1
+        block.token, block.home, token.what = token, home, block
         fill = acl.malloc_host if pinned else acl.malloc
         try:
+            with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
+                self.check_open()
+                self._blocks[block] = None
+                self._counts["pinned_misses" if pinned else "misses"] += 1
             with calling(self, ctx):
                 acl.use_context(ctx)
                 try:

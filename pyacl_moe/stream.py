@@ -562,7 +562,8 @@ class Event:
         with calling(dev, ctx):  # type: ignore[arg-type]
             acl.use_context(ctx)  # type: ignore[arg-type]
             acl.create_event(core.holder.handle)  # type: ignore[arg-type]
-        self._device, self._core = dev, core
+        self._device = dev
+        self._core: _EventCore | None = core
 
     def core(self, what: str = "event") -> _EventCore:
         """The event's core, checked open (for pyacl_moe's own layers)."""

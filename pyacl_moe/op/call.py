@@ -216,7 +216,8 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         key.append(a.layout_id)
         allocs.append(alloc)
         firsts.append(a.span[0])
-    dev = _device_of(spec, arrays, workspace) if ctx is None or workspace is not None or not ctx.open else first.device
+    dev = (_device_of(spec, arrays, workspace) if first is None or ctx is None or workspace is not None or not ctx.open
+           else first.device)
     if stream is None:
         cur = thread_current.stream
         state = cur.state if cur is not None and cur.state.device is dev else dev.default_stream.state
@@ -445,7 +446,9 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     state.enqueue_all(views, _copies(arrays, views, True))
     it = iter(arrays[n_in:])
     tensors: list[DeviceArray | None] = arrays[:n_in]  # type: ignore[assignment]
-    made, hosts, results = [], [], []
+    made: list[DeviceArray] = []
+    hosts: list[np.ndarray] = []
+    results: list[tuple[np.ndarray, np.ndarray | None, Any] | None] = []
     for w, target, mine in zip(outs, given, out):
         d = None if w is None else next(it)
         tensors.append(d)
@@ -453,7 +456,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
             results.append(None)
             continue
         fit = target is not None and target.flags.c_contiguous and target.dtype.isnative
-        host = target if fit else np.empty(w[0], w[1])
+        host: np.ndarray = target if fit else np.empty(w[0], w[1])  # type: ignore[assignment]
         made.append(d)
         hosts.append(host)
         results.append((host, target, mine))

@@ -88,7 +88,7 @@ def get_workspace_size(x: AclTensor | DeviceArray | None, expert_idx: AclTensor 
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
     (xs, xd), (ixs, ixd) = layouts["x"], layouts["expert_idx"]
-    return _contract.check_routing_call(xs, xd, ixs, ixd, tuple(attrs.values()))  # type: ignore[arg-type]
+    return _contract.check_routing_call(xs, xd, ixs, ixd, tuple(attrs.values()))
 
 
 def _sizes(arrays: Mapping[str, Any], attrs: Mapping[str, Any]) -> Outputs:

@@ -26,7 +26,17 @@ from ..device import PLANS, Allocation, Device, collect
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream, thread_current
 from ..tensor import AclTensor
-from .executor import Executor, build, check_output_layout, checked_workspace, device_of, fits, launch, written
+from .executor import (
+    Executor,
+    ExecutorCore,
+    build,
+    check_output_layout,
+    checked_workspace,
+    device_of,
+    fits,
+    launch,
+    written,
+)
 from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "check_workspace_apart"]
@@ -69,6 +79,24 @@ class _PlanCore:
 
     __slots__ = ("lock", "spec", "device", "ctx", "executor", "tensors", "arrays", "allocs", "outs", "streams",
                  "rebinding", "closed", "spent", "last", "key", "result", "result_of", "__weakref__")
+    # (set by Plan._prepare)
+    lock: threading.Lock
+    spec: OpSpec
+    device: Device
+    ctx: Any
+    executor: ExecutorCore
+    tensors: dict[str, AclTensor]
+    arrays: dict[str, DeviceArray]
+    allocs: dict[str, Allocation]
+    outs: tuple[Allocation, ...]
+    streams: dict[StreamState, Any]
+    rebinding: dict[str, tuple[DeviceArray, Allocation, int]]
+    closed: bool
+    spent: bool
+    last: StreamState | None
+    key: int
+    result: Any
+    result_of: Any
     RANK = PLANS
     API = "aclDestroyAclOpExecutor"
 
