@@ -80,11 +80,12 @@ static void ready_clear_locked(void) {
 static void *engine_main(void *arg);
 static void engine_stop_locked(void);
 
-/* At the process's exit the engine thread stops first (joined), whoever did or did not call
- * aclFinalize: a thread still running (or napping in a timed wait) in this library while the
- * process tears down (the interpreter finalizing, the sanitizers' exit work) can crash the exit.
- * The lock is tried, not waited for: a thread that holds it at exit keeps the engine as it is. */
-static void engine_at_exit(void) {
+/* Before this library is unloaded (at the process's exit, or a dlclose) the engine thread stops
+ * (joined), whoever did or did not call aclFinalize: a thread still running, or napping in a
+ * timed wait, in code being unmapped crashes the exit. A destructor, not atexit(): a sanitizer's
+ * atexit keeps no note of the library, and would call it after the unmapping. The lock is tried,
+ * not waited for: a thread that holds it then keeps the engine as it is. */
+__attribute__((destructor)) static void engine_at_exit(void) {
     for (int tries = 0; tries < 1000; tries++) {
         if (pthread_mutex_trylock(&g_lock) == 0) {
             engine_stop_locked();
@@ -98,13 +99,11 @@ static void engine_at_exit(void) {
 
 /* Make sure the engine will look at the ready list: start it, or wake it if it sleeps. */
 static void engine_kick_locked(void) {
-    static int at_exit_registered;
     if (g_engine_sleeping == 2) {
         pthread_cond_signal(&g_engine_cond);
         return;
     }
     if (g_engine_started) return; /* busy: it picks the work up by itself */
-    if (!at_exit_registered) at_exit_registered = atexit(engine_at_exit) == 0;
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old); /* signals stay with the application's threads */
