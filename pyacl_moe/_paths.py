@@ -1,4 +1,5 @@
-"""Where the package's data lives: the C declarations in headers/.
+"""Where the package's data lives (the C declarations in headers/), and whether a place may be
+trusted to hold code the process loads.
 
 In a source checkout (and an editable install) headers/ sits next to the package; in a wheel
 the build backend maps it to pyacl_moe/headers. Both are looked for, wheel layout first.
@@ -6,6 +7,8 @@ the build backend maps it to pyacl_moe/headers. Both are looked for, wheel layou
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 HEADER_FILES: tuple[str, ...] = (
@@ -29,3 +32,38 @@ def headers_dir() -> Path:
         "pyacl_moe's C declarations (headers/) are missing: looked in "
         f"{_PACKAGE / 'headers'} and {_PACKAGE.parent / 'headers'}. Reinstall the package."
     )
+
+
+def untrusted(path: str | os.PathLike[str], sticky_ok: bool = False) -> str | None:
+    """Why ``path`` (symbolic links followed) must not be trusted to hold code this process
+    loads, or None: it must be owned by root or this user and writable by no one else (with
+    ``sticky_ok``, a folder writable by others is allowed when its sticky bit keeps them from
+    renaming or removing what is not theirs, as in /tmp)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path} cannot be examined ({exc.strerror or exc})"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"{path} is owned by uid {st.st_uid}, neither root nor this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022 and not (sticky_ok and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def untrusted_above(path: str | os.PathLike[str]) -> str | None:
+    """:func:`untrusted` of ``path`` and of every folder above it, both as written and as its
+    symbolic links resolve (whoever may replace a link or a folder on the way chooses what is
+    loaded)."""
+    seen: set[str] = set()
+    for start in (os.path.abspath(path), os.path.realpath(path)):
+        p = start
+        while p not in seen:
+            seen.add(p)
+            why = untrusted(p)
+            if why:
+                return why
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+    return None

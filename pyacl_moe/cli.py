@@ -211,6 +211,8 @@ def _conformance(args: argparse.Namespace) -> int:
                 raise UsageError(f"{args.ascend_home}: {exc}", "--ascend-home") from None
         count = pm.device_count()
     except pm.CannNotFoundError as exc:
+        if args.ascend_home is not None:  # the one home asked for: what is wrong with it, in one line
+            raise UsageError("; ".join(exc.tried), "--ascend-home") from None
         # One line for a CI log: where it looked, and the three ways out.
         places = "; ".join(t.split(":")[0] for t in exc.tried)
         raise UsageError(f"no CANN found (looked at {places}): source <toolkit>/set_env.sh, pass --ascend-home "

@@ -7,7 +7,10 @@ and loads nothing, so a home can be judged before any of its libraries enters th
 alone when given; else ``$ASCEND_HOME_PATH``, ``$ASCEND_TOOLKIT_HOME`` (what each release's
 set_env.sh exports), ``/usr/local/Ascend/cann`` (the default root from 8.5),
 ``/usr/local/Ascend/ascend-toolkit/latest`` (up to 8.3), the same two under ``$HOME/Ascend``
-(a non-root install); the loader then tries the dynamic loader's own path.
+(a non-root install); the loader then tries the dynamic loader's own path. A home the user
+names (the first three) is the user's choice and must be an absolute path; a default one is
+used only when it and every folder above it are owned by root or this user and writable by
+no one else (:func:`pyacl_moe._paths.untrusted_above`), as CANN's installer leaves them.
 
 **The op library** in a home is the first of :data:`OP_LIBRARIES` that exports the four
 entry points of both ops (the two phases of each), in the order the releases use them: the
@@ -20,11 +23,17 @@ All four come from that one library.
 release builds carry no RUNPATH (ops-transformer ``cmake/config.cmake`` sets
 ``CMAKE_SKIP_RPATH``), so ``libopapi_transformer.so`` finds ``libopapi_math.so`` only where the
 dynamic loader looks; :func:`dependency_order` finds each one in the home's library folders
-(``lib64``, the library's own folder), the driver's (what set_env.sh adds) and
-``$LD_LIBRARY_PATH``, so the loader can load them by path first and no environment is needed.
-A dependency with an unversioned name (``libX.so``, the form every CANN library has) found in
-none of those folders makes the library unfit; versioned names (``libc.so.6``) are the
-system's, left to the dynamic loader.
+(``lib64``, the library's own folder) and the driver's (what set_env.sh adds, used when
+trusted), so the loader can load them by path first and no environment is needed. It never
+searches ``$LD_LIBRARY_PATH`` to load from it: a dependency found only in one of its absolute
+entries is left to the dynamic loader (which reads the variable itself), and relative or empty
+entries (the current directory) are not looked at. A dependency with an unversioned name
+(``libX.so``, the form every CANN library has) found nowhere makes the library unfit;
+versioned names (``libc.so.6``) are the system's, left to the dynamic loader.
+
+**Before a library is mapped** (:func:`elf_problem`) its ELF headers are read: a file that is
+not a shared object of this machine, or shorter than its headers and segments say (an
+interrupted copy, which the dynamic loader would map and die on with SIGBUS), is refused.
 """
 
 from __future__ import annotations
@@ -33,12 +42,15 @@ import os
 import platform
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._paths import untrusted_above
+
 __all__ = ["DRIVER_FOLDERS", "OP_LIBRARIES", "RUNTIME_LIBRARIES", "arch", "candidate_homes",
-           "defined_symbols", "dependency_order", "library_folders", "needed"]
+           "defined_symbols", "dependency_order", "elf_problem", "library_folders", "loader_path", "needed"]
 
 RUNTIME_LIBRARIES = ("lib64/libascendcl.so", "lib64/libnnopbase.so")
 
@@ -65,48 +77,66 @@ def arch() -> str:
     return {"arm64": "aarch64", "amd64": "x86_64", "AMD64": "x86_64"}.get(m, m) or "unknown"
 
 
-def candidate_homes(ascend_home: str | os.PathLike[str] | None = None) -> list[tuple[str, str | None]]:
-    """(label, directory or None when unset) in search order; a directory already listed is
-    not listed again."""
+def candidate_homes(ascend_home: str | os.PathLike[str] | None = None) -> list[tuple[str, str | None, bool]]:
+    """(label, directory or None when unset, whether the user named it) in search order; a
+    directory already listed is not listed again."""
     if ascend_home is not None:
-        return [(f"ascend_home={os.fspath(ascend_home)!r}", os.fspath(ascend_home))]
+        return [(f"ascend_home={os.fspath(ascend_home)!r}", os.fspath(ascend_home), True)]
     user = Path.home() / "Ascend"
     listed = [
-        ("$ASCEND_HOME_PATH", os.environ.get("ASCEND_HOME_PATH") or None),
-        ("$ASCEND_TOOLKIT_HOME", os.environ.get("ASCEND_TOOLKIT_HOME") or None),
-        ("default root (8.5 and later)", "/usr/local/Ascend/cann"),
-        ("default root (up to 8.3)", "/usr/local/Ascend/ascend-toolkit/latest"),
-        ("non-root default (8.5 and later)", str(user / "cann")),
-        ("non-root default (up to 8.3)", str(user / "ascend-toolkit" / "latest")),
+        ("$ASCEND_HOME_PATH", os.environ.get("ASCEND_HOME_PATH") or None, True),
+        ("$ASCEND_TOOLKIT_HOME", os.environ.get("ASCEND_TOOLKIT_HOME") or None, True),
+        ("default root (8.5 and later)", "/usr/local/Ascend/cann", False),
+        ("default root (up to 8.3)", "/usr/local/Ascend/ascend-toolkit/latest", False),
+        ("non-root default (8.5 and later)", str(user / "cann"), False),
+        ("non-root default (up to 8.3)", str(user / "ascend-toolkit" / "latest"), False),
     ]
     seen: set[str] = set()
-    out: list[tuple[str, str | None]] = []
-    for label, home in listed:
+    out: list[tuple[str, str | None, bool]] = []
+    for label, home, named in listed:
         real = os.path.realpath(home) if home else None
         if real is not None and real in seen:
             continue
         if real is not None:
             seen.add(real)
-        out.append((label, home))
+        out.append((label, home, named))
     return out
 
 
+def home_problem(home: str, named: bool) -> str | None:
+    """Why a home must not be used, or None: a named one must be an absolute path (the user's
+    choice, trusted); one found by default, and every folder above it, owned by root or this
+    user and writable by no one else."""
+    if named:
+        return None if os.path.isabs(home) else "not an absolute path (a home the user names must be one)"
+    why = untrusted_above(home)
+    return f"{why}: a home found by default is used only when it and every folder above it are owned by " \
+           "root or this user and writable by no one else (name it in ASCEND_HOME_PATH to use it anyway)" if why \
+        else None
+
+
 def library_folders(home: str | None, library: str | None = None) -> list[str]:
-    """Where a library's dependencies are looked for: its own folder, the home's lib64 and
-    op_api folder, the driver's, then ``$LD_LIBRARY_PATH``'s."""
+    """Where a library's dependencies are looked for, to load them by path: its own folder,
+    the home's lib64 and op_api folder, then the driver's (those that are trusted)."""
     folders: list[str] = []
     if library:
         folders.append(os.path.dirname(os.path.realpath(library)))
         folders.append(os.path.dirname(library))
     if home:
         folders += [os.path.join(home, "lib64"), os.path.join(home, OP_API_FOLDER.format(arch=arch()))]
-    folders += list(DRIVER_FOLDERS)
-    folders += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+    folders += [d for d in DRIVER_FOLDERS if os.path.isdir(d) and untrusted_above(d) is None]
     unique: list[str] = []
     for f in folders:
         if f not in unique:
             unique.append(f)
     return unique
+
+
+def loader_path() -> tuple[list[str], list[str]]:
+    """``$LD_LIBRARY_PATH``'s entries as the dynamic loader reads them: (the absolute ones, the
+    relative or empty ones, which stand for the current directory or one below it)."""
+    entries = os.environ.get("LD_LIBRARY_PATH", "").split(":") if os.environ.get("LD_LIBRARY_PATH") else []
+    return [e for e in entries if os.path.isabs(e)], [e for e in entries if not os.path.isabs(e)]
 
 
 # ---------------------------------------------------------------------------- ELF
@@ -170,6 +200,54 @@ def _table(f: object, offset: int, size: int) -> bytes | None:
 def _string(strtab: bytes, at: int) -> str:
     end = strtab.find(b"\0", at)
     return strtab[at:end if end >= 0 else len(strtab)].decode("utf-8", "replace")
+
+
+_MACHINES = {"x86_64": 62, "aarch64": 183}  # ELF e_machine: EM_X86_64, EM_AARCH64
+_ET_DYN, _PT_LOAD = 3, 1
+
+
+def elf_problem(path: str) -> str | None:
+    """Why the file at ``path`` must not be mapped as a shared library of this process, or
+    None: it must be an ELF shared object of this machine's class, byte order and machine, and
+    hold every byte its program headers, segments and section table say it has (a file cut
+    short is mapped by the dynamic loader all the same, and touching the missing pages kills
+    the process with SIGBUS)."""
+    wide, little = struct.calcsize("P") == 8, sys.byteorder == "little"
+    end = "<" if little else ">"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            ident = f.read(16)
+            if len(ident) < 16 or ident[:4] != b"\x7fELF":
+                return "not an ELF file"
+            if ident[4] != (2 if wide else 1) or ident[5] != (1 if little else 2):
+                return "an ELF file of another class or byte order than this process"
+            header = f.read(48 if wide else 36)
+            if len(header) < (48 if wide else 36):
+                return f"cut short ({size} bytes: not even its ELF header)"
+            e = struct.unpack(end + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH"), header)
+            e_type, e_machine, phoff, shoff, phentsize, phnum, shentsize, shnum = (e[0], e[1], e[4], e[5], e[8],
+                                                                                   e[9], e[10], e[11])
+            if e_type != _ET_DYN:
+                return f"not a shared object (ELF type {e_type})"
+            want = _MACHINES.get(arch())
+            if want is not None and e_machine != want:
+                return f"built for another machine (ELF machine {e_machine}; this one is {arch()}, {want})"
+            fmt = end + ("IIQQQQ" if wide else "IIIIII")
+            if phnum == 0 or phentsize < struct.calcsize(fmt) or phoff + phnum * phentsize > size:
+                return f"cut short or damaged ({size} bytes: its program headers are not all there)"
+            f.seek(phoff)
+            table = f.read(phnum * phentsize)
+            for i in range(phnum):
+                p = struct.unpack_from(fmt, table, i * phentsize)
+                p_type, offset, filesz = (p[0], p[2], p[5]) if wide else (p[0], p[1], p[4])
+                if p_type == _PT_LOAD and offset + filesz > size:
+                    return f"cut short ({size} bytes; its segments need {offset + filesz})"
+            if shoff and shoff + shnum * shentsize > size:
+                return f"cut short ({size} bytes; its section table ends at {shoff + shnum * shentsize})"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
 
 
 def needed(path: str) -> tuple[str, ...] | None:
@@ -247,6 +325,7 @@ class Dependencies:
     order: list[str] = field(default_factory=list)
     missing: list[tuple[str, str]] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)  # found only through $LD_LIBRARY_PATH: the dynamic loader's
 
 
 def dependency_order(path: str, folders: list[str], present: Callable[[str], bool] = lambda name: False
@@ -256,6 +335,7 @@ def dependency_order(path: str, folders: list[str], present: Callable[[str], boo
     not looked for again)."""
     deps = Dependencies()
     seen: set[str] = set()
+    absolute = loader_path()[0]
 
     def visit(lib: str) -> None:
         names = needed(lib)
@@ -268,7 +348,10 @@ def dependency_order(path: str, folders: list[str], present: Callable[[str], boo
             seen.add(name)
             where = next((os.path.join(d, name) for d in folders if os.path.isfile(os.path.join(d, name))), None)
             if where is None:
-                if _UNVERSIONED.fullmatch(name):
+                other = next((os.path.join(d, name) for d in absolute if os.path.isfile(os.path.join(d, name))), None)
+                if other is not None:
+                    deps.left.append(other)
+                elif _UNVERSIONED.fullmatch(name):
                     deps.missing.append((name, os.path.basename(lib)))
                 continue
             visit(where)

@@ -162,6 +162,10 @@ def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> tuple[lis
         folders = ", ".join(layout.library_folders(home, path)[:3])
         return [], f"{rel}: a dependency is missing: {names}, in none of {folders} (nor the driver's folders or "\
                    "LD_LIBRARY_PATH)"
+    for lib in [path, *deps.order, *deps.left]:  # (left to the dynamic loader: read, never loaded by path here)
+        why = layout.elf_problem(lib)
+        if why:
+            return [], f"{rel}: {lib if lib != path else 'the library'} is {why}"
     found: set[str] = set()
     unreadable = False
     for lib in [path, *deps.order]:
@@ -216,25 +220,39 @@ def _plan(home: str) -> tuple[_Plan | None, list[str]]:
     return _Plan(picked["acl"], picked["nn"], picked["op"], order), []
 
 
-def _open(path: str) -> Any:
+def _opened(names: list[str], then: Callable[[dict[str, Any]], Libraries]) -> Libraries:
+    """dlopen each of ``names`` in order (each finds what it needs already loaded), then
+    ``then(handles)``. All or nothing: when one cannot be loaded, or ``then`` refuses what was
+    loaded, everything opened here is closed again (last first), so that no library of a
+    rejected home stays mapped for a later load to bind to by soname."""
+    handles: dict[str, Any] = {}
     try:
-        return declare.ffi.dlopen(path)
-    except OSError as exc:
-        raise errors.CannNotFoundError([f"{path}: cannot be loaded: {exc}"]) from None
+        for name in names:
+            try:
+                handles[name] = declare.ffi.dlopen(name)
+            except OSError as exc:
+                raise errors.CannNotFoundError([f"{name}: cannot be loaded: {exc}"]) from None
+        return then(handles)
+    except BaseException:
+        for h in reversed(list(handles.values())):
+            declare.ffi.dlclose(h)
+        raise
 
 
 def _load_plan(home: str, plan: _Plan, backend: str) -> Libraries:
-    handles = {p: _open(p) for p in plan.order}  # in order: each finds what it needs already loaded
-    info = LibraryInfo(
-        backend, str(Path(home)),
-        {os.path.basename(p)[3:-3]: p for p in (plan.acl, plan.nn, plan.op)},
-        os.path.realpath(plan.op),
-        tuple(p for p in plan.order if p not in (plan.acl, plan.nn, plan.op)),
-    )
-    libs = Libraries(handles[plan.acl], handles[plan.nn], handles[plan.op], info,
-                     tuple(h for p, h in handles.items() if p not in (plan.acl, plan.nn, plan.op)))
-    _resolve_all(libs, strict_extras=backend != "cann")
-    return libs
+    def bound(handles: dict[str, Any]) -> Libraries:
+        info = LibraryInfo(
+            backend, str(Path(home)),
+            {os.path.basename(p)[3:-3]: p for p in (plan.acl, plan.nn, plan.op)},
+            os.path.realpath(plan.op),
+            tuple(p for p in plan.order if p not in (plan.acl, plan.nn, plan.op)),
+        )
+        libs = Libraries(handles[plan.acl], handles[plan.nn], handles[plan.op], info,
+                         tuple(h for p, h in handles.items() if p not in (plan.acl, plan.nn, plan.op)))
+        _resolve_all(libs, strict_extras=backend != "cann")
+        return libs
+
+    return _opened(plan.order, bound)
 
 
 def _load_home(label: str, home: str, backend: str) -> Libraries:
@@ -246,25 +264,53 @@ def _load_home(label: str, home: str, backend: str) -> Libraries:
 
 def _from_loader_path() -> Libraries:
     """The last resort: the dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache), by
-    name, the op library being the first that exports the entry points."""
-    acl, nn = (declare.ffi.dlopen(f"lib{n}.so") for n in ("ascendcl", "nnopbase"))
-    lacking = []
-    for rel, _ in layout.OP_LIBRARIES:
-        name = os.path.basename(rel)
-        try:
-            op = declare.ffi.dlopen(name)
-        except OSError:
-            continue
-        missing = [e for e in ENTRY_POINTS if not _has(op, e)]
-        if not missing:
-            info = LibraryInfo("cann", None, {"ascendcl": "libascendcl.so", "nnopbase": "libnnopbase.so",
-                                              name[3:-3]: name}, name)
-            libs = Libraries(acl, nn, op, info)
-            _resolve_all(libs, strict_extras=False)
-            return libs
-        lacking.append(f"{name} lacks {', '.join(missing)}")
-        declare.ffi.dlclose(op)
-    raise OSError("no op library with the op's entry points" + (f" ({'; '.join(lacking)})" if lacking else ""))
+    name, the op library being the first that exports the entry points. Not tried when
+    LD_LIBRARY_PATH has a relative or empty entry (the current directory, for the loader); a
+    file an absolute entry holds is checked (:func:`layout.elf_problem`) before it is mapped."""
+    absolute, relative = layout.loader_path()
+    if relative:
+        shown = ", ".join(repr(e) for e in relative)
+        raise OSError(f"not tried: LD_LIBRARY_PATH has the relative or empty entry {shown} (the current directory, "
+                      "or one below it, for the dynamic loader), and nothing is loaded from such a place")
+
+    def checked(name: str) -> str:
+        path = next((os.path.join(d, name) for d in absolute if os.path.isfile(os.path.join(d, name))), None)
+        why = layout.elf_problem(path) if path else None
+        if why:
+            raise OSError(f"{path} is {why}")
+        return name
+
+    lacking: list[str] = []
+
+    def with_runtime(handles: dict[str, Any]) -> Libraries:
+        for rel, _ in layout.OP_LIBRARIES:
+            name = os.path.basename(rel)
+            try:
+                op = declare.ffi.dlopen(checked(name))
+            except OSError:
+                continue
+            missing = [e for e in ENTRY_POINTS if not _has(op, e)]
+            try:
+                if missing:
+                    lacking.append(f"{name} lacks {', '.join(missing)}")
+                    raise LookupError(name)
+                info = LibraryInfo("cann", None, {"ascendcl": "libascendcl.so", "nnopbase": "libnnopbase.so",
+                                                  name[3:-3]: name}, name)
+                libs = Libraries(handles["libascendcl.so"], handles["libnnopbase.so"], op, info)
+                _resolve_all(libs, strict_extras=False)
+                return libs
+            except LookupError:
+                declare.ffi.dlclose(op)
+            except BaseException:
+                declare.ffi.dlclose(op)
+                raise
+        raise errors.CannNotFoundError(["no op library with the op's entry points"
+                                        + (f" ({'; '.join(lacking)})" if lacking else "")])
+
+    try:
+        return _opened([checked("libascendcl.so"), checked("libnnopbase.so")], with_runtime)
+    except errors.CannNotFoundError as exc:
+        raise OSError("; ".join(exc.tried)) from None
 
 
 def _has(lib: Any, name: str) -> bool:
@@ -277,12 +323,16 @@ def _has(lib: Any, name: str) -> bool:
 
 def _search(ascend_home: str | None) -> Libraries:
     tried = []
-    for label, home in layout.candidate_homes(ascend_home):
+    for label, home, named in layout.candidate_homes(ascend_home):
         if not home:
             tried.append(f"{label}: not set")
             continue
         if not os.path.isdir(home):
             tried.append(f"{label} = {home}: no such folder")
+            continue
+        why = layout.home_problem(home, named)
+        if why:
+            tried.append(f"{label} = {home}: refused: {why}")
             continue
         plan, problems = _plan(home)
         if plan is None:

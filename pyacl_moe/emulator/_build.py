@@ -308,15 +308,10 @@ def _compile_into(tmp: Path, final: Path, cc: list[str], timeout: float) -> None
 def _untrusted_root(root: Path) -> str | None:
     """Why the cache root must not be used, or None. It may be shared (owned by root, like
     /tmp) only when the sticky bit keeps others from renaming or removing what is ours."""
-    st = os.stat(root)  # a root reached through a symbolic link is judged by what it is
-    if not stat.S_ISDIR(st.st_mode):
+    if not os.path.isdir(root):  # a root reached through a symbolic link is judged by what it is
         return f"the cache root {root} is not a directory"
-    if st.st_uid not in (os.geteuid(), 0):
-        return f"the cache root {root} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        return (f"the cache root {root} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}) "
-                "without the sticky bit")
-    return None
+    why = _paths.untrusted(root, sticky_ok=True)
+    return f"the cache root: {why} (without the sticky bit)" if why else None
 
 
 def _untrusted_build(tree: Path) -> str | None:
