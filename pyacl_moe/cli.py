@@ -242,11 +242,12 @@ def _conformance(args: argparse.Namespace) -> int:
 
 def _list_cases(selected: list[Any]) -> None:
     from .tools.cases import size_text
+    from .tools.conformance import printable
 
     rows = [("case", "kind", "dtype", "scenario", "shape", "source", "memory")]
     for c in selected:
         mem = size_text(c.nbytes) if c.nbytes else "-"
-        rows.append((c.name, c.kind, c.dtype, c.scenario, c.shape or "-", c.source, mem))
+        rows.append((printable(c.name), c.kind, c.dtype, c.scenario, printable(c.shape or "-"), c.source, mem))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())

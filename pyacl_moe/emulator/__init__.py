@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .._cann import aclemu, loader
 from ..device import collect
+from ..errors import InvalidArgument
 from . import _releases
 from ._build import SRC_DIR, build, build_tree, cache_root
 from ._env import EmulatorConfigError, check_environment
@@ -128,8 +129,14 @@ def inject_fault(api: str, nth: int = 1, status: int | None = None) -> None:
     """Make the ``nth`` call (counted from now) of the CANN function ``api`` fail with
     ``status`` (None: that function's usual failure); ``nth=0`` fails every call until
     :func:`clear_faults`. ``api="*"`` counts every call except releases and queries."""
-    if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
-        raise ValueError(f"nth must be an int >= 0 (0: every call), got {nth!r}")
+    if not isinstance(api, str) or not api or "\0" in api or len(api) > 128:
+        raise InvalidArgument("api", f"must be the name of a CANN function (a str of 1 to 128 characters) or '*', "
+                                     f"got {api!r:.80}")
+    if isinstance(nth, bool) or not isinstance(nth, int) or not 0 <= nth <= 2**31 - 1:
+        raise InvalidArgument("nth", f"must be an int in [0, 2**31 - 1] (0: every call), got {nth!r:.80}")
+    if status is not None and (isinstance(status, bool) or not isinstance(status, int) or not 1 <= status <= 2**31 - 1):
+        raise InvalidArgument("status", f"must be None (the function's usual failure) or a CANN status, an int in "
+                                        f"[1, 2**31 - 1], got {status!r:.80}")
     aclemu.inject_fault(api, nth, status or 0)
 
 

@@ -23,6 +23,7 @@ import json
 import multiprocessing
 import platform
 import queue
+import re
 import socket
 import sys
 import time
@@ -811,17 +812,17 @@ class Report:
 
     def write_csv(self, path: str) -> None:
         """One row per case, as the vendor's test kit writes its results (CSV_COLUMNS)."""
-        with open(path, "w", newline="") as f:
+        with open(path, "w", newline="", errors="backslashreplace") as f:  # (a lone surrogate, escaped)
             w = csv.writer(f)
             w.writerow(CSV_COLUMNS)
             for c in self.cases:
                 m = c.metrics or {}
                 precision_status = "" if c.outcome == "skipped" else (
                     "PASS" if c.passed else "FAIL") if c.standard else ""
-                w.writerow([c.name, c.op, c.shape, c.dtype, c.attributes or f"scenario={c.scenario}",
-                            c.standard or "", precision_status, c.outcome,
+                w.writerow([*map(csv_text, (c.name, c.op, c.shape, c.dtype, c.attributes or f"scenario={c.scenario}",
+                                            c.standard or "", precision_status, c.outcome)),
                             *(_csv_value(m.get(k)) for k in CSV_METRICS),
-                            _csv_value(c.api_us), _csv_value(c.device_us), c.memory_status or ""])
+                            _csv_value(c.api_us), _csv_value(c.device_us), csv_text(c.memory_status or "")])
 
     def write_junit(self, path: str) -> None:
         """JUnit XML in the Ant/Jenkins layout: one testsuite with properties, a testcase per
@@ -862,6 +863,9 @@ class Report:
                 ET.SubElement(tc, "system-out").text = note + text
         ET.SubElement(suite, "system-out").text = self.summary()
         ET.SubElement(suite, "system-err").text = ""
+        for el in suite.iter():  # what XML 1.0 cannot hold (a case name's control characters), escaped
+            el.text, el.tail = xml_text(el.text), xml_text(el.tail)
+            el.attrib.update({k: _NOT_XML.sub(_escaped, v) for k, v in el.attrib.items()})
         ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
     def summary(self) -> str:
@@ -883,7 +887,8 @@ class Report:
                 f"{ops}, ACL {self.acl_version}, {self.soc}, device {devs}{mode}{note}){pair}")
 
     def table(self) -> str:
-        rows = [("case", "runs", "dtype", "scenario", "shape", "source", "judged by", "result", "max error")]
+        rows: list[tuple[str, ...]] = [("case", "runs", "dtype", "scenario", "shape", "source", "judged by", "result",
+                                        "max error")]
         for c in self.cases:
             if c.outcome == "skipped":
                 err = c.detail
@@ -897,20 +902,21 @@ class Report:
                 err = f"{c.max_abs_error:.3g} abs, {c.max_rel_error:.3g} rel"
             else:
                 err = "bit-identical" if c.passed else c.detail.splitlines()[0] if c.detail else ""
-            rows.append((c.name, c.op, c.dtype, c.scenario, c.shape, c.source, c.judged_by,
-                         _LABEL.get(c.outcome, "?"), err))
+            rows.append(tuple(map(printable, (c.name, c.op, c.dtype, c.scenario, c.shape, c.source, c.judged_by,
+                                              _LABEL.get(c.outcome, "?"), err))))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append("")
         lines.append(self.summary())
         for c in self.cases:
+            name = printable(c.name)
             if c.outcome == "fail":
-                lines.append(f"FAILED {c.name}: {c.detail}")
+                lines.append(f"FAILED {name}: {printable(c.detail)}")
             elif c.outcome == "error":
-                lines.append(f"ERROR {c.name}: {c.detail.splitlines()[0] if c.detail else ''}")
+                lines.append(f"ERROR {name}: {printable(c.detail.splitlines()[0] if c.detail else '')}")
             elif c.outcome == "differs":
-                lines.append(f"DIFFERS {c.name}: CANN differs from the inferred rule ({c.source}): {c.detail}"
+                lines.append(f"DIFFERS {name}: CANN differs from the inferred rule ({c.source}): {printable(c.detail)}"
                              + ("" if self.strict else " [not a failure without --strict]"))
         if self.baseline is not None:
             b = self.baseline
@@ -927,6 +933,32 @@ class Report:
 CSV_METRICS = ("mere", "mare", "rmse", "max_abs_error", "max_rel_error", "mismatch_ratio", "nan_inf_match")
 CSV_COLUMNS = ("testcase_name", "op", "shapes", "dtypes", "attributes", "standard", "precision_status", "outcome",
                *CSV_METRICS, "api_us", "device_us", "memory_status")
+
+
+# Characters XML 1.0 cannot hold, and those a terminal acts on (C0 and C1 controls, DEL).
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    return repr(m.group())[1:-1] if m.group() not in "\\'" else m.group()
+
+
+def xml_text(text: str | None) -> str | None:
+    """``text`` with what XML 1.0 cannot hold written as its Python escape (``\\x1b``)."""
+    return text if text is None else _NOT_XML.sub(_escaped, text)
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: control characters written as their escapes, never sent."""
+    return _CONTROL.sub(_escaped, text)
+
+
+def csv_text(text: str) -> str:
+    """A text cell of a CSV report: one a spreadsheet would run as a formula (it begins with
+    ``=``, ``+``, ``-``, ``@``, a tab or a carriage return) is neutralised with a leading
+    apostrophe, as the common practice does."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
 def _csv_value(v: Any) -> str:
@@ -1014,7 +1046,8 @@ class _Progress:
         width = 30
         fill = int(width * self.done / max(self.total, 1))
         bad = f" {self.failed} failing" if self.failed else ""
-        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total}{bad} {current[:48]:<48}")
+        shown = printable(current)[:48]
+        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total}{bad} {shown:<48}")
         self.stream.flush()
 
     def start(self, name: str) -> None:

@@ -17,12 +17,10 @@ naming the file, the row and the column.
 
 from __future__ import annotations
 
-import ast
 import csv
 import math
 import re
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,12 +69,91 @@ class KitRow:
     text: dict[str, str]  # the cells as written, for the report
 
 
+# What one cell may hold: the kit's cells are small Python literals (it writes infinity as a
+# bare ``inf``). A file from elsewhere is read by a parser of our own, bounded before anything
+# is computed: no compiler (30,000 minus signs exhausted it), no int of a thousand digits.
+MAX_CELL = 4096  # characters
+MAX_DEPTH = 4  # nesting (a list of shapes is 2 deep)
+MAX_VALUES = 1024  # numbers, strings and names in one cell
+MAX_INT = 2**63 - 1  # what an int64 attribute holds
+MAX_DIM = 2**31 - 1  # one dimension of a shape
+MAX_ELEMENTS = 2**40  # elements of one tensor (the memory budget judges what is left)
+_TOKEN = re.compile(r"""\s*(?:(?P<num>[+-]?(?:inf\b|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?))"""
+                    r"""|(?P<str>'[^'\\\n\r]*'|"[^"\\\n\r]*")|(?P<name>True|False|None)\b|(?P<punct>[()\[\]{},:]))""")
+_INT = re.compile(r"[+-]?\d+")
+
+
 def _literal(text: str) -> Any:
-    # The kit's cells are Python literals; it writes infinity as a bare ``inf``. A malformed
-    # cell is the caller's CaseFileError, not the compiler's SyntaxWarning on stderr as well.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SyntaxWarning)
-        return ast.literal_eval(re.sub(r"(?<![\w.])inf(?![\w.])", "1e999", text))
+    """The value of a cell written as a small Python literal: numbers (one sign at most;
+    ``inf``), strings without escapes, True, False, None, and tuples, lists and dicts of them,
+    within the bounds above; ValueError saying what is wrong otherwise."""
+    if len(text) > MAX_CELL:
+        raise ValueError(f"longer than {MAX_CELL} characters")
+    pos, count = 0, 0
+
+    def token() -> re.Match[str]:
+        nonlocal pos, count
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            rest = text[pos:].strip()
+            raise ValueError(f"unexpected {rest[:12]!r} at character {pos + 1}" if rest else "it ends too soon")
+        pos = m.end()
+        if not m["punct"]:
+            count += 1
+            if count > MAX_VALUES:
+                raise ValueError(f"more than {MAX_VALUES} values")
+        return m
+
+    def peek() -> str | None:
+        m = _TOKEN.match(text, pos)
+        return m["punct"] if m is not None else None
+
+    def value(depth: int) -> Any:
+        m = token()
+        if m["num"] is not None:
+            t = m["num"]
+            if not _INT.fullmatch(t):
+                return float(t)
+            if len(t.lstrip("+-")) > 19 or abs(int(t)) > MAX_INT:
+                raise ValueError(f"the integer {t[:24]}{'...' if len(t) > 24 else ''} is out of range "
+                                 f"(at most {MAX_INT} in size)")
+            return int(t)
+        if m["str"] is not None:
+            return m["str"][1:-1]
+        if m["name"] is not None:
+            return {"True": True, "False": False, "None": None}[m["name"]]
+        opening = m["punct"]
+        if opening not in "([{":
+            raise ValueError(f"unexpected {opening!r} at character {pos}")
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_DEPTH}")
+        closing = {"(": ")", "[": "]", "{": "}"}[opening]
+        items: list[Any] = []
+        comma = False
+        while peek() != closing:
+            if opening == "{":
+                key = value(depth + 1)
+                if token()["punct"] != ":":
+                    raise ValueError(f"a dict entry needs a ':' (character {pos})")
+                if isinstance(key, (list, dict)):
+                    raise ValueError("a dict key must be a number, a string or a name")
+                items.append((key, value(depth + 1)))
+            else:
+                items.append(value(depth + 1))
+            if peek() != ",":
+                break
+            token()
+            comma = True
+        if token()["punct"] != closing:
+            raise ValueError(f"{opening!r} is not closed by {closing!r} (character {pos})")
+        if opening == "(":
+            return items[0] if len(items) == 1 and not comma else tuple(items)
+        return items if opening == "[" else dict(items)
+
+    out = value(0)
+    if text[pos:].strip():
+        raise ValueError(f"unexpected {text[pos:].strip()[:12]!r} after the value (character {pos + 1})")
+    return out
 
 
 def _parse_row(file: str, line: int, cells: dict[str, str]) -> KitRow:
@@ -91,37 +168,43 @@ def _parse_row(file: str, line: int, cells: dict[str, str]) -> KitRow:
             return text  # one dtype, unquoted
         try:
             return _literal(text)
-        except (ValueError, SyntaxError) as exc:
-            raise bad(column, f"not a Python literal ({exc.__class__.__name__}): {text!r}") from None
+        except ValueError as exc:
+            raise bad(column, f"not a Python literal, or not a small one ({exc}): {_shown(text)}") from None
 
     name = (cells.get("testcase_name") or "").strip()
     if not name:
         raise bad("testcase_name", "empty")
+    if len(name) > 256:
+        raise bad("testcase_name", f"longer than 256 characters: {_shown(name)}")
     api = (cells.get("api_name") or "").strip()
     if api not in (BACKWARD_API, FORWARD_API):
-        raise bad("api_name", f"must be {BACKWARD_API} or {FORWARD_API}, got {api!r}")
+        raise bad("api_name", f"must be {BACKWARD_API} or {FORWARD_API}, got {_shown(api)}")
     n_tensors = 3 if api == BACKWARD_API else 6
     shapes = cell("tensor_view_shapes")
     if not isinstance(shapes, (tuple, list)) or len(shapes) != n_tensors or not all(
             isinstance(s, (tuple, list)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
             for s in shapes):
         raise bad("tensor_view_shapes", f"must give {n_tensors} shapes of non-negative integers (the op's "
-                                        f"tensors in the C API's order), got {cells.get('tensor_view_shapes')!r}")
+                                        f"tensors in the C API's order), got {_shown(cells.get('tensor_view_shapes'))}")
+    for s in shapes:
+        if any(d > MAX_DIM for d in s) or math.prod(s) > MAX_ELEMENTS:
+            raise bad("tensor_view_shapes", f"{tuple(s)} is too large (at most {MAX_DIM} in a dimension and "
+                                            f"{MAX_ELEMENTS} elements in a tensor)")
     dtypes = cell("tensor_dtypes")
     if isinstance(dtypes, str):
         dtypes = (dtypes,)
     if not isinstance(dtypes, (tuple, list)) or len(dtypes) not in (1, n_tensors) or not all(
             isinstance(d, str) and d.lower() in _DTYPES for d in dtypes):
         raise bad("tensor_dtypes", f"must give 1 or {n_tensors} of {', '.join(sorted(set(_DTYPES)))}, "
-                                   f"got {cells.get('tensor_dtypes')!r}")
+                                   f"got {_shown(cells.get('tensor_dtypes'))}")
     dts = [_DTYPES[d.lower()] for d in dtypes] * (n_tensors if len(dtypes) == 1 else 1)
     attrs = cell("attributes")
     known = _BACKWARD_ATTRS if api == BACKWARD_API else _FORWARD_ATTRS
     if not isinstance(attrs, dict) or not all(isinstance(k, str) and k in known for k in attrs):
-        raise bad("attributes", f"must be a dict of {', '.join(known)}, got {cells.get('attributes')!r}")
+        raise bad("attributes", f"must be a dict of {', '.join(known)}, got {_shown(cells.get('attributes'))}")
     for k, v in attrs.items():
         if not isinstance(v, int):
-            raise bad("attributes", f"{k} must be an integer (or True/False), got {v!r}")
+            raise bad("attributes", f"{k} must be an integer (or True/False), got {_shown(repr(v))}")
     if api == BACKWARD_API and "topK" not in attrs:
         raise bad("attributes", "topK is required")
     tols = cell("precision_tolerances")
@@ -129,16 +212,17 @@ def _parse_row(file: str, line: int, cells: dict[str, str]) -> KitRow:
         tols = ()
     if not isinstance(tols, (tuple, list)) or not all(
             isinstance(t, (tuple, list)) and len(t) == 2 and all(_number(v) and v >= 0 for v in t) for t in tols):
-        raise bad("precision_tolerances", f"must be (rtol, ptol) pairs, got {cells.get('precision_tolerances')!r}")
+        raise bad("precision_tolerances",
+                  f"must be (rtol, ptol) pairs, got {_shown(cells.get('precision_tolerances'))}")
     atol = cell("absolute_precision")
     if atol is not None and not (_number(atol) and atol >= 0):
-        raise bad("absolute_precision", f"must be a number >= 0, got {cells.get('absolute_precision')!r}")
+        raise bad("absolute_precision", f"must be a number >= 0, got {_shown(cells.get('absolute_precision'))}")
     ranges = cell("input_data_ranges")
     if ranges is None:
         ranges = ()
     if not isinstance(ranges, (tuple, list)) or not all(
             isinstance(r, (tuple, list)) and len(r) == 2 and all(v is None or _number(v) for v in r) for r in ranges):
-        raise bad("input_data_ranges", f"must be (low, high) pairs, got {cells.get('input_data_ranges')!r}")
+        raise bad("input_data_ranges", f"must be (low, high) pairs, got {_shown(cells.get('input_data_ranges'))}")
     spans = [(float(_DEFAULT_RANGE[0] if lo is None else lo), float(_DEFAULT_RANGE[1] if hi is None else hi))
              for lo, hi in ranges]
     if any(lo > hi or not (math.isfinite(lo) and math.isfinite(hi)) for lo, hi in spans[:1]):
@@ -148,6 +232,12 @@ def _parse_row(file: str, line: int, cells: dict[str, str]) -> KitRow:
                  {k: (cells.get(k) or "").strip() for k in ("tensor_view_shapes", "tensor_dtypes", "attributes")})
     _check_geometry(row, bad)
     return row
+
+
+def _shown(text: str | None, at_most: int = 80) -> str:
+    """A cell as an error message quotes it: repr (control characters escaped), cut short."""
+    r = repr(text)
+    return r if len(r) <= at_most else f"{r[:at_most]}... ({len(text or '')} characters)"
 
 
 def _number(v: Any) -> bool:
@@ -202,7 +292,7 @@ def load(paths: Sequence[str]) -> list[Case]:
                 raise CaseFileError(f"{path}: row {line}: {len(cells)} cells for {len(names)} columns")
             row = _parse_row(path, line, dict(zip(names, cells)))
             if row.name in seen:
-                raise CaseFileError(f"{path}: row {line}, column testcase_name: {row.name!r} is also a case of "
+                raise CaseFileError(f"{path}: row {line}, column testcase_name: {_shown(row.name)} is also a case of "
                                     f"{seen[row.name]}")
             seen[row.name] = f"{path} row {line}"
             rows.append(row)
@@ -236,8 +326,7 @@ def _scenario(row: KitRow) -> str:
 
 
 def _nbytes(row: KitRow) -> int:
-    return sum(int(np.prod(s, dtype=np.int64)) * _cases.DTYPES.get(d, np.dtype(np.int32)).itemsize
-               for s, d in zip(row.shapes, row.dtypes))
+    return sum(math.prod(s) * _cases.DTYPES.get(d, np.dtype(np.int32)).itemsize for s, d in zip(row.shapes, row.dtypes))
 
 
 def _run_backward(ctx: Context, row: KitRow) -> CaseResult:
