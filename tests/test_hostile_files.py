@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import random
 import re
-import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -152,8 +151,7 @@ def test_a_sweep_of_mutated_rows_gives_a_case_or_one_line(tmp_path):
     rng = random.Random(29)
     valid = BACKWARD_ROWS + FORWARD_ROWS
     loaded = refused = 0
-    t0 = time.perf_counter()
-    for i in range(4000):
+    for _ in range(4000):
         row = rng.choice(valid)
         for _ in range(rng.randrange(1, 5)):
             row = _mutated(rng, row)
@@ -170,7 +168,6 @@ def test_a_sweep_of_mutated_rows_gives_a_case_or_one_line(tmp_path):
             assert text.startswith(f"{path}: "), text
             refused += 1
     assert loaded + refused > 3800 and refused > 2000 and loaded > 50, (loaded, refused)
-    assert time.perf_counter() - t0 < 60
 
 
 def test_a_sweep_of_random_names_keeps_every_report_well_formed(tmp_path):
