@@ -32,9 +32,9 @@ from ..array import DeviceArray, contiguous_layout, empty_from, host_array, wait
 from ..device import Allocation, Device, collect, current_device
 from ..errors import InvalidArgument
 from ..host import TORCH, host_view, in_family
-from ..stream import Stream, StreamState, resolve_stream, thread_current
+from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import TensorCore
-from .executor import build, check_output_layout, checked_workspace, device_of, first_phase, fits, launch, written
+from .executor import build, check_output_layout, checked_workspace, device_of, first_phase, fits, launch
 from .plan import check_no_overlap, check_workspace_apart
 from .spec import OpSpec
 
@@ -104,10 +104,10 @@ class OneCall:
 
 class _Cached:
     """A repeatable executor for one memo entry on one stream (in the stream's ``executors``,
-    used only under its lock): the first-element addresses it is bound to now, and its launch
-    with every argument bound for the stream's workspace of generation ``gen``."""
+    used only under its lock): the first-element addresses it is bound to now, and its second
+    phase, launched as ``fn(workspace, size, ex, stream)``."""
 
-    __slots__ = ("core", "tensors", "offsets", "bound", "unknown", "call", "gen", "size")
+    __slots__ = ("core", "tensors", "offsets", "bound", "unknown", "fn", "ex", "size")
     SIZE = 8  # entries per stream
 
     def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray | None],
@@ -121,8 +121,7 @@ class _Cached:
         self.offsets = [0 if a is None else a.offset * a.itemsize for a in arrays]
         self.bound = [0 if a is None else a.span[0] for a in arrays]  # first-element addresses bound now
         self.unknown = [0 if a is None else -1 for a in arrays]  # while a rebind is under way
-        self.call: Any = None
-        self.gen = -1  # the stream's workspace (its ws_gen) the launch is bound to
+        self.fn, self.ex = aclnn.second_phase(spec.api), acl.raw(self.core.handle)
 
     def rebind(self, spec: OpSpec, firsts: Sequence[int]) -> None:
         """Point the executor at views whose first elements are at ``firsts`` (the stream's
@@ -135,12 +134,6 @@ class _Cached:
                 setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
                 setter(self.core.handle, index, self.tensors[i].handle, addr - self.offsets[i])  # type: ignore[union-attr]
         self.bound = list(firsts)
-
-    def bind(self, spec: OpSpec, state: StreamState) -> None:
-        """The launch with every argument bound, for the stream's workspace (its lock held)."""
-        ws, self.gen = state.workspace if self.size else None, state.ws_gen
-        self.call = aclnn.bound_launch(spec.api, ws.ptr if ws is not None else 0, self.size,
-                                       self.core.handle, state.handle)
 
     def destroy(self) -> None:
         self.core.destroy()
@@ -256,14 +249,14 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         done: list[Any] | None = None
         with state.lock:
             e = state.executors.get(number)
-            if e is not None and not state.closing and (not e.size or e.gen == state.ws_gen):
+            if e is not None and not state.closing and e.size <= state.ws_size:
                 if _thread.context is not state.ctx:
                     acl.use_context(state.ctx)
                 if firsts != e.bound:
                     e.rebind(spec, firsts)
                 state.hold(held)
                 written(allocs[n_in:], state)
-                st = e.call()
+                st = e.fn(state.ws_arg, e.size, e.ex, state.arg)
                 if st:
                     check(st, spec.api)
                 done = state.fenced() if state.point >= state.next_fence else _NONE
@@ -339,19 +332,15 @@ def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], a
                 e = state.executors[number] = built
                 built = None
                 evicted = _evict(state.executors)
-            if workspace is None and e.size and (state.workspace is None or state.workspace.nbytes < e.size):
+            if workspace is None and e.size > state.ws_size:
                 continue  # the stream's workspace went meanwhile
             if firsts != e.bound:
                 e.rebind(spec, firsts)
             acl.use_context(state.ctx)
             state.hold((held, ws))
             written(allocs[len(spec.inputs):], state)
-            if workspace is not None:
-                check(aclnn.bound_launch(spec.api, workspace.address, e.size, e.core.handle, state.handle)(), spec.api)
-            else:
-                if e.call is None or (e.size and e.gen != state.ws_gen):
-                    e.bind(spec, state)
-                check(e.call(), spec.api)
+            ws_arg = state.ws_arg if workspace is None else acl.void(workspace.address)
+            check(e.fn(ws_arg, e.size, e.ex, state.arg), spec.api)
             done = state.fenced()
         del done
         for old in evicted if built is None else [*evicted, built]:
@@ -443,7 +432,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     # copies out queued on the stream, then one wait: the blocks are idle again after it.
     arrays = empty_from(layouts, dev, state)
     n_in = len(spec.inputs)
-    state.enqueue_all(views, _copies(arrays, views, True))
+    state.enqueue(views, _copies(arrays, views, True))
     it = iter(arrays[n_in:])
     tensors: list[DeviceArray | None] = arrays[:n_in]  # type: ignore[assignment]
     made: list[DeviceArray] = []
@@ -461,7 +450,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
         hosts.append(host)
         results.append((host, target, mine))
     run_device(op, tensors, values, stream, workspace, validate)
-    state.enqueue_all(results, _copies(made, hosts, False))
+    state.enqueue(results, _copies(made, hosts, False))
     wait_for(state)
     dev.give_back(arrays)
     return [None if r is None else _delivered(r, family) for r in results]

@@ -18,17 +18,17 @@ from typing import Any
 import numpy as np
 
 from .. import _args, _contract
-from .._cann import acl, aclnn
+from .._cann import aclnn
 from ..array import DeviceArray
 from ..device import EXECUTORS, Allocation, Device, Holder, calling, collect, current_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
-from ..stream import Stream, StreamState, resolve_stream
+from ..stream import Stream, StreamState, resolve_stream, written
 from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
 __all__ = ["Executor", "ExecutorCore", "build", "check_output_layout", "checked_workspace", "device_of", "execute",
-           "first_phase", "fits", "launch", "written"]
+           "first_phase", "fits", "launch", "written"]  # (written: the stream's, for the launches here)
 
 
 class ExecutorCore:
@@ -160,14 +160,6 @@ def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> A
     return alloc
 
 
-def written(allocs: Sequence[Allocation | None], state: StreamState) -> None:
-    """Queued work on ``state`` writes ``allocs`` (the stream's lock held; a loop under a lock
-    is a function of its own: ARCHITECTURE.md)."""
-    for a in allocs:
-        if a is not None:
-            a.writer = state
-
-
 def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, hold: Any,
            outputs: Sequence[Allocation | None]) -> None:
     """The second phase on ``state``'s stream, keeping ``hold`` (what the kernel reads and
@@ -175,14 +167,8 @@ def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, ho
     state.device.check()
     with core.holder.lock:
         core.check_live()
-        with state.lock:
-            state.check_open()
-            acl.use_context(state.ctx)
-            state.hold(hold)
-            written(outputs, state)
-            aclnn.launch(core.spec.api, workspace, size, core.handle, state.handle, not core.repeatable)
-            done = state.fenced()
-    del done
+        state.enqueue(hold, [(aclnn.launch, (core.spec.api, workspace, size, core.handle, not core.repeatable))],
+                      outputs)
 
 
 class Executor:

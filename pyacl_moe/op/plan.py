@@ -24,7 +24,7 @@ from .._cann.errcheck import check
 from ..array import DeviceArray, empty, may_overlap
 from ..device import PLANS, Allocation, Device, collect
 from ..errors import ClosedError, InvalidArgument
-from ..stream import Stream, StreamState, resolve_stream, thread_current
+from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import AclTensor
 from .executor import (
     Executor,
@@ -35,7 +35,6 @@ from .executor import (
     device_of,
     fits,
     launch,
-    written,
 )
 from .spec import OpSpec
 
@@ -78,7 +77,8 @@ class _PlanCore:
     store under ``lock``, read without it."""
 
     __slots__ = ("lock", "spec", "device", "ctx", "executor", "tensors", "arrays", "allocs", "outs", "streams",
-                 "rebinding", "closed", "spent", "last", "key", "result", "result_of", "__weakref__")
+                 "rebinding", "closed", "spent", "last", "key", "result", "result_of", "fn", "ex", "size",
+                 "__weakref__")
     # (set by Plan._prepare)
     lock: threading.Lock
     spec: OpSpec
@@ -97,6 +97,9 @@ class _PlanCore:
     key: int
     result: Any
     result_of: Any
+    fn: Any  # the second phase, launched as fn(stream's workspace, size, ex, stream) on a stream it is bound to
+    ex: Any  # the executor's C value
+    size: int  # its workspace bytes
     RANK = PLANS
     API = "aclDestroyAclOpExecutor"
 
@@ -136,7 +139,7 @@ class _PlanCore:
 
 def _unbind(state: StreamState, core: _PlanCore) -> None:
     with state.lock:
-        state.plans.pop(core.key, None)
+        state.plans.discard(core.key)
         done = state.keep(tuple(core.allocs.values()))
     del core.streams[state]
     del done
@@ -194,6 +197,7 @@ class Plan:
         c.executor = build(self._spec, device, {n: t.core() for n, t in c.tensors.items()}, attrs)
         if repeatable:
             c.executor.set_repeatable()
+        c.fn, c.ex, c.size = aclnn.second_phase(self._spec.api), acl.raw(c.executor.handle), c.executor.workspace_size
         self._repeatable = repeatable
         # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
         self._view_offsets = {n: a.offset for n, a in arrays.items()}
@@ -247,11 +251,10 @@ class Plan:
         # lock: in a fork() child a parent thread may have held it) and not faulted.
         if state is not None and state is c.last and workspace is None and c.ctx.open and c.device.fault is None:
             with state.lock:
-                call = state.plans.get(c.key)
-                if call is not None:
+                if c.key in state.plans:
                     if _thread.context is not state.ctx:
                         acl.use_context(state.ctx)
-                    st = call()
+                    st = c.fn(state.ws_arg, c.size, c.ex, state.arg)
                     if not st:
                         if len(c.outs) == 1:  # (the backward: its one output, without a loop's frame)
                             c.outs[0].writer = state
@@ -305,21 +308,17 @@ class Plan:
                     return c.result
 
     def _bound_launch(self, c: _PlanCore, state: StreamState, size: int) -> bool:
-        """(the plan's lock held) Launch through the stream's bound call, binding it first;
-        False when the stream's workspace went meanwhile (bind again)."""
+        """(the plan's lock held) Bind the plan to the stream and launch; False when the
+        stream's workspace went meanwhile (try again)."""
         with c.executor.holder.lock, state.lock:
             state.check_open()
             c.executor.check_live()
-            call = state.plans.get(c.key)
-            if call is None:
-                ws = state.workspace
-                if size and (ws is None or ws.nbytes < size):
-                    return False
-                call = state.plans[c.key] = aclnn.bound_launch(self._spec.api, ws.ptr if ws is not None else 0,
-                                                               size, c.executor.handle, state.handle)
-                c.streams[state] = None
+            if state.ws_size < size:
+                return False
+            state.plans.add(c.key)
+            c.streams[state] = None
             acl.use_context(state.ctx)
-            check(call(), self._spec.api)
+            check(c.fn(state.ws_arg, c.size, c.ex, state.arg), self._spec.api)
             written(c.outs, state)
         return True
 
@@ -331,10 +330,9 @@ class Plan:
             raise InvalidArgument("plan", "is one-shot (repeatable=False): only a repeatable plan has a launch to "
                                           "repeat")
         self(stream)
-        state = resolve_stream(stream, self._c.device)
+        state, c = resolve_stream(stream, self._c.device), self._c
         with state.lock:
-            call = state.plans[self._c.key]
-        return call.func, call.args
+            return c.fn, (state.ws_arg, c.size, c.ex, state.arg)
 
     # -- rebinding and release
 
