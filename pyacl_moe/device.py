@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -34,9 +34,9 @@ from ._cann import acl
 from ._cann.errcheck import check
 from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument, error_for
 
-__all__ = ["Allocation", "Device", "Holder", "acl_version", "calling", "collect", "current_device", "device_count",
-           "empty_cache", "is_fault", "is_pinned", "memory_stats", "open_devices", "pinned_empty", "resolve_device",
-           "set_caching", "soc_name"]
+__all__ = ["Allocation", "Device", "Holder", "Owner", "acl_version", "calling", "collect", "current_device",
+           "device_count", "empty_cache", "is_fault", "is_pinned", "memory_stats", "open_devices", "pinned_empty",
+           "resolve_device", "set_caching", "soc_name"]
 
 _ROUND = 512  # CANN aligns blocks to at least this; rounding makes sizes meet in the caches
 _OOM = (207001, 207018)  # ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_DEVICE_OOM
@@ -66,6 +66,39 @@ class Holder:
     def dropped(self) -> int:
         """Its owner is gone (a safe point): release it."""
         return self.release()
+
+
+class Owner:
+    """The public face of one CANN object over its *core* (``_core``: what queued work and other
+    objects hold too, with the device and the inventory's ``holder``): ``close()`` drops this
+    object's hold, and ``with`` closes."""
+
+    __slots__ = ()
+    _core: Any
+
+    def _of(self, name: str, default: Any) -> Any:
+        """The core's ``name`` (``default`` once closed)."""
+        c = self._core
+        return default if c is None else getattr(c, name)
+
+    def close(self) -> None:
+        """Drop this object's hold: its CANN object is released at once unless queued work or
+        another object still uses it (then once they let go); CANN's refusal is raised (the
+        device tries again later). Safe twice."""
+        core, self._core = self._core, None
+        if core is not None:
+            device, holder = core.device, core.holder
+            del core
+            device.release_if_gone(holder)
+
+    def __enter__(self: _O) -> _O:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_O = TypeVar("_O", bound=Owner)
 
 
 class Block:

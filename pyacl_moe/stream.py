@@ -27,7 +27,19 @@ from typing import Any
 from . import _args
 from ._cann import acl
 from ._cann.errcheck import check
-from .device import EVENTS, NOT_YET, STREAMS, Allocation, Device, Holder, calling, collect, is_fault, resolve_device
+from .device import (
+    EVENTS,
+    NOT_YET,
+    STREAMS,
+    Allocation,
+    Device,
+    Holder,
+    Owner,
+    calling,
+    collect,
+    is_fault,
+    resolve_device,
+)
 from .errors import AclError, ClosedError, InvalidArgument
 
 __all__ = ["Event", "Stream", "StreamState", "current_stream", "resolve_stream", "thread_current"]
@@ -535,7 +547,7 @@ class _EventCore:
         self.holder = Holder(acl.EventHandle(device.context), EVENTS)
 
 
-class Event:
+class Event(Owner):
     """A CANN event: a marker recorded on a stream, for ordering and timing. ``close()``
     destroys it, at once unless queued work still records or waits on it. CANN tells neither
     its synchronize nor its query of a device fault (a stream's synchronize learns it); its
@@ -621,18 +633,3 @@ class Event:
     def __sub__(self, start: Event) -> float:
         """``end - start``: milliseconds between two completed events."""
         return _args.instance("start", start, Event, "an Event").elapsed_ms(self)
-
-    def close(self) -> None:
-        """Destroy the event: at once, unless queued work still records or waits on it (then
-        once that work has run); CANN's refusal is raised. Safe twice."""
-        core, self._core = self._core, None
-        if core is not None:
-            holder = core.holder
-            del core
-            self._device.release_if_gone(holder)
-
-    def __enter__(self) -> Event:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

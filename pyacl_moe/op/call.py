@@ -34,8 +34,8 @@ from ..errors import InvalidArgument
 from ..host import TORCH, host_view, in_family
 from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import TensorCore
-from .executor import build, check_output_layout, checked_workspace, device_of, first_phase, fits, launch
-from .plan import check_no_overlap, check_workspace_apart
+from .executor import build, check_output_layout, checked_workspace, device_of, fits
+from .plan import Plan, check_no_overlap, check_workspace_apart
 from .spec import OpSpec
 
 __all__ = ["OneCall", "Outputs", "one_call", "run_device", "run_host"]
@@ -219,7 +219,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         if state.device is not dev:
             resolve_stream(stream, dev)  # raises, naming the devices
     if not validate:
-        return _run_unchecked(op, arrays, values, state, workspace, dev)
+        return _run_unchecked(op, arrays, values, stream, workspace)
     # The values with their types: the key tells True from 1, and a NumPy integer from an int.
     key.append(values)
     key.append(tuple(map(type, values)))
@@ -244,29 +244,70 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         with memo.lock:
             memo.apart = (number, firsts)
     n_in = len(spec.inputs)
-    if workspace is None and ctx.open and dev.fault is None:  # type: ignore[union-attr]
-        # The steady state: the stream's executor for this entry, bound to its workspace.
+    ws = None if workspace is None else _given_workspace(spec, arrays, workspace, dev)
+    while True:
         done: list[Any] | None = None
-        with state.lock:
-            e = state.executors.get(number)
-            if e is not None and not state.closing and e.size <= state.ws_size:
-                if _thread.context is not state.ctx:
-                    acl.use_context(state.ctx)
-                if firsts != e.bound:
-                    e.rebind(spec, firsts)
-                state.hold(held)
-                written(allocs[n_in:], state)
-                st = e.fn(state.ws_arg, e.size, e.ex, state.arg)
-                if st:
-                    check(st, spec.api)
-                done = state.fenced() if state.point >= state.next_fence else _NONE
+        if ctx.open and dev.fault is None:  # type: ignore[union-attr]
+            # The stream's executor for this entry, launched with the stream's workspace.
+            with state.lock:
+                e = state.executors.get(number)
+                if e is not None and not state.closing and e.size <= (state.ws_size if ws is None else ws.size):
+                    if _thread.context is not state.ctx:
+                        acl.use_context(state.ctx)
+                    if firsts != e.bound:
+                        e.rebind(spec, firsts)
+                    state.hold(held if ws is None else (held, ws))
+                    written(allocs[n_in:], state)
+                    st = e.fn(state.ws_arg if ws is None else ws.arg, e.size, e.ex, state.arg)
+                    if st:
+                        check(st, spec.api)
+                    done = state.fenced() if state.point >= state.next_fence else _NONE
         if done is not None:
             del done
             return arrays[n_in:]
+        _cache(op, number, arrays, values, state, workspace)
+
+
+class _Workspace:
+    """A caller's workspace for one launch: its allocation (held), its address as passed and its
+    bytes (the checks of one too small or of another device are made on a miss)."""
+
+    __slots__ = ("alloc", "arg", "size")
+
+    def __init__(self, workspace: DeviceArray, device: Device) -> None:
+        self.alloc, self.arg = workspace.allocation("workspace"), acl.void(workspace.address)
+        self.size = workspace.nbytes if workspace.is_contiguous and self.alloc.device is device else -1
+
+
+def _given_workspace(spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray,
+                     device: Device) -> _Workspace:
+    check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
+    return _Workspace(workspace, device)
+
+
+def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
+           workspace: DeviceArray | None) -> None:
+    """A miss: the stream's executor for entry ``number`` (built here, outside the lock: another
+    thread may add one meanwhile; the oldest evicted past the cache's size) and, for its
+    workspace, the stream's (or the caller's, checked). Raises what the device's state
+    refuses (closed, faulted)."""
+    spec, dev = op.spec, state.device
+    dev.check()
+    collect()
+    with state.lock:
+        state.check_open()
+        e = state.executors.get(number)
+    if e is None:
+        e = _Cached(spec, dev, arrays, op.attrs(*values))
     if workspace is not None:
-        check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
-    _launch_cached(op, number, arrays, allocs, firsts, values, state, workspace, held)
-    return arrays[n_in:]
+        checked_workspace(workspace, e.size, dev, "stream")
+    elif e.size:
+        state.ensure_workspace(e.size)
+    with state.lock:
+        state.check_open()
+        extra = [e] if state.executors.setdefault(number, e) is not e else _evict(state.executors)
+    for old in extra:
+        old.destroy()
 
 
 _NONE: list[Any] = []
@@ -302,52 +343,6 @@ def _device_of(spec: OpSpec, arrays: list[DeviceArray | None], workspace: Device
     return device_of(every)
 
 
-def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], allocs: list[Allocation | None],
-                   firsts: list[int], values: tuple[Any, ...], state: StreamState, workspace: DeviceArray | None,
-                   held: list[Allocation | None]) -> None:
-    """Every launch but the steady state's: the stream's executor for entry ``number`` (built
-    here on a miss, outside the lock: another thread may add one meanwhile), the stream's
-    workspace (or the caller's), then the launch under the stream's lock."""
-    spec, dev = op.spec, state.device
-    dev.check()
-    collect()
-    built: _Cached | None = None
-    while True:
-        with state.lock:
-            state.check_open()
-            e = state.executors.get(number)
-        if e is None and built is None:
-            built = _Cached(spec, dev, arrays, op.attrs(*values))
-        size = (e or built).size  # type: ignore[union-attr]
-        ws = checked_workspace(workspace, size, dev, "stream") if workspace is not None else None
-        if workspace is None and size:
-            state.ensure_workspace(size)
-        evicted: list[Any] = []
-        with state.lock:
-            state.check_open()
-            e = state.executors.get(number)
-            if e is None:
-                if built is None:
-                    continue  # evicted since it was looked up: build one
-                e = state.executors[number] = built
-                built = None
-                evicted = _evict(state.executors)
-            if workspace is None and e.size > state.ws_size:
-                continue  # the stream's workspace went meanwhile
-            if firsts != e.bound:
-                e.rebind(spec, firsts)
-            acl.use_context(state.ctx)
-            state.hold((held, ws))
-            written(allocs[len(spec.inputs):], state)
-            ws_arg = state.ws_arg if workspace is None else acl.void(workspace.address)
-            check(e.fn(ws_arg, e.size, e.ex, state.arg), spec.api)
-            done = state.fenced()
-        del done
-        for old in evicted if built is None else [*evicted, built]:
-            old.destroy()
-        return
-
-
 def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
     # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
     out = []
@@ -356,35 +351,24 @@ def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
     return out
 
 
-def _run_unchecked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
-                   workspace: DeviceArray | None, dev: Device) -> list[DeviceArray | None]:
-    """validate=False: CANN judges everything, through the vendor's first phase each call."""
-    spec = op.spec
-    attrs = op.attrs(*values)
-    n_in = len(spec.inputs)
-    sizes = op.sizes(dict(zip(spec.inputs, arrays)), attrs)
-    for i, name in zip(spec.output_positions, spec.outputs):
-        want = sizes[name]
-        if arrays[i] is None and want is not None:
-            _args.nbytes(name, want[0], want[1].itemsize)  # what the attributes size must be addressable
-            arrays[i] = empty_from([contiguous_layout(*want)], dev, state)[0]
-    named = dict(zip(spec.tensors, arrays))
-    size, executor = first_phase(spec, named, attrs, dev)
-    try:
-        core = executor.core()
-        if workspace is not None:
-            block: Any = checked_workspace(workspace, size, dev, "executor")
-            ws = workspace.address
-        else:
-            if size:
-                state.ensure_workspace(size)
-            block = state.workspace if size else None
-            ws = block.ptr if block is not None else 0
-        allocs = [None if a is None else a.allocation(n) for n, a in named.items()]
-        launch(core, state, ws, size, (block, allocs), allocs[n_in:])
-    finally:
-        executor.close()
-    return arrays[n_in:]
+class _Unchecked(Plan):
+    """validate=False: a one-shot plan, CANN judging everything through the vendor's first
+    phase on every call."""
+
+    def __init__(self, op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> None:
+        self._op = op
+        self._build(arrays, values, False, False)
+
+    @staticmethod
+    def _result_of(arrays: Mapping[str, DeviceArray]) -> Any:
+        return arrays
+
+
+def _run_unchecked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], stream: Stream | None,
+                   workspace: DeviceArray | None) -> list[DeviceArray | None]:
+    with _Unchecked(op, arrays, values) as plan:
+        outs = plan(stream, workspace)
+    return [outs.get(name) for name in op.spec.outputs]
 
 
 def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], stream: Stream | None,
