@@ -26,16 +26,7 @@ from ..device import PLANS, Allocation, Device, collect
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import AclTensor
-from .executor import (
-    Executor,
-    ExecutorCore,
-    build,
-    check_output_layout,
-    checked_workspace,
-    device_of,
-    fits,
-    launch,
-)
+from .executor import Executor, build, check_output_layout, checked_workspace, device_of, fits, launch
 from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "check_workspace_apart"]
@@ -79,29 +70,29 @@ class _PlanCore:
     __slots__ = ("lock", "spec", "device", "ctx", "executor", "tensors", "arrays", "allocs", "outs", "streams",
                  "rebinding", "closed", "spent", "last", "key", "result", "result_of", "fn", "ex", "size",
                  "__weakref__")
-    # (set by Plan._prepare)
-    lock: threading.Lock
-    spec: OpSpec
-    device: Device
-    ctx: Any
-    executor: ExecutorCore
-    tensors: dict[str, AclTensor]
-    arrays: dict[str, DeviceArray]
-    allocs: dict[str, Allocation]
-    outs: tuple[Allocation, ...]
-    streams: dict[StreamState, Any]
-    rebinding: dict[str, tuple[DeviceArray, Allocation, int]]
-    closed: bool
-    spent: bool
-    last: StreamState | None
-    key: int
-    result: Any
-    result_of: Any
-    fn: Any  # the second phase, launched as fn(stream's workspace, size, ex, stream) on a stream it is bound to
-    ex: Any  # the executor's C value
-    size: int  # its workspace bytes
     RANK = PLANS
     API = "aclDestroyAclOpExecutor"
+
+    def __init__(self, spec: OpSpec, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
+                 repeatable: bool, result_of: Any) -> None:
+        self.lock, self.spec, self.device, self.ctx = threading.Lock(), spec, device, device.context
+        self.arrays = dict(arrays)
+        self.allocs = {n: a.allocation(n) for n, a in arrays.items()}
+        self.outs = tuple(self.allocs[n] for n in spec.outputs if n in self.allocs)
+        self.streams: dict[StreamState, Any] = {}
+        self.rebinding: dict[str, tuple[DeviceArray, Allocation, int]] = {}
+        self.closed = self.spent = False
+        self.last: StreamState | None = None
+        self.key = next(_keys)
+        self.tensors = {n: AclTensor(a) for n, a in arrays.items()}
+        self.executor = build(spec, device, {n: t.core() for n, t in self.tensors.items()}, attrs)
+        if repeatable:
+            self.executor.set_repeatable()
+        # The second phase, launched as fn(the stream's workspace, size, ex, stream) where bound.
+        self.fn, self.ex, self.size = aclnn.second_phase(spec.api), acl.raw(self.executor.handle), \
+            self.executor.workspace_size
+        self.result_of = result_of
+        self.result = result_of(self.arrays)
 
     def release(self) -> int:
         """Let go of every stream, then destroy the executor."""
@@ -187,24 +178,11 @@ class Plan:
     def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
                  repeatable: bool) -> None:
         collect()
-        c = _PlanCore()
-        c.lock, c.spec, c.device, c.ctx = threading.Lock(), self._spec, device, device.context
-        c.arrays = dict(arrays)
-        c.allocs = {n: a.allocation(n) for n, a in arrays.items()}
-        c.outs = tuple(c.allocs[n] for n in self._spec.outputs if n in c.allocs)
-        c.streams, c.rebinding, c.closed, c.spent, c.last, c.key = {}, {}, False, False, None, next(_keys)
-        c.tensors = {n: AclTensor(a) for n, a in arrays.items()}
-        c.executor = build(self._spec, device, {n: t.core() for n, t in c.tensors.items()}, attrs)
-        if repeatable:
-            c.executor.set_repeatable()
-        c.fn, c.ex, c.size = aclnn.second_phase(self._spec.api), acl.raw(c.executor.handle), c.executor.workspace_size
         self._repeatable = repeatable
         # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
         self._view_offsets = {n: a.offset for n, a in arrays.items()}
-        self._c = c
-        c.result_of = type(self)._result_of
-        c.result = c.result_of(c.arrays)
-        device.own(c, self)
+        self._c = _PlanCore(self._spec, device, arrays, attrs, repeatable, type(self)._result_of)
+        device.own(self._c, self)
 
     # -- properties
 
