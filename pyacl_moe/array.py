@@ -580,7 +580,8 @@ def empty_from(made: Sequence[tuple[Any, ...]], device: Device, home: StreamStat
     return out
 
 
-def empty(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
+def empty(shape: Any, dtype: Any = np.float32, device: Device | int | None = None,
+          stream: Stream | None = None) -> DeviceArray:
     """A new contiguous DeviceArray with uninitialized contents, for work on ``stream`` (default:
     the thread's current stream): memory that stream let go of may be taken at once."""
     shp = _args.shape("shape", shape)
@@ -591,7 +592,8 @@ def empty(shape: Any, dtype: Any, device: Device | int | None = None, stream: St
     return empty_from([contiguous_layout(shp, dt)], dev, _given(stream, dev) or dev.default_stream.state)[0]
 
 
-def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
+def zeros(shape: Any, dtype: Any = np.float32, device: Device | int | None = None,
+          stream: Stream | None = None) -> DeviceArray:
     """A new contiguous DeviceArray of zeros (memset on ``stream``, or the thread's current
     stream inside ``with stream:``; else waited for)."""
     if stream is not None:

@@ -55,8 +55,8 @@ def _info(args: argparse.Namespace) -> int:
     print(f"ops          {version.ops_version or '(part of the toolkit)'}")
     print(f"runtime      {version.runtime_version or '(not recorded)'}")
     print(f"op library   {version.op_library}")
-    for name, path in lib.paths.items():
-        print(f"{'lib' + name + '.so':<13}{path}")
+    for name, path in lib.paths.items():  # (a name as long as libopapi_transformer.so keeps a space too)
+        print(f"{'lib' + name + '.so':<12} {path}")
     for path in lib.dependencies:
         print(f"{'  needs':<13}{path}")
     print(f"ACL version  {report['acl_version']}")
@@ -497,10 +497,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .emulator import EmulatorBuildError
+    from .emulator import EmulatorBuildError, announce_builds
     from .errors import PyaclMoeError
 
+    quiet = getattr(args, "json", False)  # (stdout is the JSON; stderr stays quiet too)
     try:
+        if quiet:
+            announce_builds(False)
         if args.emulator:
             from . import use_emulator
 
@@ -527,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         # The reader left (``| head``): nothing more to say, and no traceback at exit either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        if quiet:
+            announce_builds(True)  # (main may run in a caller's process: the default again)
 
 
 if __name__ == "__main__":  # pragma: no cover

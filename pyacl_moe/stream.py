@@ -422,9 +422,15 @@ class Stream:
 
     @property
     def handle(self) -> int:
-        """The aclrtStream as an integer (0 for a default stream, and once closed)."""
-        h = self.state.handle
-        return h.address if h is not None else 0
+        """The aclrtStream as an integer (0 for a default stream: CANN's NULL stream).
+        ClosedError once the stream or its device was closed, as a handle CANN no longer knows
+        would be."""
+        s = self.state
+        if not s.ctx.open:
+            s.check_open()
+        with s.lock:
+            s.check_open()
+        return s.handle.address if s.handle is not None else 0
 
     @property
     def is_default(self) -> bool:
@@ -441,7 +447,7 @@ class Stream:
             return s.closing
 
     def __repr__(self) -> str:
-        kind = "default stream" if self._is_default else f"stream {self.handle:#x}"
+        kind = "default stream" if self._is_default else f"stream {self.state.handle.address:#x}"  # type: ignore[union-attr]
         return f"<Stream {kind} on device {self.device.device_id}{' closed' if self.closed else ''}>"
 
     def synchronize(self, timeout_ms: int | None = None) -> None:
@@ -483,11 +489,14 @@ class Stream:
         return ev
 
     def close(self) -> None:
-        """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice;
-        a no-op on a default stream. Raises a device fault its own wait learned of, after
-        releasing the stream."""
+        """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice.
+        Refused on a default stream (InvalidArgument): CANN's NULL stream lives as long as its
+        device. Raises a device fault its own wait learned of, after releasing the stream."""
         s = self.state
-        if self._is_default or not s.ctx.open:
+        if self._is_default:
+            raise InvalidArgument("stream", "is the device's default stream, which lives as long as the device: "
+                                            "synchronize() waits for it, Device.close() releases it")
+        if not s.ctx.open:
             return  # (a closed device's close released it)
         s.shut()
         learned = s.synchronize(closing=True)
@@ -540,11 +549,12 @@ class _EventCore:
     """What an Event and the queued work that records or waits on it hold: the event is
     destroyed once all of them are gone. Calls on the handle take the holder's lock."""
 
-    __slots__ = ("device", "holder", "__weakref__")
+    __slots__ = ("device", "holder", "recorded", "__weakref__")
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.holder = Holder(acl.EventHandle(device.context), EVENTS)
+        self.recorded = False  # a record was queued: only ever set, under the holder's lock
 
 
 class Event(Owner):
@@ -607,7 +617,10 @@ class Event(Owner):
     def record(self, stream: Stream | None = None) -> Event:
         """Record the event on ``stream`` (default: the thread's current stream)."""
         core = self.core()
-        resolve_stream(stream, core.device).enqueue(core, [(acl.record_event, (core.holder.handle,))])
+        state = resolve_stream(stream, core.device)
+        with core.holder.lock:  # (the lock order: an event's holder, then a stream's)
+            state.enqueue(core, [(acl.record_event, (core.holder.handle,))])
+            core.recorded = True
         return self
 
     def synchronize(self) -> None:
@@ -628,6 +641,10 @@ class Event(Owner):
         was never recorded, 107006 while one has not completed; negative if ``end`` completed
         first)."""
         other = _args.instance("end", end, Event, "an Event").core("end")
+        for name, core in (("event", self.core()), ("end", other)):
+            if not core.recorded:
+                raise InvalidArgument(name, "was never recorded: record() it on a stream first (CANN times only "
+                                            "recorded events)")
         return float(self._call(acl.event_elapsed_ms, other.holder.handle))
 
     def __sub__(self, start: Event) -> float:

@@ -34,6 +34,18 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 BACKEND = os.environ.get("PYACL_MOE_TEST_BACKEND", "emulator")
+# What changes the binding's or the emulated CANN's behaviour is the suite's to set, test by
+# test: a caller's exported PYACL_MOE_EMU_RELEASE=8.1.RC1 (a user checking that release) must
+# not turn the suite's expectations. Dropped here, before pytest-xdist starts its workers, so
+# they and every child start without them; not in a child (tests/child.py), whose environment
+# is its test's. (Kept: the test backend, the sanitizer build, the build cache and timeout, the
+# iteration counts of the long tests.)
+BEHAVIOUR = ("PYACL_MOE_EMULATOR", "PYACL_MOE_CACHE_ALLOCATIONS", "PYACL_MOE_EMU_RELEASE", "PYACL_MOE_EMU_SOC",
+             "PYACL_MOE_EMU_MEMORY", "PYACL_MOE_EMU_DEVICES", "PYACL_MOE_EMU_MUTATION", "PYACL_MOE_EMU_STREAMS",
+             "PYACL_MOE_EMU_THREADS", "PYACL_MOE_EMU_QUEUE_DEPTH", "ASCEND_RT_VISIBLE_DEVICES")
+if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) != "tests.child":
+    for _name in BEHAVIOUR + (("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME") if BACKEND == "emulator" else ()):
+        os.environ.pop(_name, None)
 
 if BACKEND == "emulator":
     pyacl_moe.use_emulator()
