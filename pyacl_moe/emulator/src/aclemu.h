@@ -65,3 +65,7 @@ const char *aclemuVersion(void);
  * major * 10000 + minor * 100 + patch (80100 for 8.1.RC1, 90100 for 9.1.0), and its name. */
 int aclemuRelease(void);
 const char *aclemuReleaseName(void);
+
+/* The host's id of visible device `deviceId` (what ASCEND_RT_VISIBLE_DEVICES names it; the
+ * same id when the variable is unset), or -1 when no visible device has that id. */
+int32_t aclemuVisibleDevice(int32_t deviceId);

@@ -16,6 +16,117 @@
 
 #include "rt_internal.h"
 
+/* ------------------------------------------------------------------ ASCEND_RT_VISIBLE_DEVICES */
+
+/* Which devices the process sees, read as CANN's runtime reads the variable (hicann/runtime
+ * v9.1.0 src/runtime/core/src/runtime.cc: SplitString at 4223, Runtime::GetVisibleDevices at
+ * 4430; the same in v8.5.0 and v9.0.0; docs/emulator.md, *Visible devices*). Once per process,
+ * with the rest of the environment. The visible devices are renumbered from 0 in the order
+ * given; the emulator's devices are indexed by those numbers (CANN's "user" ids), g_visible
+ * maps each to the id of the host (what the variable names: CANN's logic id). */
+static int32_t g_visible[EMU_MAX_DEVICES];
+static int g_visible_set;   /* the variable was set (an empty value too) and the host has devices */
+static int g_visible_error; /* 0, or why none is visible: 1 no valid id first, 2 not ascending, 3 twice */
+static int g_host_devices;  /* PYACL_MOE_EMU_DEVICES: the devices of the host (the driver's count) */
+static char g_visible_text[129]; /* the first 128 characters, as the runtime keeps them */
+
+static int is_digit(char c) { return c >= '0' && c <= '9'; }
+
+int visible_devices_locked(int host_devices) {
+    g_host_devices = host_devices;
+    g_visible_set = g_visible_error = 0;
+    for (int i = 0; i < EMU_MAX_DEVICES; i++) g_visible[i] = i;
+    const char *v = getenv("ASCEND_RT_VISIBLE_DEVICES");
+    /* No device: the runtime does not read the variable (isHaveDevice_). Unset: all visible. */
+    if (!v || host_devices == 0) return host_devices;
+    g_visible_set = 1;
+    snprintf(g_visible_text, sizeof g_visible_text, "%s", v);
+    /* The ids: runs of digits separated by single commas, read up to the first other character
+     * (or a second comma in a row); a value that does not begin with a digit has none. */
+    int n = 0, commas = 0;
+    const char *c = g_visible_text;
+    while (is_digit(*g_visible_text) && *c) {
+        if (!is_digit(*c)) {
+            if (*c != ',' || ++commas > 1) break;
+            c++;
+            continue;
+        }
+        commas = 0;
+        long long id = 0;
+        for (; is_digit(*c); c++)
+            if (id <= 2147483647LL) id = id * 10 + (*c - '0'); /* std::stoi: beyond int, invalid */
+        /* An id the host does not have ends the list (those before it stay visible). */
+        if (id > (long long)host_devices - 1) break;
+        if (n > 0 && id < g_visible[n - 1]) {
+            g_visible_error = 2;
+            break;
+        }
+        for (int j = 0; j < n && !g_visible_error; j++)
+            if (g_visible[j] == id) g_visible_error = 3;
+        if (g_visible_error) break;
+        g_visible[n++] = (int32_t)id;
+        if (n >= host_devices) break;
+    }
+    if (!g_visible_error && n == 0) g_visible_error = 1;
+    if (g_visible_error) {
+        for (int i = 0; i < EMU_MAX_DEVICES; i++) g_visible[i] = -1;
+        return 0; /* userDeviceCnt stays 0: every aclrtSetDevice is refused */
+    }
+    for (int i = n; i < EMU_MAX_DEVICES; i++) g_visible[i] = -1;
+    return n;
+}
+
+static void visible_reason(char *reason, size_t len) {
+    static const char *const why[] = {
+        "", "it names no device id of the host first (ids 0 to %d, separated by single commas)",
+        "its ids must be in ascending order", "it names a device twice"};
+    snprintf(reason, len, why[g_visible_error], g_host_devices - 1);
+}
+
+/* aclrtGetDeviceCount under a list that makes no device visible: ApiImpl::GetDeviceCount
+ * (v9.1.0 src/runtime/core/src/api_impl/api_impl.cc:3195) returns RT_ERROR_DRV_NO_DEVICE,
+ * which is 207004 ACL_ERROR_RT_NO_DEVICE (errcode_manage.cc:82). */
+static int visible_error_locked(const char *api) {
+    if (!g_visible_error) return 0;
+    char reason[128];
+    visible_reason(reason, sizeof reason);
+    aclemuSetErrMsg(api, ACL_ERROR_RT_NO_DEVICE,
+                    "environment variable ASCEND_RT_VISIBLE_DEVICES=\"%s\" makes no device visible: %s",
+                    g_visible_text, reason);
+    return ACL_ERROR_RT_NO_DEVICE;
+}
+
+/* 107001 for an id outside the visible devices (ApiErrorDecorator::SetDevice, api_error.cc:2642:
+ * RT_ERROR_DEVICE_ID), saying what the variable made visible. */
+static int device_id_error_locked(const char *api, int32_t deviceId) {
+    char reason[128];
+    if (g_visible_error) {
+        visible_reason(reason, sizeof reason);
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_DEVICEID,
+                        "device id %d is not visible: ASCEND_RT_VISIBLE_DEVICES=\"%s\" makes no device "
+                        "visible: %s",
+                        (int)deviceId, g_visible_text, reason);
+    } else if (g_visible_set) {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_DEVICEID,
+                        "device id %d is not in [0, %d): ASCEND_RT_VISIBLE_DEVICES=\"%s\" makes %d of "
+                        "the host's %d devices visible, numbered from 0",
+                        (int)deviceId, g_device_count, g_visible_text, g_device_count,
+                        g_host_devices);
+    } else {
+        aclemuSetErrMsg(api, ACL_ERROR_RT_INVALID_DEVICEID, "device id %d is not in [0, %d)",
+                        (int)deviceId, g_device_count);
+    }
+    return ACL_ERROR_RT_INVALID_DEVICEID;
+}
+
+EMU_API int32_t aclemuVisibleDevice(int32_t deviceId) {
+    pthread_mutex_lock(&g_lock);
+    int32_t id = -1;
+    if (!config_locked() && deviceId >= 0 && deviceId < g_device_count) id = g_visible[deviceId];
+    pthread_mutex_unlock(&g_lock);
+    return id;
+}
+
 int device_active_locked(int32_t d) {
     return d >= 0 && d < g_device_count && g_devices[d].refcount > 0;
 }
@@ -82,6 +193,7 @@ EMU_API aclError aclrtGetDeviceCount(uint32_t *count) {
     }
     pthread_mutex_lock(&g_lock);
     int st = config_error_locked(api);
+    if (!st) st = visible_error_locked(api);
     if (!st) *count = (uint32_t)g_device_count;
     pthread_mutex_unlock(&g_lock);
     return st;
@@ -124,11 +236,8 @@ EMU_API aclError aclrtSetDevice(int32_t deviceId) {
     int st;
     for (;;) { /* a device being released by its last reset is opened only once that is done */
         st = config_error_locked(api);
-        if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
-            st = ACL_ERROR_RT_INVALID_DEVICEID;
-            aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId,
-                            g_device_count);
-        }
+        if (!st && (deviceId < 0 || deviceId >= g_device_count))
+            st = device_id_error_locked(api, deviceId);
         if (st || !g_devices[deviceId].closing) break;
         g_waiters++;
         pthread_cond_wait(&g_cond, &g_lock);
@@ -166,8 +275,7 @@ EMU_API aclError aclrtResetDevice(int32_t deviceId) {
     pthread_mutex_lock(&g_lock);
     int st = config_error_locked(api);
     if (!st && (deviceId < 0 || deviceId >= g_device_count)) {
-        st = ACL_ERROR_RT_INVALID_DEVICEID;
-        aclemuSetErrMsg(api, st, "device id %d is not in [0, %d)", (int)deviceId, g_device_count);
+        st = device_id_error_locked(api, deviceId);
     } else if (!st && g_devices[deviceId].refcount == 0) {
         /* Runtime::PrimaryContextRelease: TryDecRef fails at count 0, RT_ERROR_CONTEXT_DEL. */
         st = ACL_ERROR_RT_CONTEXT_RELEASE_ERROR;

@@ -152,6 +152,9 @@ int config_error_locked(const char *api);
 /* ------------------------------------------------------------------ devices (rt_device.c) */
 
 /* The calling thread's current device, or -1 (no context, or its device was reset). */
+/* ASCEND_RT_VISIBLE_DEVICES read against the host's `host_devices`: how many the process sees
+ * (0 when the list makes none visible; aclrtGetDeviceCount then says why). */
+int visible_devices_locked(int host_devices);
 int32_t current_device_locked(void);
 int device_active_locked(int32_t d);
 /* 0 with the current device in *device; else the configuration's status, or 107002 (no current

@@ -217,8 +217,9 @@ int config_locked(void) {
     long long count, depth, threads;
     env_int("PYACL_MOE_EMU_DEVICES", 0, EMU_MAX_DEVICES, 1, &count,
             "use a whole number of devices from 0 to 64");
-    g_device_count = (int)count;
-    env_size("PYACL_MOE_EMU_MEMORY", default_capacity(g_device_count), &g_capacity);
+    /* The host's devices share its memory; the process sees those ASCEND_RT_VISIBLE_DEVICES names. */
+    g_device_count = visible_devices_locked((int)count);
+    env_size("PYACL_MOE_EMU_MEMORY", default_capacity((int)count), &g_capacity);
     const char *soc = env_value("PYACL_MOE_EMU_SOC");
     int soc_ok = 1;
     for (const char *c = soc; c && *c; c++)
