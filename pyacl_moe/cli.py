@@ -179,6 +179,14 @@ def _conformance(args: argparse.Namespace) -> int:
     if not selected:
         raise UsageError(f"{args.filter!r} matches no case of the {profile} profile "
                          f"(see conformance --list{' --full' if args.full else ''})", "--filter")
+    if args.shard is not None:
+        if args.shard[1] > len(selected):
+            raise UsageError(f"{args.shard[0]}/{args.shard[1]}: {len(selected)} case(s) are selected, too few for "
+                             f"{args.shard[1]} parts", "--shard")
+        if args.ray is not None:
+            raise UsageError("--ray gives each NPU its part of the cases itself; give one of the two", "--shard")
+        if args.list:
+            selected = conformance.shard(selected, *args.shard)
     if args.list:
         _list_cases(selected)
         return 0
@@ -198,6 +206,13 @@ def _conformance(args: argparse.Namespace) -> int:
     if max_memory is not None and all(c.nbytes > max_memory for c in selected):
         raise UsageError(f"{size_text(max_memory)} leaves no case to run (the smallest needs "
                          f"{size_text(min(c.nbytes for c in selected))})", "--max-memory")
+    if args.ray is not None:
+        from .tools import cluster
+
+        try:
+            return cluster.ray_command(args, selected, profile)
+        except cluster.ClusterError as exc:
+            raise UsageError(str(exc), exc.flag) from None
 
     import pyacl_moe as pm
 
@@ -225,7 +240,7 @@ def _conformance(args: argparse.Namespace) -> int:
     report = conformance.run(
         profile, args.filter, args.seed, progress=sys.stderr, cases=kit_cases, devices=devices, standard=standard,
         strict=args.strict, rtol=rtol, atol=atol, max_memory=max_memory, baseline=baseline,
-        baseline_path=args.baseline or "", perf=args.perf, perf_threshold=args.perf_threshold,
+        baseline_path=args.baseline or "", perf=args.perf, perf_threshold=args.perf_threshold, part=args.shard,
     )
     print(report.table())
     try:
@@ -279,6 +294,26 @@ def _size(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"{text}: give a size such as 4096, 512M or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """An argparse type: ``I/N``, the I-th (from 1) of N parts."""
+    m = re.fullmatch(r"([0-9]{1,9})/([0-9]{1,9})", text)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"{text}: give I/N, the I-th of N parts, with 1 <= I <= N (e.g. 2/4)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from .tools import cluster
+
+    for flag, path in (("--report", args.report), ("--junit", args.junit)):
+        if path:
+            _check_writable(flag, path)
+    try:
+        return cluster.merge_command(args.reports, args.report, args.junit)
+    except cluster.ClusterError as exc:
+        raise UsageError(str(exc), exc.flag) from None
 
 
 def _device_ids(text: str) -> list[int]:
@@ -467,7 +502,30 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--baseline", metavar="OLD.json",
                       help="a report of an earlier run: list the cases whose output bits changed and those "
                            "that went from pass to fail")
+    conf.add_argument("--shard", type=_shard, metavar="I/N",
+                      help="run only the I-th of N disjoint parts of the selected cases (1 <= I <= N; together the "
+                           "parts are exactly the selection, the same for the same selection); merge joins the "
+                           "parts' reports")
+    conf.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                      help="run on a Ray cluster (ADDRESS, or auto: the one this machine belongs to): one task per "
+                           "NPU, each host's NPUs sharing the selected cases, one report per host, merged as merge "
+                           "does (needs pip install 'pyacl-moe[ray]')")
+    conf.add_argument("--ray-timeout", type=_ratio, default=3600, metavar="SECONDS",
+                      help="with --ray: the longest one NPU's task may take; a task still running then is stopped "
+                           "and its cases reported as errors")
     conf.set_defaults(func=_conformance)
+
+    merge = sub.add_parser("merge", help="join conformance reports of several hosts and devices into one verdict",
+                           formatter_class=_HELP,
+                           description="Join the JSON reports of conformance runs (hosts, devices, --shard parts) "
+                                       "of the same catalogue, seed and standard. Exit status: 0 every case passed "
+                                       "and hosts of the same chip and release gave the same output bits; 1 a case "
+                                       "failed or outputs differ between such hosts; 2 a host could not run (cases "
+                                       "not run) or the reports cannot be merged. See docs/conformance.md.")
+    merge.add_argument("reports", nargs="+", metavar="REPORT.json", help="reports written by conformance --report")
+    merge.add_argument("--report", metavar="FILE.json", help="write the merged JSON report")
+    merge.add_argument("--junit", metavar="FILE.xml", help="write JUnit XML, one testsuite per host")
+    merge.set_defaults(func=_merge)
 
     bench = sub.add_parser("bench", help="host cost of each launch path, reference and kernel speed, side by side",
                            description="Exit status: 0 every judged target met, 1 a target missed (see "

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import csv
 import functools
+import hashlib
 import json
 import multiprocessing
+import os
 import platform
 import queue
 import re
@@ -48,14 +50,14 @@ from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v
 from ..release import cann_version
 from ..stream import Stream
 from . import cases as _cases
-from . import pair, precision
+from . import pair, precision, visible
 from .cases import size_text
 from .harness import JUDGES, OPS, OUTCOMES, SOURCES, Case, CaseResult, Context, Guarded, digest
 from .precision import DEFAULT_STANDARD, STANDARD_NAMES
 
 __all__ = ["DEFAULT_STANDARD", "JUDGES", "OPS", "OUTCOMES", "SOURCES", "STANDARD_NAMES", "Case", "CaseResult",
            "Context", "Report", "catalogue",
-           "compare_baseline", "load_baseline", "run", "select"]
+           "compare_baseline", "load_baseline", "run", "select", "selection", "shard"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 SCENARIOS = ("dropless", "active", "drop-pad")
@@ -740,6 +742,9 @@ def _environment(devices: list[int]) -> dict[str, Any]:
         "libraries": dict(info.paths),
         "soc": soc_name(),
         "devices": list(devices),
+        # The host's ids of those devices, as ASCEND_RT_VISIBLE_DEVICES numbers them (tools.visible).
+        "physical_devices": [visible.host_device(d) for d in devices],
+        "visible_devices": os.environ.get(visible.VARIABLE),
         "pyacl_moe": __version__,
         "host": socket.gethostname() or "localhost",
         "python": platform.python_version(),
@@ -767,6 +772,12 @@ class Report:
     ascend_home: str | None = None
     libraries: dict[str, str] = field(default_factory=dict)
     devices: list[int] = field(default_factory=lambda: [0])
+    physical_devices: list[int] = field(default_factory=list)  # the host's ids of devices (visible.host_device)
+    visible_devices: str | None = None  # ASCEND_RT_VISIBLE_DEVICES as the run found it
+    # What was selected (profile, filter, count and digest of the cases, before --shard) and
+    # which part of it ran: what tools.cluster checks before it merges reports.
+    selection: dict[str, Any] = field(default_factory=dict)
+    shard: dict[str, int] | None = None  # {"index": I, "count": N}, 1-based
     pyacl_moe: str = __version__
     host: str = ""
     python: str = ""
@@ -840,8 +851,8 @@ class Report:
         )
         props = ET.SubElement(suite, "properties")
         for key in ("backend", "cann_version", "toolkit_version", "ops_version", "runtime_version", "acl_version",
-                    "op_library", "soc", "devices", "profile", "seed", "exact", "strict", "pyacl_moe", "ascend_home",
-                    "max_memory"):
+                    "op_library", "soc", "devices", "physical_devices", "profile", "seed", "exact", "strict",
+                    "pyacl_moe", "ascend_home", "max_memory", "shard"):
             value = getattr(self, key)
             ET.SubElement(props, "property", name=key, value="" if value is None else str(value))
         for lib, where in self.libraries.items():
@@ -1142,12 +1153,37 @@ def _shards(selected: list[Case], n: int) -> list[list[str]]:
     return names
 
 
+def shard(selected: list[Case], index: int, count: int) -> list[Case]:
+    """The ``index``-th (1-based) of ``count`` disjoint parts of ``selected``, in its order.
+    The parts together are exactly ``selected``, and the same selection gives the same parts
+    (whatever the seed: a case's size does not depend on it): the largest cases are dealt
+    first, each to the lightest part, as over devices (_shards)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"shard: the count of parts must be an integer >= 1, not {count!r}")
+    if isinstance(index, bool) or not isinstance(index, int) or not 1 <= index <= count:
+        raise ValueError(f"shard: the part must be an integer from 1 to {count}, not {index!r}")
+    names = set(_shards(selected, count)[index - 1])
+    return [c for c in selected if c.name in names]
+
+
+def selection(profile: str, name_filter: str | None, selected: list[Case]) -> dict[str, Any]:
+    """What a run selected, for telling reports of the same catalogue apart from others: the
+    profile, the filter, how many cases and a digest of their names, kinds, dtypes, scenarios
+    and shapes."""
+    h = hashlib.sha256()
+    for c in selected:
+        h.update(json.dumps([c.name, c.op, c.kind, c.dtype, c.scenario, c.shape]).encode("utf-8", "backslashreplace"))
+    return {"profile": profile, "filter": name_filter or "", "cases": len(selected),
+            "digest": "sha256:" + h.hexdigest()}
+
+
 def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
         progress: TextIO | None = sys.stderr, cases: Iterable[Case] | None = None, *,
         devices: Iterable[int] | None = None, exact: bool = False, strict: bool = False,
         rtol: dict[str, float] | None = None, atol: dict[str, float] | None = None,
         max_memory: int | None = None, baseline: dict[str, Any] | None = None, baseline_path: str = "",
-        standard: str = precision.DEFAULT_STANDARD, perf: int = 0, perf_threshold: float = 1.2) -> Report:
+        standard: str = precision.DEFAULT_STANDARD, perf: int = 0, perf_threshold: float = 1.2,
+        part: tuple[int, int] | None = None) -> Report:
     """Run a profile (or the given cases) and return the report.
 
     ``devices``: ids to run on (default: the current device); with more than one, the cases
@@ -1159,7 +1195,8 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
     device bytes. ``baseline``: a loaded earlier report to compare output digests with (and,
     with ``perf``, device times: a case whose time grew beyond ``perf_threshold`` times the
     baseline's is listed as slower). ``perf``: run each passing case that many more times,
-    timed (CaseResult.api_us, device_us: medians).
+    timed (CaseResult.api_us, device_us: medians). ``part``: (I, N), run only the I-th of N
+    disjoint parts of the selection (:func:`shard`; 1-based).
     """
     if perf < 0 or perf_threshold <= 0:
         raise ValueError("perf must be >= 0 and perf_threshold > 0")
@@ -1168,6 +1205,9 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
     precision.thresholds(standard, "float32")  # refuses an unknown standard before anything runs
     exact = standard == "exact"
     selected = select(profile, name_filter, cases)
+    chosen = selection(profile, name_filter, selected)
+    if part is not None:
+        selected = shard(selected, *part)
     devs = list(devices) if devices is not None else [current_device().device_id]
     if not devs:
         raise ValueError("devices must name at least one device")
@@ -1178,7 +1218,8 @@ def run(profile: str = "quick", name_filter: str | None = None, seed: int = 0,
                     max_memory=max_memory,
                     standards={k: {"rtol": v.rtol, "atol": v.atol, "max_share": v.max_share}
                                for k, v in stds.items()},
-                    timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), **env)
+                    timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), selection=chosen,
+                    shard={"index": part[0], "count": part[1]} if part is not None else None, **env)
     bar = _Progress(len(selected), progress)
     t_all = time.perf_counter()
     if len(devs) == 1:
