@@ -18,6 +18,7 @@ imported only here, and only by :func:`run_on_ray` and the task.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -44,6 +45,7 @@ RAY_HINT = "--ray needs Ray: pip install 'pyacl-moe[ray]' (Python 3.10 and later
 MAX_REPORT_BYTES = 1 << 30  # a report of the full profile is a few MiB
 MAX_CASES = 1 << 20
 NOT_RUN = "not run: "  # how a case that never ran begins its detail (as conformance's workers write it)
+SHOWN = 10  # failing cases (per host) and differing outputs the table names; the reports hold all
 # What must match between the hosts whose output bits are compared: the chip and the release.
 _RELEASE = ("backend", "toolkit_version", "ops_version")
 
@@ -384,25 +386,43 @@ def table(merged: dict[str, Any]) -> str:
         for problem in h["problems"]:
             lines.append(f"HOST {p(h['host'])}: {p(problem)}")
     not_run: Counter[str] = Counter()
+    failing: Counter[str] = Counter()
     for c in merged["cases"]:
         first = p(str(c.get("detail", "")).splitlines()[0] if c.get("detail") else "")
-        where = f"{p(c['host'])} device {c['device']}"
+        where = p(c["host"]) + ("" if c["device"] is None else f" device {c['device']}")
         if _not_run(c):
             not_run[f"{where}: {first}"] += 1
         elif _failing(c, strict):
-            lines.append(f"{'ERROR' if c['outcome'] == 'error' else 'FAILED'} {p(c['name'])} on {where}: {first}")
+            failing[c["host"]] += 1
+            if failing[c["host"]] <= SHOWN:
+                lines.append(f"{'ERROR' if c['outcome'] == 'error' else 'FAILED'} {p(c['name'])} on {where}: {first}")
+    lines += [f"... and {n - SHOWN} more failing on {p(h)} (the report lists them)" for h, n in failing.items()
+              if n > SHOWN]
     lines += [f"NOT RUN {n} case(s) on {what}" for what, n in not_run.items()]
-    for d in merged["digest_differences"]:
+    diffs = merged["digest_differences"]
+    for d in diffs[:SHOWN]:
         shown = ", ".join(f"{p(lab)} {str(dig)[:19]}" for lab, dig in sorted(d["digests"].items()))
         odd = f" (odd: {', '.join(map(p, d['odd']))})" if d["odd"] else " (no host is the odd one)"
         lines.append(f"DIGEST {p(d['name'])}: {shown}{odd}")
+    if len(diffs) > SHOWN:
+        lines.append(f"... and {len(diffs) - SHOWN} more outputs that differ (the report lists them)")
+    for h in merged["hosts"]:
+        if h["odd_digests"]:
+            lines.append(f"ODD HOST {p(h['host'])}: its output differs from the other hosts' in {h['odd_digests']} "
+                         "case(s)")
     lines.append(_verdict(merged))
     return "\n".join(lines)
 
 
+def _seconds(value: Any) -> float:
+    """A case's seconds as JUnit takes them: a finite number >= 0 (0 for anything else)."""
+    x = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    return x if math.isfinite(x) and x >= 0 else 0.0
+
+
 def _junit_case(suite: ET.Element, c: dict[str, Any], strict: bool) -> None:
     tc = ET.SubElement(suite, "testcase", classname=f"conformance.{c.get('kind') or 'case'}", name=c["name"],
-                       time=f"{float(c.get('seconds') or 0):.3f}")
+                       time=f"{_seconds(c.get('seconds')):.3f}")
     text = json.dumps(c, indent=1)
     detail = str(c.get("detail") or "")
     if c["outcome"] == "error":
@@ -422,16 +442,19 @@ def write_junit(merged: dict[str, Any], path: str) -> None:
     that differs). Well-formed for any case or host name (conformance.xml_text)."""
     strict = merged["strict"]
     t = merged["totals"]
+    when = merged["timestamp"][:19]
+    seconds = sum(_seconds(c.get("seconds")) for c in merged["cases"])
     root = ET.Element("testsuites", name="aclnnMoeInitRoutingV2Grad and aclnnMoeInitRoutingV2 conformance, merged",
                       tests=str(t["cases"] + max(1, len(merged["digest_differences"]))),
                       failures=str(t["failed"] + len(merged["digest_differences"])),
-                      errors=str(t["errors"] + t["not_run"]), skipped=str(t["skipped"]))
+                      errors=str(t["errors"] + t["not_run"]), time=f"{max(seconds, 0.0):.3f}")
     for h in merged["hosts"]:
         mine = [c for c in merged["cases"] if c["host"] == h["host"]]
         suite = ET.SubElement(root, "testsuite", name=f"conformance on {h['host']}", tests=str(len(mine)),
                               failures=str(h["failed"]), errors=str(h["errors"] + h["not_run"]),
-                              skipped=str(h["skipped"]), time=f"{sum(float(c.get('seconds') or 0) for c in mine):.3f}",
-                              timestamp=merged["timestamp"][:19], hostname=h["hostname"])
+                              skipped=str(h["skipped"]),
+                              time=f"{sum(_seconds(c.get('seconds')) for c in mine):.3f}",
+                              timestamp=when, hostname=h["hostname"].strip() or "localhost")
         props = ET.SubElement(suite, "properties")
         for key in ("host", "hostname", "node_id", "node_ip", *_HOST_FIELDS[:-1]):
             value = h.get(key)
@@ -441,16 +464,23 @@ def write_junit(merged: dict[str, Any], path: str) -> None:
             ET.SubElement(props, "property", name="problem", value=problem)
         for c in mine:
             _junit_case(suite, c, strict)
+        ET.SubElement(suite, "system-out").text = "\n".join([*h["problems"], _verdict(merged)])
+        ET.SubElement(suite, "system-err").text = ""
     diffs = merged["digest_differences"]
     suite = ET.SubElement(root, "testsuite", name="output digests between hosts of the same chip and release",
-                          tests=str(max(1, len(diffs))), failures=str(len(diffs)), errors="0", skipped="0")
+                          tests=str(max(1, len(diffs))), failures=str(len(diffs)), errors="0", skipped="0",
+                          time="0.000", timestamp=when, hostname=socket.gethostname() or "localhost")
+    ET.SubElement(suite, "properties")
     for d in diffs:
-        tc = ET.SubElement(suite, "testcase", classname="conformance.digest", name=d["name"])
+        tc = ET.SubElement(suite, "testcase", classname="conformance.digest", name=d["name"], time="0.000")
         odd = ", ".join(d["odd"]) or "no host is the odd one"
         ET.SubElement(tc, "failure", message=f"the output differs between hosts (odd: {odd})",
                       type="digest").text = json.dumps(d, indent=1)
     if not diffs:
-        ET.SubElement(suite, "testcase", classname="conformance.digest", name="every output compared agrees")
+        ET.SubElement(suite, "testcase", classname="conformance.digest", name="every output compared agrees",
+                      time="0.000")
+    ET.SubElement(suite, "system-out").text = _verdict(merged)
+    ET.SubElement(suite, "system-err").text = ""
     for el in root.iter():
         el.text, el.tail = conformance.xml_text(el.text), conformance.xml_text(el.tail)
         el.attrib.update({k: conformance.xml_text(v) or "" for k, v in el.attrib.items()})
