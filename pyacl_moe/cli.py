@@ -45,6 +45,10 @@ def _info(args: argparse.Namespace) -> int:
         free, total = dev.mem_info()
         report["devices"].append({"id": d, "memory_free": free, "memory_total": total})
     report["soc"] = pm.soc_name()
+    c = pm.device.chip()
+    report["chip"] = {"family": c.family, "vector_cores": c.vector_cores, "ub_bytes": c.ub_bytes,
+                      "summation": c.summation, "invalid_index": c.invalid_index,
+                      "forward_relaxed": c.forward_relaxed}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -55,14 +59,16 @@ def _info(args: argparse.Namespace) -> int:
     print(f"ops          {version.ops_version or '(part of the toolkit)'}")
     print(f"runtime      {version.runtime_version or '(not recorded)'}")
     print(f"op library   {version.op_library}")
+    width = max(13, *(len(name) + 7 for name in lib.paths))  # a library's name, a space, then its path
     for name, path in lib.paths.items():
-        print(f"{'lib' + name + '.so':<13}{path}")
+        print(f"{'lib' + name + '.so':<{width}}{path}")
     for path in lib.dependencies:
-        print(f"{'  needs':<13}{path}")
+        print(f"{'  needs':<{width}}{path}")
     print(f"ACL version  {report['acl_version']}")
     note = f" ({applies.note})" if applies.note else ""
     print(f"expects      the op of {applies.behaviour.since} and later{note}")
     print(f"SoC          {report['soc']}")
+    print(f"chip         {c.describe()}")
     print(f"devices      {count}")
     for d in report["devices"]:
         print(f"  device {d['id']}: {d['memory_free'] / 2**30:.2f} GiB free of {d['memory_total'] / 2**30:.2f} GiB")

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._cann.layout import arch
+from .chip import Chip, chip_named, with_release
 
-__all__ = ["BEHAVIOURS", "CannVersion", "OpBehaviour", "Release", "Versions", "behaviour_for", "cann_version",
-           "parse_release", "read_versions"]
+__all__ = ["BEHAVIOURS", "CHIP_RULES", "CannVersion", "OpBehaviour", "Release", "Versions", "behaviour_for",
+           "cann_version", "chip_for", "parse_release", "read_versions"]
 
 # Rank of a qualifier at one level of a release name; a level with no qualifier is final.
 _RANKS = {"alpha": 0, "beta": 1, "rc": 2, "pre": 3}
@@ -103,8 +104,8 @@ def parse_release(text: str) -> Release:
         if not number and q.group(1).lower() != "pre" and i + 1 < len(tokens) and tokens[i + 1].isdigit():
             number = tokens[i + 1]  # beta.2, rc.1
             i += 1
-        if not number and q.group(1).lower() != "pre":
-            raise ValueError(f"{text!r} is not a CANN release name: {tokens[i]!r} needs a number")
+        # A qualifier without a number counts as its 0th ("9.2.0-beta" before 9.2.0-beta.1), as
+        # the runtime's aclsysGetVersionNum reads it (github:hicann/runtime src/acl/).
         qualifiers.append((_RANKS[q.group(1).lower()], int(number or 0)))
         i += 1
     if len(qualifiers) > 3:
@@ -218,8 +219,38 @@ def behaviour_for(release: str | Release | None) -> Applies:
     return Applies(applies, text, note.rstrip(": "))
 
 
-# The newest release whose op was read (the emulator's newest profile follows it).
-NEWEST_KNOWN = "9.1.0"
+# The newest release whose op was read. 9.1.1 (ops-transformer's 9.1.0 branch: no change to either
+# op since v9.1.0.pre) and 9.2.0-beta.1 / beta.2 (master of 2026-07-24: the backward's tiling
+# words a refusal's message differently, the forward gains a data-movement path on the Ascend 950
+# for dropPadMode 0 and K <= 6; no status, workspace or data type changes) behave as 9.1.0.
+# Their tags were not in any snapshot read: github:hicann/release-management names them.
+NEWEST_KNOWN = "9.2.0-beta.2"
+
+
+# ---------------------------------------------------------------------------- chips by release
+
+# (family, since, rules): where a family's op changed from one release to the next (ops-transformer
+# moe/moe_init_routing_v2_grad/op_kernel/arch35/: 8c1f71ff5, first in v9.0.0-beta.2, sums in fours;
+# 49e0de82b, first in v9.1.0.pre, reads an invalid index as a zero row). Before the fours the 950
+# summed its terms one by one from +0.0: a chunk of one term.
+CHIP_RULES: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("Ascend950", "8.5.0", {"summation": "sequential", "invalid_index": "fault"}),
+    ("Ascend950", "9.0.0-beta.2", {"summation": "quads", "invalid_index": "fault"}),
+    ("Ascend950", "9.1.0.pre", {"summation": "quads", "invalid_index": "zero"}),
+)
+
+
+def chip_for(soc: str | None, release: str | None) -> Chip:
+    """The rules of the family ``soc`` belongs to as ``release`` (an ops release) ships them;
+    an unknown or unreadable release gets the newest."""
+    chip = chip_named(soc)
+    try:
+        r = parse_release(release) if release else None
+    except ValueError:
+        r = None
+    rules = [(since, what) for family, since, what in CHIP_RULES if family == chip.family
+             and (r is None or parse_release(since) <= r)]
+    return with_release(chip, release, **rules[-1][1]) if rules else with_release(chip, release)
 
 
 # ---------------------------------------------------------------------------- which release is loaded

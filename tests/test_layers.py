@@ -28,6 +28,7 @@ ROWS = [
     {"_cann."},
     {"reference"},
     {"_contract"},
+    {"chip"},
     {"_args"},
     {"errors"},
     {"_status", "_paths"},

@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import reference
 from ..array import to_device
+from ..device import chip
 from ..op.moe_init_routing_v2 import moe_init_routing_v2
 from . import cases as _cases
 from . import precision
@@ -346,7 +347,7 @@ def _run_backward(ctx: Context, row: KitRow) -> CaseResult:
         idx[active:] = -1
     s = ctx.stream
     got = ctx.measured(_backward_call, x, idx, k, mode, active, s)
-    want = reference.moe_init_routing_v2_grad(x, idx, k, mode, active, validate=False)
+    want = reference.moe_init_routing_v2_grad(x, idx, k, mode, active, validate=False, chip=chip())
     rtol, ptol = row.tolerances[0] if row.tolerances else (None, None)
     j = precision.judge(ctx.standard, got, want, row.dtypes[0], rtol=rtol, ptol=ptol, atol=row.atol)
     m = j.metrics
@@ -387,7 +388,7 @@ def _run_forward(ctx: Context, row: KitRow) -> CaseResult:
     s = ctx.stream
     r = ctx.measured(moe_init_routing_v2, to_device(x, stream=s), to_device(ids, stream=s), **attrs, stream=s)
     got = [None if o is None else o.to_host(s) for o in r]
-    want = reference.moe_init_routing_v2(x, ids, **attrs)
+    want = reference.moe_init_routing_v2(x, ids, **attrs, chip=chip())
     wrong = []
     for field, g, w in zip(("expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
                             "expert_tokens_before_capacity"), got, want):

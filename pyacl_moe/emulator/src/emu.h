@@ -10,6 +10,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "acl_base.h"
 #include "acl_rt.h"
@@ -133,6 +134,39 @@ EMU_API int aclemuMutationId(void);
 enum { EMU_MUT_NONE = 0, EMU_MUT_SKIP_LAST_K = 1, EMU_MUT_FP16_ACC = 2, EMU_MUT_OFF_BY_ONE = 3,
        EMU_MUT_FWD_UNSTABLE_SORT = 4, EMU_MUT_FWD_WRONG_ROW = 5, EMU_MUT_SKIP_LAST_ROW = 6,
        EMU_MUT_OVERRUN = 7 };
+
+/* ---- chips (docs/emulator.md, "Chips"; pyacl_moe/chip.py holds the same table) ---- */
+
+/* The families the ops are built for (ops-transformer moe_init_routing_v2_grad_def.cpp:42-54):
+ * Atlas A2 (Ascend910B1..B4) and A3 (Ascend910_93xx) run the same kernels; the Ascend 950
+ * (arch35: Ascend950PR_9599, Ascend950DT; 8.5's Ascend910_95) its own. 0: no family. */
+enum { EMU_CHIP_NONE = 0, EMU_CHIP_910B = 1, EMU_CHIP_910_93 = 2, EMU_CHIP_950 = 3 };
+
+static inline int emu_soc_family(const char *soc) {
+    if (!soc) return EMU_CHIP_NONE;
+    if (strncmp(soc, "Ascend910_93", 12) == 0) return EMU_CHIP_910_93;
+    if (strncmp(soc, "Ascend910B", 10) == 0) return EMU_CHIP_910B;
+    if (strncmp(soc, "Ascend950", 9) == 0 || strncmp(soc, "Ascend910_95", 12) == 0) return EMU_CHIP_950;
+    return EMU_CHIP_NONE;
+}
+
+/* What the tilings read of the platform: vector (AIV) cores (GetCoreNumAiv) and UB bytes
+ * (GetCoreMemSize(UB)). A2/A3: 20 or 24 AI Cores of two vector units, 192 KiB of UB; the 950PR
+ * 64 AIV and 253,952 bytes (ops-transformer's unit tests quoting its platform file,
+ * mamba/causal_conv1d/tests/ut/op_host/test_causal_conv1d_tiling.cpp:73), the 950DT taken to
+ * be the same. */
+static inline int64_t emu_soc_vector_cores(const char *soc) {
+    switch (emu_soc_family(soc)) {
+    case EMU_CHIP_950: return 64;
+    case EMU_CHIP_910_93: return 48;
+    default:
+        return soc && (strcmp(soc, "Ascend910B1") == 0 || strncmp(soc, "Ascend910B2", 11) == 0) ? 48 : 40;
+    }
+}
+
+static inline int64_t emu_soc_ub_bytes(const char *soc) {
+    return emu_soc_family(soc) == EMU_CHIP_950 ? 253952 : 196608;
+}
 
 /* ---- internals exported by libnnopbase ---- */
 
