@@ -2,21 +2,105 @@
 
 Shared by the binding (``validate=True``) and the golden reference, so both refuse the same
 inputs with the same message: the parameter's name and the rule it breaks. Pure NumPy. Where
-the chips differ (:mod:`pyacl_moe.chip`) the rule takes the chip: what one accepts is refused on
-another naming the chip and the rule.
+the chips differ the rule takes the :class:`Chip`: what one accepts is refused on another,
+naming the chip and the rule.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from . import _args
-from .chip import Chip, chip_named
 from .errors import InvalidArgument
+
+# ---------------------------------------------------------------------------- chips
+
+# The SoCs of the three families the ops are built for (ops-transformer
+# moe/moe_init_routing_v2_grad/op_host/moe_init_routing_v2_grad_def.cpp:42-54: ascend910b,
+# ascend910_93, ascend950) with their vector (AIV) cores, as CANN's platform files give them
+# (github:hicann/runtime 681ef7610, src/platform/platform_config/cann/Ascend910*.ini and
+# cann-dev/Ascend950*.ini: vector_core_cnt). family -> {vector cores: SoC names}. The emulator's
+# table (emulator/src/emu.h, emu_soc_vector_cores) is the same; a test compares them.
+_FAMILY_SOCS: dict[str, dict[int, str]] = {
+    "Ascend910B": {48: "Ascend910B1 Ascend910B2 Ascend910B2C", 40: "Ascend910B3 Ascend910B4 Ascend910B4-1"},
+    "Ascend910_93": {40: "Ascend910_9362 Ascend910_9363 Ascend910_9372",
+                     48: "Ascend910_9381 Ascend910_9382 Ascend910_9391 Ascend910_9392"},
+    "Ascend950": {
+        8: "Ascend950PR_950z", 16: "Ascend950DT_950x Ascend950DT_950y",
+        56: "Ascend950PR_9579 Ascend950PR_957b Ascend950PR_957bx Ascend950PR_957c Ascend950PR_957d "
+            + " ".join(f"Ascend950DT_957{i}" for i in range(1, 9)),
+        64: "Ascend950PR_9589 Ascend950PR_958b Ascend950DT_9581 Ascend950DT_9581x Ascend950DT_9582 "
+            "Ascend950DT_9582x " + " ".join(f"Ascend950DT_958{i}" for i in range(3, 9)),
+        72: "Ascend950PR_9599 Ascend950DT_9591 Ascend950DT_9592 Ascend950DT_9595 Ascend950DT_9596 "
+            "Ascend950DT_95A1 Ascend950DT_95A2",
+    },
+}
+SOCS: dict[str, tuple[str, int]] = {name: (family, cores) for family, by_cores in _FAMILY_SOCS.items()
+                                    for cores, names in by_cores.items() for name in names.split()}
+# family -> (name prefixes CANN gives its SoCs, the family's default SoC, UB bytes a core (the
+# same platform files: ub_size), the newest rules: summation, invalid index, forward relaxed).
+# 8.5 named the 950 Ascend910_95 (ops-transformer v8.5.0 moe_init_routing_v2_def.cpp:142).
+FAMILIES: dict[str, tuple[tuple[str, ...], str, int, str, str, bool]] = {
+    "Ascend910B": (("Ascend910B",), "Ascend910B3", 196608, "tree", "fault", False),
+    "Ascend910_93": (("Ascend910_93",), "Ascend910_9391", 196608, "tree", "fault", False),
+    "Ascend950": (("Ascend950", "Ascend910_95"), "Ascend950PR_9599", 253952, "quads", "zero", True),
+}
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One chip family's rules for this op pair as one release ships them, and the numbers
+    the Ascend 950's tiling reads (docs/emulator.md, "Chips")."""
+
+    family: str  # "Ascend910B" (Atlas A2), "Ascend910_93" (Atlas A3) or "Ascend950" (arch35)
+    soc: str  # the SoC name, as aclrtGetSocName reports it
+    vector_cores: int  # AIV cores (GetCoreNumAiv)
+    ub_bytes: int  # unified buffer a core (GetCoreMemSize(UB))
+    # The backward's sum: "tree" (the 910B kernel's partial buffers and pairwise tree), "quads"
+    # (arch35 from 9.0.0-beta.2: from +0.0, ((a+b)+(c+d)) per four terms, the rest one by one,
+    # K in chunks) or "sequential" (arch35 before: from +0.0, each term in turn).
+    summation: str
+    # A backward index outside the rows the scenario does not mark: "fault" (read outside the
+    # input) or "zero" (arch35 from 9.1: read as a zero row, in its place among the terms).
+    invalid_index: str
+    forward_relaxed: bool  # the forward takes INT64 and 1-D expert ids and active_num <= 0
+    release: str | None = None  # the ops release whose rules these are (None: the newest known)
+
+    @property
+    def arch35(self) -> bool:
+        return self.family == "Ascend950"
+
+    def describe(self) -> str:
+        """One line for reports: the SoC, its family and what sets it apart."""
+        if not self.arch35:
+            return f"{self.soc} ({self.family})"
+        rows = "invalid indices read as zero rows" if self.invalid_index == "zero" else "invalid indices fault"
+        return (f"{self.soc} ({self.family}, arch35: {self.vector_cores} vector cores, {self.ub_bytes} bytes of UB; "
+                f"{rows})")
+
+
+def family_of(soc: str | None) -> str | None:
+    """The family of a SoC name (None for a name no family of this op claims)."""
+    if soc in SOCS:
+        return SOCS[soc][0]
+    return next((f for f, spec in FAMILIES.items() if soc and soc.startswith(spec[0])), None)
+
+
+def chip_named(soc: str | None, release: str | None = None, **rules: Any) -> Chip:
+    """The chip ``soc`` names (a SoC or a family name) with its family's newest rules, or
+    ``rules``; a name no family claims (or None) gets the 910B's, the chip the op was first
+    written for. A SoC of a family that CANN's platform files do not list gets its family's
+    default SoC's figures."""
+    family = family_of(soc) or "Ascend910B"
+    _prefixes, default, ub, summation, invalid, relaxed = FAMILIES[family]
+    name = soc if soc and family_of(soc) and soc != family else default
+    cores = SOCS.get(name, SOCS[default])[1]
+    return replace(Chip(family, name, cores, ub, summation, invalid, relaxed, release), **rules)
+
 
 _A2 = chip_named(None)  # the rules where no chip is given: the 910B's
 

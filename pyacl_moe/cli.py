@@ -177,7 +177,8 @@ def _conformance(args: argparse.Namespace) -> int:
         from .tools import kitcases
 
         try:
-            kit_cases = kitcases.load(args.cases)
+            # An ATK file's cases are judged by the standard it names, unless one is given here.
+            kit_cases = kitcases.load(args.cases, own_standards=not (args.exact or args.standard))
         except kitcases.CaseFileError as exc:
             raise UsageError(str(exc), "--cases") from None
         profile = "cases"
@@ -438,9 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--filter", metavar="SUBSTRING", help="only cases whose name contains SUBSTRING")
     conf.add_argument("--report", metavar="FILE.json", help="write a JSON report")
     conf.add_argument("--junit", metavar="FILE.xml", help="write a JUnit XML report")
-    conf.add_argument("--cases", action="append", metavar="FILE.csv",
-                      help="run the rows of a case file of the vendor's operator test kit (either op) instead of "
-                           "the catalogue; repeatable (see docs/conformance.md)")
+    conf.add_argument("--cases", action="append", metavar="FILE.csv|FILE.json",
+                      help="run the rows of a case file of the vendor's operator test kit, CSV or ATK JSON (either "
+                           "op), instead of the catalogue; repeatable (see docs/conformance.md)")
     conf.add_argument("--report-csv", metavar="FILE.csv",
                       help="write one row per case, as the vendor's test kit does (standard, metrics, times, memory)")
     conf.add_argument("--perf", type=_integer(0), default=0, metavar="N",

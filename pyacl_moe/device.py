@@ -32,7 +32,7 @@ import numpy as np
 from . import _args, _lifetime, release
 from ._cann import acl
 from ._cann.errcheck import check
-from .chip import Chip
+from ._contract import Chip
 from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument, error_for
 
 __all__ = ["Allocation", "Device", "Holder", "acl_version", "calling", "chip", "collect", "current_device",
@@ -739,9 +739,9 @@ def resolve_device(device: Device | int | None, name: str = "device") -> Device:
 
 
 def chip() -> Chip:
-    """The chip this process runs the ops on (:mod:`pyacl_moe.chip`): the family of the SoC CANN
-    reports (aclrtGetSocName), with the rules of the loaded ops release. The host checks, the
-    conformance expectations and the reports follow it."""
+    """The chip this process runs the ops on: the family of the SoC CANN reports
+    (aclrtGetSocName) with the rules of the loaded ops release (release.chip_for). The host
+    checks, the reference, conformance and the reports follow it."""
     c = _Process.chip
     if c is None:
         _refuse_after_fork()

@@ -62,7 +62,7 @@ its full-load one ((2K+1) rows of H fit in the UB, else K <= 10:
 ..._full_load_tiling_arch35.cpp:104-137); else its general template's kUbFactor terms at a
 time, ``(UB - (bytes+4)*Ha) // (2*bytes*Ha)`` (or 1) with Ha = H rounded up to 32 bytes
 (..._tiling_arch35.cpp:100-129). So the 950's bits depend on its UB size, which
-:class:`pyacl_moe.chip.Chip` carries.
+:class:`pyacl_moe._contract.Chip` carries.
 
 The model works through tiles of tokens (and of columns when one token's buffers would not
 fit), so its extra memory stays small whatever the input size.
@@ -77,7 +77,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _args, _contract
-from .chip import Chip, chip_named
+from ._contract import Chip, chip_named
 from .errors import InvalidArgument
 
 __all__ = ["moe_init_routing_v2", "moe_init_routing_v2_grad"]
@@ -136,7 +136,7 @@ def moe_init_routing_v2_grad(
 
     Same arguments as :func:`pyacl_moe.moe_init_routing_v2_grad` (NumPy arrays only).
     ``validate`` checks the contract, index values included, and raises InvalidArgument.
-    ``chip``: whose kernel to model, a :class:`~pyacl_moe.chip.Chip` or a SoC or family name
+    ``chip``: whose kernel to model, a :class:`~pyacl_moe._contract.Chip` or a SoC or family name
     (its newest rules); None is the 910B's.
     """
     chip = _chip(chip)
@@ -171,7 +171,7 @@ def moe_init_routing_v2_grad(
         if not validate and ids.size:
             _in_bounds(ids, geo.rows)
         with np.errstate(over="ignore", invalid="ignore"):
-            chunk = 1 if chip.summation == "sequential" else arch35_chunk(chip, n, k, h, x.dtype.itemsize)
+            chunk = 1 if chip.summation == "sequential" else arch35_tiling(chip, n, k, h, x.dtype.itemsize)[2]
             _quads(rows, ids, zero, out, k, chunk)
         return out
     if geo.scenario == "drop-pad":
@@ -218,19 +218,28 @@ def _in_bounds(ids: np.ndarray, rows: int) -> None:
         raise IndexError(f"index {bad} is out of bounds for axis 0 with size {rows}")
 
 
-def arch35_chunk(chip: Chip, n: int, k: int, h: int, itemsize: int) -> int:
-    """How many of a token's K terms the Ascend950 sums in one pass (see the module
-    docstring): K under its split-H and full-load templates, else its general template's
-    kUbFactor, which the UB size sets."""
+ARCH35_TEMPLATES = {"split-h": 20000, "full-load": 30000, "general": 40000}
+
+
+def arch35_tiling(chip: Chip, n: int, k: int, h: int, itemsize: int,
+                  scenario: str = "dropless") -> tuple[str, int, int]:
+    """The Ascend950's tiling of the backward (see the module docstring): the template its
+    registry picks, the tiling key (op_kernel/moe_init_routing_v2_grad_apt.cpp:22-30: the
+    template's number * 10 + 1 dropless, 2 drop/pad, 3 active) and how many of a token's K terms
+    one pass sums (K, or the general template's kUbFactor, which the UB size sets)."""
     ts, ub = itemsize, chip.ub_bytes
+    key = {"dropless": 1, "drop-pad": 2, "active": 3}[scenario]
     if k <= 64 and n < chip.vector_cores and n < (h // 512) // ts:
-        return k  # split-H
-    h_align = -(-(h * ts) // 32) * 32 // ts
-    if (2 * k + 1) * ts * h_align <= ub or k <= 10:
-        return k  # full load (H whole, or split when K <= 10)
-    if (3 * ts + 4) * h_align <= ub:
-        return min((ub - (ts + 4) * h_align) // (2 * ts * h_align), 65535)
-    return 1
+        template, chunk = "split-h", k  # split_h_tiling_arch35.cpp:49-58
+    else:
+        h_align = -(-(h * ts) // 32) * 32 // ts
+        if (2 * k + 1) * ts * h_align <= ub or k <= 10:
+            template, chunk = "full-load", k  # full_load_tiling_arch35.cpp:104-137 (H split when K <= 10)
+        elif (3 * ts + 4) * h_align <= ub:
+            template, chunk = "general", min((ub - (ts + 4) * h_align) // (2 * ts * h_align), 65535)
+        else:
+            template, chunk = "general", 1  # tiling_arch35.cpp:100-129: H split, one term a pass
+    return template, ARCH35_TEMPLATES[template] * 10 + key, chunk
 
 
 def _term(tile: tuple[Any, ...], t: int) -> np.ndarray:

@@ -3,7 +3,8 @@
 **Names.** :func:`parse_release` reads every form the vendor writes: ``8.1.RC1`` (the
 toolkit's ``version=`` up to 8.3), ``8.0.RC2.alpha002`` (a pre-release of an RC), ``8.0.0``,
 ``9.0.0-beta.2``, ``9.0.0-rc.1``, ``9.1.0-beta.2.pre``, ``9.1.0.pre`` (the ops repositories'
-tags, without their ``v``) and ``9.1.0``. Releases order as the vendor numbers them: at each
+tags, without their ``v``), ``9.1.0``, ``9.1.1`` and ``9.2.0-beta`` (a qualifier without a
+number is its 0th, as the runtime reads it). Releases order as the vendor numbers them: at each
 level alpha < beta < RC < pre < final, so 8.0.RC2.alpha002 < 8.0.RC2 < 8.0.0 < 8.1.RC1 <
 9.1.0-beta.2.pre < 9.1.0-beta.2 < 9.1.0-beta.3 < 9.1.0.pre < 9.1.0. Build numbers such as
 ``7.7.0.1.238`` (a component's inner ``Version=`` up to 8.3) are not releases and are refused.
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._cann.layout import arch
-from .chip import Chip, chip_named, with_release
+from ._contract import Chip, chip_named
 
 __all__ = ["BEHAVIOURS", "CHIP_RULES", "CannVersion", "OpBehaviour", "Release", "Versions", "behaviour_for",
            "cann_version", "chip_for", "parse_release", "read_versions"]
@@ -105,7 +106,8 @@ def parse_release(text: str) -> Release:
             number = tokens[i + 1]  # beta.2, rc.1
             i += 1
         # A qualifier without a number counts as its 0th ("9.2.0-beta" before 9.2.0-beta.1), as
-        # the runtime's aclsysGetVersionNum reads it (github:hicann/runtime src/acl/).
+        # the runtime's aclsysGetVersionNum reads it (github:hicann/runtime 681ef7610
+        # src/acl/aclrt_impl/acl.cpp:1054-1059, ParsePreNumStrict: an empty number is 0).
         qualifiers.append((_RANKS[q.group(1).lower()], int(number or 0)))
         i += 1
     if len(qualifiers) > 3:
@@ -219,38 +221,48 @@ def behaviour_for(release: str | Release | None) -> Applies:
     return Applies(applies, text, note.rstrip(": "))
 
 
-# The newest release whose op was read. 9.1.1 (ops-transformer's 9.1.0 branch: no change to either
-# op since v9.1.0.pre) and 9.2.0-beta.1 / beta.2 (master of 2026-07-24: the backward's tiling
-# words a refusal's message differently, the forward gains a data-movement path on the Ascend 950
-# for dropPadMode 0 and K <= 6; no status, workspace or data type changes) behave as 9.1.0.
-# Their tags were not in any snapshot read: github:hicann/release-management names them.
+# The newest release whose op was read. The releases after 9.1.0 (hicann/release-management
+# 9.1.1/release-notes.md and 9.2.0-beta.1/, 9.2.0-beta.2/: ops-transformer tags v9.1.1,
+# v9.2.0-beta.1 and v9.2.0-beta.2) are known by name and order; their notes list no change to
+# either op, and their tags are in no snapshot we could read. ops-transformer's master of
+# 2026-07-21 (3a280bcc3), the newest source read, changes the backward's refusal messages
+# (op_host/moe_init_routing_v2_grad_tiling_base.cpp) and adds a data-movement path to the
+# forward on the Ascend 950 (op_host/moe_init_routing_v2_tiling.cpp:916-933, K <= 6): no
+# status, workspace, data type or result changes. So they behave as 9.1.0, and a newer release
+# runs with the newest known expectations, saying so (behaviour_for).
 NEWEST_KNOWN = "9.2.0-beta.2"
+KNOWN_AFTER_9_1 = ("9.1.1", "9.2.0-beta.1", "9.2.0-beta.2")
 
 
 # ---------------------------------------------------------------------------- chips by release
 
-# (family, since, rules): where a family's op changed from one release to the next (ops-transformer
-# moe/moe_init_routing_v2_grad/op_kernel/arch35/: 8c1f71ff5, first in v9.0.0-beta.2, sums in fours;
-# 49e0de82b, first in v9.1.0.pre, reads an invalid index as a zero row). Before the fours the 950
-# summed its terms one by one from +0.0: a chunk of one term.
+# (family, since, rules): where a family's op changed (ops-transformer
+# moe/moe_init_routing_v2_grad/op_kernel/arch35/). a5d6f9dca (first in v8.5.0-beta.1) brought
+# the Ascend 950's kernel, summing a token's terms one by one from +0.0; 8c1f71ff5 (first in
+# v9.0.0-beta.2) sums them in fours; 49e0de82b (first in v9.1.0.pre) reads an index outside
+# the rows as a zero row. The A2/A3 rules did not change. A release older than a family's
+# first entry gets that entry.
 CHIP_RULES: tuple[tuple[str, str, dict[str, str]], ...] = (
-    ("Ascend950", "8.5.0", {"summation": "sequential", "invalid_index": "fault"}),
+    ("Ascend950", "8.5.0-beta.1", {"summation": "sequential", "invalid_index": "fault"}),
     ("Ascend950", "9.0.0-beta.2", {"summation": "quads", "invalid_index": "fault"}),
     ("Ascend950", "9.1.0.pre", {"summation": "quads", "invalid_index": "zero"}),
 )
 
 
 def chip_for(soc: str | None, release: str | None) -> Chip:
-    """The rules of the family ``soc`` belongs to as ``release`` (an ops release) ships them;
-    an unknown or unreadable release gets the newest."""
-    chip = chip_named(soc)
+    """The chip ``soc`` names (see :func:`pyacl_moe._contract.chip_named`) with its family's
+    rules as ``release`` (an ops release) ships them; an unknown or unreadable release gets the
+    newest."""
+    chip = chip_named(soc, release)
     try:
         r = parse_release(release) if release else None
     except ValueError:
         r = None
-    rules = [(since, what) for family, since, what in CHIP_RULES if family == chip.family
-             and (r is None or parse_release(since) <= r)]
-    return with_release(chip, release, **rules[-1][1]) if rules else with_release(chip, release)
+    entries = [(parse_release(since), what) for family, since, what in CHIP_RULES if family == chip.family]
+    if not entries or r is None:
+        return chip
+    applies = [what for since, what in entries if since <= r] or [entries[0][1]]
+    return chip_named(soc, release, **applies[-1])
 
 
 # ---------------------------------------------------------------------------- which release is loaded

@@ -28,7 +28,6 @@ ROWS = [
     {"_cann."},
     {"reference"},
     {"_contract"},
-    {"chip"},
     {"_args"},
     {"errors"},
     {"_status", "_paths"},

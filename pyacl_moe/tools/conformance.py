@@ -772,6 +772,7 @@ def _environment(devices: list[int]) -> dict[str, Any]:
     info = library_info()
     version = cann_version()
     applies = version.behaviour
+    c = chip()
     return {
         "backend": info.backend,
         "cann_version": version.toolkit_version,
@@ -783,11 +784,15 @@ def _environment(devices: list[int]) -> dict[str, Any]:
         "version_sources": dict(version.sources),
         "expectations": {"release": applies.release, "since": applies.behaviour.since,
                          "source": applies.behaviour.source, "inferred": list(applies.behaviour.inferred),
-                         "note": applies.note},
+                         "note": applies.note,
+                         # The chip's rules as that release ships them (pyacl_moe.release.CHIP_RULES).
+                         "chip": {"soc": c.soc, "family": c.family, "summation": c.summation,
+                                  "invalid_index": c.invalid_index, "forward_relaxed": c.forward_relaxed,
+                                  "vector_cores": c.vector_cores, "ub_bytes": c.ub_bytes}},
         "ascend_home": info.home,
         "libraries": dict(info.paths),
         "soc": soc_name(),
-        "chip": chip().family,
+        "chip": c.family,
         "devices": list(devices),
         "pyacl_moe": __version__,
         "host": socket.gethostname() or "localhost",
@@ -814,7 +819,7 @@ class Report:
     version_sources: dict[str, str] = field(default_factory=dict)
     expectations: dict[str, Any] = field(default_factory=dict)  # which release's behaviour was expected, and why
     ascend_home: str | None = None
-    chip: str = ""  # the SoC's family (pyacl_moe.chip): Ascend910B, Ascend910_93 or Ascend950
+    chip: str = ""  # the SoC's family: Ascend910B, Ascend910_93 or Ascend950
     libraries: dict[str, str] = field(default_factory=dict)
     devices: list[int] = field(default_factory=lambda: [0])
     pyacl_moe: str = __version__

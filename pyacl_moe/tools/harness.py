@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .._contract import Chip, chip_named
 from ..array import DeviceArray, empty, from_pointer
-from ..chip import Chip, chip_named
 from ..release import BEHAVIOURS, OpBehaviour
 from ..stream import Event, Stream
 from . import cases as _cases
@@ -113,7 +113,7 @@ class Context:
     # seconds, device milliseconds) of each measured call.
     perf: int = 0
     timings: list[tuple[float, float]] | None = None
-    # The chip the cases run on, with its release's rules (pyacl_moe.chip).
+    # The chip the cases run on, with its release's rules (pyacl_moe.release.chip_for).
     chip: Chip = field(default_factory=lambda: chip_named(None))
 
     def measured(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -286,14 +286,17 @@ static void store_row(const token_job *j, int64_t i, float *acc) {
     }
 }
 
-/* Term t of token i on the Ascend 950: its row, or a NULL row when the kernel reads a zero row
- * there (the scenario's marks; from 9.1 every index outside the rows, which the run checked). */
+/* Term t of token i on the Ascend 950: its row, or a NULL row where the kernel reads a zero row
+ * (arch35/moe_init_routing_v2_grad_base.h:65-75, IsInvalidRowIdx): the scenario's marks, and
+ * from 9.1 (zero_invalid) a negative index, and in dropless mode one of N*K or more. */
 static row_ref arch35_term(const token_job *j, int64_t i, int64_t t, unsigned char *scratch) {
     const moe_kernel_args *a = j->a;
     const int64_t *xs = a->x.strides;
     int64_t r = j->ids[i * a->top_k + t];
-    int zero = (j->droppad && r < 0) || (j->active && (r >= a->active_num || r < 0)) ||
-               (!j->droppad && !j->active && (r < 0 || r >= a->rows));
+    const int zi = a->zero_invalid;
+    int zero = (j->droppad && (r == -1 || (zi && r < 0))) ||
+               (j->active && (r >= a->active_num || (zi && r < 0))) ||
+               (!j->droppad && !j->active && zi && (r < 0 || r >= a->n * a->top_k));
     if (zero) return (row_ref){NULL, 0};
     if (a->mutation == EMU_MUT_OFF_BY_ONE && r + 1 < a->rows) r++;
     if (a->flat) return flat_row(j, r, scratch);
@@ -593,9 +596,10 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
     for (int64_t j = 0; j < bsk; j++) {
         int32_t v = ids[j];
         if ((droppad && v == -1) || (active && (int64_t)v >= a->active_num)) continue;
-        /* The 950 from 9.1 reads these as zero rows (arch35/moe_init_routing_v2_grad_base.h:65-75);
-         * one past the rows in drop/pad mode it reads outside the input: a fault here. */
-        if (a->zero_invalid && (v < 0 || (!droppad && (int64_t)v >= a->rows))) continue;
+        /* The 950 from 9.1 reads these as zero rows (arch35/moe_init_routing_v2_grad_base.h:65-75;
+         * dropless: N*K and more); past the rows in drop/pad mode it reads outside the input: a
+         * fault here. */
+        if (a->zero_invalid && (v < 0 || (!droppad && !active && (int64_t)v >= a->n * k))) continue;
         if (v < 0 || (int64_t)v >= a->rows) {
             snprintf(msg, len,
                      "device fault (AI Core exception): expandedRowIdx[%lld] = %d addresses no "
