@@ -38,10 +38,14 @@ BACKEND = os.environ.get("PYACL_MOE_TEST_BACKEND", "emulator")
 # exported (PYACL_MOE_EMU_RELEASE=8.1.RC1, PYACL_MOE_EMU_SOC=Ascend950PR_9599, ...) would change
 # the default profile under every test. The suite starts from the defaults and the tests that
 # need another release, chip or setting set it for their children. The build's own variables
-# (PYACL_MOE_EMU_SANITIZE, PYACL_MOE_EMU_BUILD_TIMEOUT) stay: CI's sanitized runs set them.
-for _name in [n for n in os.environ if n.startswith("PYACL_MOE_EMU_") or n == "PYACL_MOE_CACHE_ALLOCATIONS"]:
-    if _name not in ("PYACL_MOE_EMU_SANITIZE", "PYACL_MOE_EMU_BUILD_TIMEOUT"):
-        del os.environ[_name]
+# (PYACL_MOE_EMU_SANITIZE, PYACL_MOE_EMU_BUILD_TIMEOUT) stay: CI's sanitized runs set them. A
+# child (tests/child.py imports this module too) keeps what its test gave it: the marker says
+# the session's process has already started from the defaults.
+if os.environ.get("PYACL_MOE_TEST_ENV") != "defaults":
+    for _name in [n for n in os.environ if n.startswith("PYACL_MOE_EMU_") or n == "PYACL_MOE_CACHE_ALLOCATIONS"]:
+        if _name not in ("PYACL_MOE_EMU_SANITIZE", "PYACL_MOE_EMU_BUILD_TIMEOUT"):
+            del os.environ[_name]
+    os.environ["PYACL_MOE_TEST_ENV"] = "defaults"
 
 if BACKEND == "emulator":
     pyacl_moe.use_emulator()

@@ -81,10 +81,23 @@ def test_the_releases_after_9_1_0_are_known_by_name_and_order():
     names = ["9.1.0", "9.1.1", "9.2.0-beta", "9.2.0-beta.1", "9.2.0-beta.2", "9.2.0"]
     parsed = [release.parse_release(n) for n in names]
     assert parsed == sorted(parsed) and len(set(parsed)) == len(parsed)
-    for known in ("9.1.1", "9.2.0-beta.1", "9.2.0-beta.2"):
+    assert release.KNOWN_AFTER_9_1 == ("9.1.1", "9.2.0-beta.1", "9.2.0-beta.2")
+    assert release.parse_release("9.2.0-beta") == release.parse_release("9.2.0-beta.0")  # as the runtime reads it
+    for known in release.KNOWN_AFTER_9_1:
         applies = release.behaviour_for(known)
         assert applies.behaviour is release.BEHAVIOURS[-1] and applies.note == "", (known, applies.note)
     assert "newer than the newest release known" in release.behaviour_for("9.2.0").note
+
+
+def test_a_newer_install_runs_with_the_newest_expectations_and_its_report_says_so():
+    from pyacl_moe.tools import conformance
+
+    applies = release.behaviour_for("9.3.0")
+    assert applies.behaviour is release.BEHAVIOURS[-1]
+    report = conformance.Report("cann", "9.3.0", "Ascend950PR_9599", "quick", 0, chip="Ascend950",
+                                expectations={"note": applies.note})
+    assert "newer than the newest release known (9.2.0-beta.2): the newest's expectations apply" in report.summary()
+    assert "Ascend950PR_9599 (Ascend950)" in report.summary()
 
 
 def test_a_release_newer_or_older_than_every_entry_says_so():

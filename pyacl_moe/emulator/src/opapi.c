@@ -185,8 +185,8 @@ static int check_positive(const emu_tensor_desc *t, const char *name, int allow_
  * - the general one (..._tiling_arch35.cpp:100-129): kUbFactor = (UB - (ts+4) * Ha) / (2 ts Ha)
  *   terms a pass (at most 65535), or 1 when not even that fits.
  * Only the number of terms a pass sums changes the result's bits (kernel.c). The tiling keys
- * (2000x1-3, 3000x1-3, 4000x1-3: template, then dropless, drop/pad, active) are not visible
- * through aclnn. The workspace stays the 910B's 16 MiB (tiling_base.cpp:271-276). */
+ * (200001-200003, 300001-300003, 400001-400003: the template, then dropless, drop/pad,
+ * active) are not visible through aclnn. The workspace stays the 910B's 16 MiB (tiling_base.cpp:271-276). */
 EMU_HIDDEN int64_t moe_arch35_k_chunk(int64_t n, int64_t k, int64_t h, int64_t ts, int64_t aiv, int64_t ub) {
     if (ts <= 0 || k <= 0) return k > 0 ? k : 1;
     if (k <= 64 && n < aiv && n < (h / 512) / ts) return k;
