@@ -589,8 +589,6 @@ def _atk_row(path: str, index: int, case: Any) -> KitRow:
         raise bad("inputs", f"grad_expanded_x must have 2 or 3 dimensions and expanded_row_idx 1, got {xs} and {ids}")
     if api == FORWARD_API and (len(xs) != 2 or len(ids) not in (1, 2) or xs[0] != ids[0]):
         raise bad("inputs", f"x must be (N, H) and expert_idx (N, K) or (N,), got {xs} and {ids}")
-    if api == FORWARD_API and xv[0] == "uniform" and idt == "int32" and max(abs(iv[1]), abs(iv[2])) > 2**31 - 1:
-        raise bad("input expert_idx", f"range_values {iv[1:]} do not fit int32")
     return row
 
 
@@ -615,6 +613,8 @@ def _atk_values(rv: Any, dtype: str) -> tuple[str, float, float]:
     integer = dtype.startswith("int")
     if integer and not all(math.isfinite(v) and v == int(v) for v in vals):
         raise ValueError(f"an integer tensor's range_values must be whole numbers, got {_shown(repr(rv))}")
+    if integer and not all(np.iinfo(dtype).min <= v <= np.iinfo(dtype).max for v in vals):
+        raise ValueError(f"range_values {_shown(repr(rv))} do not fit {dtype}")
     if math.isnan(lo) or math.isnan(hi):
         if not (math.isnan(lo) and math.isnan(hi)):
             raise ValueError(f"range_values mixes NaN with a number: {_shown(repr(rv))}")
