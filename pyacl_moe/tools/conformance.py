@@ -244,18 +244,22 @@ def _invalid_rows(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
         except AclError as exc:
             ok = not zero and exc.status == 507015
             return CaseResult(name, "positive", dtype, scenario, shape_text, ok, time.perf_counter() - t0,
-                              status=exc.status, detail="" if ok else f"expected zero rows on {ctx.chip.soc}, "
+                              expected_status=None if zero else 507015, status=exc.status,
+                              detail="" if ok else f"expected zero rows on {ctx.chip.soc}, "
                                                                       f"the kernel faulted: {exc.status}",
                               source="op")
         if not zero:
             return CaseResult(name, "positive", dtype, scenario, shape_text, False, time.perf_counter() - t0,
+                              expected_status=507015, status=0,
                               detail=f"expected a device fault on {ctx.chip.soc}: the kernel read no row there",
                               source="op")
         want = reference.moe_init_routing_v2_grad(*bad.args(), validate=False, chip=ctx.chip)
         j = precision.judge("exact", got, want, dtype)
+        m = j.metrics
         return CaseResult(name, "positive", dtype, scenario, shape_text, j.passed, time.perf_counter() - t0,
-                          detail="" if j.passed else f"exact: {j.reason}", source="op", digest=digest(got),
-                          standard="exact", thresholds={}, metrics=j.metrics)
+                          m["max_abs_error"], m["max_rel_error"], round(m["mismatch_ratio"] * m["elements"]),
+                          m["elements"], detail="" if j.passed else f"exact: {j.reason}", source="op",
+                          digest=digest(got), standard="exact", thresholds={}, metrics=j.metrics)
 
     return Case(name, "positive", dtype, scenario, f"N={shape.tokens} K={shape.k} H={shape.hidden}", body,
                 source="op", nbytes=_nbytes(dtype, scenario, shape), judged_by="reference")
