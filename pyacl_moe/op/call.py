@@ -385,7 +385,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     given: list[np.ndarray | None] = []
     for name, value in zip(spec.outputs, out):
         if value is not None:
-            if not isinstance(value, np.ndarray) and family is not TORCH:
+            if not isinstance(value, np.ndarray) and family != TORCH:
                 raise InvalidArgument(name, f"must be a NumPy array when the inputs are host arrays, got "
                                             f"{type(value).__name__}")
             value = host_view(value, name)[0]  # a torch tensor's own memory, written in place
