@@ -256,8 +256,12 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
                         acl.use_context(state.ctx)
                     if firsts != e.bound:
                         e.rebind(spec, firsts)
-                    state.hold(held if ws is None else (held, ws))
-                    written(allocs[n_in:], state)
+                    state.point += 1  # (StreamState.hold and written, inline: the steady state's frames)
+                    state.holds.append((state.point, held if ws is None else (held, ws)))
+                    if len(allocs) == n_in + 1:
+                        allocs[n_in].writer = state  # type: ignore[union-attr]  # (an output: never None here)
+                    else:
+                        written(allocs[n_in:], state)
                     st = e.fn(state.ws_arg if ws is None else ws.arg, e.size, e.ex, state.arg)
                     if st:
                         check(st, spec.api)
