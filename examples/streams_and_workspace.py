@@ -46,6 +46,8 @@ with pm.Device(0) as dev, closing(pm.Stream(dev)) as stream:
     # A strided view goes to CANN as a strided aclTensor, without a copy: here every other
     # hidden column of the input, and an output of matching width.
     half = pm.moe_init_routing_v2_grad(x[:, ::2], idx, top_k, stream=stream)
-    print("strided input:", x[:, ::2].element_strides, "->", half.to_host(stream).shape)
+    view = x[:, ::2]
+    print(f"strided input: shape {view.shape}, element strides {view.element_strides} -> output shape "
+          f"{half.to_host(stream).shape}")
     start.close()
     end.close()

@@ -9,7 +9,7 @@ loss.backward() runs the routing's derivative, aclnnMoeInitRoutingV2Grad, with n
 backward. The same step as a plain PyTorch loop over tokens must give the same loss, the
 same gradients and the same weights after one SGD step.
 
-Needs torch (the CPU build is enough); without it, it says so and exits. On CPU tensors the
+Needs torch (the CPU build is enough); without it, it says so on stderr and exits with status 77 (skipped). On CPU tensors the
 routing runs through the host path; torch_npu tensors would run in place on torch_npu's stream.
 """
 
@@ -18,11 +18,13 @@ from typing import Callable
 
 import pyacl_moe as pm
 
+SKIPPED = 77  # the exit status of a run skipped for a missing dependency (what test drivers read as skip)
+
 try:
     import torch
 except ImportError:
-    print("this example needs torch; nothing to do here")
-    sys.exit(0)
+    print("torch_autograd.py: skipped: it needs torch (pip install -e '.[torch]')", file=sys.stderr)
+    sys.exit(SKIPPED)
 
 import pyacl_moe.torch as pmt
 

@@ -7,7 +7,7 @@ nothing has to synchronize in between.
 
 Needs an Ascend machine with CANN and torch_npu:
     python examples/torch_npu_training_step.py
-Elsewhere it says so and exits.
+Elsewhere it says so on stderr and exits with status 77 (skipped).
 """
 
 import sys
@@ -16,12 +16,14 @@ import numpy as np
 
 import pyacl_moe as pm
 
+SKIPPED = 77  # the exit status of a run skipped for a missing dependency (what test drivers read as skip)
+
 try:
     import torch
     import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (registers the "npu" device with torch)
 except ImportError:
-    print("this example needs torch and torch_npu on an Ascend machine; nothing to do here")
-    sys.exit(0)
+    print("torch_npu_training_step.py: skipped: it needs torch and torch_npu on an Ascend machine", file=sys.stderr)
+    sys.exit(SKIPPED)
 
 tokens, top_k, hidden = 1024, 2, 512
 device = torch.device("npu", 0)

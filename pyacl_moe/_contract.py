@@ -113,6 +113,12 @@ INDEX_DTYPE = np.dtype(np.int32)
 SCENARIOS = ("dropless", "active", "drop-pad")
 
 
+# The one data-dtype rule of both ops; float64 is named because torch.autograd.gradcheck asks
+# for it and the op cannot give it.
+DATA_RULE = ("dtype must be float16, bfloat16 or float32, the dtypes the op computes in (float64, as "
+             "torch.autograd.gradcheck uses, is not one: check gradients in float32 with a tolerance)")
+
+
 def native(a: np.ndarray) -> np.ndarray:
     """The array in native byte order (a copy only if it was byte-swapped): the values are
     what matter, and CANN reads native order."""
@@ -170,7 +176,7 @@ def check_shapes(
     k, mode, active = check_attributes(top_k, drop_pad_mode, active_num)
     if x_dtype not in DATA_DTYPES:
         raise InvalidArgument(
-            "grad_expanded_x", f"dtype must be float16, bfloat16 or float32, got {dtype_name(x_dtype)}"
+            "grad_expanded_x", f"{DATA_RULE}, got {dtype_name(x_dtype)}"
         )
     if idx_dtype != INDEX_DTYPE:
         raise InvalidArgument("expanded_row_idx", f"dtype must be int32, got {dtype_name(idx_dtype)}")
@@ -297,7 +303,7 @@ def check_routing(x_shape: tuple[int, ...], x_dtype: Any, idx_shape: tuple[int, 
     if len(x_shape) != 2:
         raise InvalidArgument("x", f"must be 2-D [N, H], got shape {x_shape}")
     if np.dtype(x_dtype) not in _ROUTING_DTYPES:
-        raise InvalidArgument("x", f"dtype must be float16, bfloat16 or float32, got {x_dtype}")
+        raise InvalidArgument("x", f"{DATA_RULE}, got {dtype_name(np.dtype(x_dtype))}")
     if len(idx_shape) == 1 and idx_shape[0] == x_shape[0] and not chip.forward_relaxed:
         raise InvalidArgument("expert_idx", f"must be 2-D [N, K] {_on(chip)}: only the Ascend950 takes a 1-D "
                                             f"[N] (as K = 1), got shape {idx_shape}")

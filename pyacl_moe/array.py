@@ -323,24 +323,21 @@ class DeviceArray:
         aclrtMemcpyAsync returns once the copy is done.
         """
         alloc = self.allocation()
-        state = _given(stream, alloc.device)
         if out is not None:
-            return self._to_host_into(alloc, out, state)
+            return self._to_host_into(alloc, out, stream)
         out = np.empty(self.shape, dtype=self.dtype)
         lo, hi = self.span
         if hi < lo:
             return out
         n = hi - lo + 1
         host = out if self.is_contiguous else np.empty(n, dtype=np.uint8)
-        state = _host_access(alloc, state)
-        state.enqueue((host, alloc), acl.memcpy_async, host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST")
-        wait_for(state)
+        _queued(alloc, stream, (host, alloc), (host.ctypes.data, n, lo, n, _D2H), read=True, wait=True)
         if host is not out:
             out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), shape=self.shape,
                                                        strides=self.strides)
         return out
 
-    def _to_host_into(self, alloc: Allocation, out: Any, state: StreamState | None) -> np.ndarray:
+    def _to_host_into(self, alloc: Allocation, out: Any, stream: Stream | None) -> np.ndarray:
         if not isinstance(out, np.ndarray):
             raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
         if out.shape != self.shape or out.dtype != self.dtype:
@@ -352,11 +349,7 @@ class DeviceArray:
             raise InvalidArgument("array", "to_host(out=...) needs a contiguous DeviceArray (copy() it first)")
         n = self.nbytes
         if n:
-            on = _host_access(alloc, state)
-            on.enqueue((out, alloc), acl.memcpy_async, out.ctypes.data, n, self.address, n,
-                       "ACL_MEMCPY_DEVICE_TO_HOST")
-            if state is None:
-                wait_for(on)
+            _queued(alloc, stream, (out, alloc), (out.ctypes.data, n, self.address, n, _D2H), read=True)
         return out
 
     def numpy(self, stream: Stream | None = None) -> np.ndarray:
@@ -399,15 +392,9 @@ class DeviceArray:
         if not self.is_contiguous:
             return to_device(self.to_host(stream), stream=stream, device=alloc.device)
         out = empty(self.shape, self.dtype, alloc.device, stream)
-        n = self.nbytes
+        n, dst = self.nbytes, out.allocation()
         if n:
-            given = _given(stream, alloc.device)
-            state = given or _host_access(alloc, None)
-            dst = out.allocation()
-            state.enqueue((alloc, dst), acl.memcpy_async, dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE",
-                          writes=dst)
-            if given is None:
-                wait_for(state)
+            _queued(alloc, stream, (alloc, dst), (dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE"), dst)
         return out
 
     def fill(self, value: Any, stream: Stream | None = None) -> None:
@@ -428,11 +415,7 @@ class DeviceArray:
         if v.tobytes().strip(b"\0"):  # not all-zero bits (-0.0 is not): copied from the host
             self.copy_from_host(np.full(self.shape, v, self.dtype), stream)
             return
-        given = _given(stream, alloc.device)
-        state = given or _host_access(alloc, None)
-        state.enqueue(alloc, acl.memset_async, self.address, n, 0, n, writes=alloc)
-        if given is None:
-            wait_for(state)
+        _queued(alloc, stream, alloc, (self.address, n, 0, n), alloc, fn=acl.memset_async)
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
@@ -448,7 +431,7 @@ class DeviceArray:
         if host.shape != self.shape or host.dtype != self.dtype:
             raise InvalidArgument("array", f"must have shape {self.shape} and dtype {self.dtype}, got "
                                            f"{host.shape} {host.dtype}")
-        _copy_in(alloc, self.address, host, _given(stream, alloc.device))
+        _copy_in(alloc, self.address, host, stream)
 
     def close(self) -> None:
         """Drop this array's hold on the memory; it goes back once no array views it and no
@@ -503,22 +486,33 @@ def wait_for(state: StreamState) -> None:
     dev.check()
 
 
-def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, given: StreamState | None) -> None:
+def _queued(alloc: Allocation, stream: Stream | None, hold: Any, args: tuple[Any, ...], writes: Any = None,
+            read: bool = False, wait: bool = False, fn: Any = acl.memcpy_async) -> None:
+    """Queue ``fn(*args)`` (a copy) of ``alloc`` on the stream given (or current inside ``with
+    stream:``), holding ``hold`` until it has run; without one, on the memory's writer stream,
+    waited for (and so with ``wait``). A host read (``read``) waits for the writer on the host
+    first when it is another stream."""
+    given = _given(stream, alloc.device)
+    state = _host_access(alloc, given) if read else given or _host_access(alloc, None)
+    state.enqueue(hold, [(fn, args)], (writes,) if writes is not None else ())
+    if wait or given is None:
+        wait_for(state)
+
+
+def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, stream: Stream | None) -> None:
     n = host.nbytes
-    if not n:
-        return
-    state = given or _host_access(alloc, None)
-    if given is not None and not is_pinned(host):
+    if n and _given(stream, alloc.device) is not None and not is_pinned(host):
         # Queued, not waited for: a snapshot in pinned memory now, so that later writes to the
         # caller's array cannot change what is copied (and CANN copies pinned memory
         # asynchronously).
         stage = pinned_block(alloc.device, n)
         np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
         host = stage
-    state.enqueue((host, alloc), acl.memcpy_async, dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE",
-                  writes=alloc)
-    if given is None:
-        wait_for(state)
+    if n:
+        _queued(alloc, stream, (host, alloc), (dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc)
+
+
+_D2H = "ACL_MEMCPY_DEVICE_TO_HOST"
 
 
 def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
@@ -586,7 +580,8 @@ def empty_from(made: Sequence[tuple[Any, ...]], device: Device, home: StreamStat
     return out
 
 
-def empty(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
+def empty(shape: Any, dtype: Any = np.float32, device: Device | int | None = None,
+          stream: Stream | None = None) -> DeviceArray:
     """A new contiguous DeviceArray with uninitialized contents, for work on ``stream`` (default:
     the thread's current stream): memory that stream let go of may be taken at once."""
     shp = _args.shape("shape", shape)
@@ -597,7 +592,8 @@ def empty(shape: Any, dtype: Any, device: Device | int | None = None, stream: St
     return empty_from([contiguous_layout(shp, dt)], dev, _given(stream, dev) or dev.default_stream.state)[0]
 
 
-def zeros(shape: Any, dtype: Any, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
+def zeros(shape: Any, dtype: Any = np.float32, device: Device | int | None = None,
+          stream: Stream | None = None) -> DeviceArray:
     """A new contiguous DeviceArray of zeros (memset on ``stream``, or the thread's current
     stream inside ``with stream:``; else waited for)."""
     if stream is not None:
@@ -620,7 +616,7 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     dev = resolve_device(device) if device is not None or stream is None else stream.device
     out = empty(host.shape, host.dtype, dev, stream)
     alloc = out.allocation()
-    _copy_in(alloc, alloc.ptr, host, _given(stream, dev))
+    _copy_in(alloc, alloc.ptr, host, stream)
     return out
 
 

@@ -504,10 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .emulator import EmulatorBuildError
+    from .emulator import EmulatorBuildError, announce_builds
     from .errors import PyaclMoeError
 
+    quiet = getattr(args, "json", False)  # (stdout is the JSON; stderr stays quiet too)
     try:
+        if quiet:
+            announce_builds(False)
         if args.emulator:
             from . import use_emulator
 
@@ -534,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
         # The reader left (``| head``): nothing more to say, and no traceback at exit either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        if quiet:
+            announce_builds(True)  # (main may run in a caller's process: the default again)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from ._cann.errcheck import check
 from ._contract import Chip
 from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument, error_for
 
-__all__ = ["Allocation", "Device", "Holder", "acl_version", "calling", "chip", "collect", "current_device",
+__all__ = ["Allocation", "Device", "Holder", "Owner", "acl_version", "calling", "chip", "collect", "current_device",
            "device_count", "empty_cache", "is_fault", "is_pinned", "memory_stats", "open_devices", "pinned_empty",
            "resolve_device", "set_caching", "soc_name"]
 
@@ -55,14 +55,10 @@ class Holder:
     """What a device's inventory holds for one CANN object: its handle, and the lock that makes
     the release once (and that calls on the handle take, so a release waits for them)."""
 
-    __slots__ = ("handle", "lock", "RANK", "__weakref__")
+    __slots__ = ("handle", "lock", "RANK", "API", "__weakref__")
 
     def __init__(self, handle: acl.Handle, rank: int) -> None:
-        self.handle, self.lock, self.RANK = handle, threading.Lock(), rank
-
-    @property
-    def API(self) -> str:  # noqa: N802 - the CANN function that releases it, as the handles name it
-        return self.handle.API
+        self.handle, self.lock, self.RANK, self.API = handle, threading.Lock(), rank, handle.API
 
     def release(self) -> int:
         with self.lock:
@@ -71,6 +67,39 @@ class Holder:
     def dropped(self) -> int:
         """Its owner is gone (a safe point): release it."""
         return self.release()
+
+
+class Owner:
+    """The public face of one CANN object over its *core* (``_core``: what queued work and other
+    objects hold too, with the device and the inventory's ``holder``): ``close()`` drops this
+    object's hold, and ``with`` closes."""
+
+    __slots__ = ()
+    _core: Any
+
+    def _of(self, name: str, default: Any) -> Any:
+        """The core's ``name`` (``default`` once closed)."""
+        c = self._core
+        return default if c is None else getattr(c, name)
+
+    def close(self) -> None:
+        """Drop this object's hold: its CANN object is released at once unless queued work or
+        another object still uses it (then once they let go); CANN's refusal is raised (the
+        device tries again later). Safe twice."""
+        core, self._core = self._core, None
+        if core is not None:
+            device, holder = core.device, core.holder
+            del core
+            device.release_if_gone(holder)
+
+    def __enter__(self: _O) -> _O:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_O = TypeVar("_O", bound=Owner)
 
 
 class Block:
@@ -150,21 +179,6 @@ class Device:
     # The class of the default stream's public object: pyacl_moe.stream sets it, so that this
     # module never imports the stream layer above it (the one registration between modules).
     stream_class: Any = None
-    # (set by __new__ and _start: see there)
-    _id: int
-    _torn_down: bool
-    lock: threading.Lock
-    _owned: dict[Any, _lifetime.Token | None]
-    sync_lock: threading.Lock
-    free_lock: threading.Lock
-    fault: tuple[int, str, str, str] | None
-    _blocks: dict[Block, None]
-    dead_blocks: collections.deque[_lifetime.Token]
-    _idle: dict[tuple[bool, int], list[Block]]
-    _counts: dict[str, int]
-    context: acl.Context
-    _default: Any
-
     def __new__(cls, device_id: int = 0) -> Device:
         did = _args.int32("device_id", device_id, lo=0)
         _refuse_after_fork()
@@ -172,15 +186,18 @@ class Device:
             dev = _Process.devices.get(did)
             if dev is None:
                 dev = super().__new__(cls)
-                dev._id, dev._torn_down = did, False
-                # ``lock`` guards _owned, which outlives a reset: the host objects of the
-                # inventory (plans, executors, tensors) go when their owners go.
-                dev.lock = threading.Lock()
-                dev._owned = {}
-                dev._start()
+                dev._first(did)
                 _Process.devices[did] = dev
                 _Process.live = tuple(_Process.devices.values())
             return dev
+
+    def _first(self, did: int) -> None:
+        self._id, self._torn_down = did, False
+        # ``lock`` guards _owned, which outlives a reset: the host objects of the inventory
+        # (plans, executors, tensors) go when their owners go.
+        self.lock = threading.Lock()
+        self._owned: dict[Any, _lifetime.Token | None] = {}  # holder -> token (None: no owner to wait for)
+        self._start()
 
     def _start(self) -> None:
         """Open the device (Process.lock held): a new context, an empty inventory, no fault."""
@@ -199,7 +216,6 @@ class Device:
         # ``lock`` also guards _blocks, _idle, _counts and fault (fault: one store, read without
         # it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns;
         # ``free_lock`` across every aclrtFree(Host), so that a block is freed once.
-        self._owned: dict[Any, _lifetime.Token | None]  # holder -> token (None: no owner to wait for)
         self.sync_lock, self.free_lock = threading.Lock(), threading.Lock()
         self.fault: tuple[int, str, str, str] | None = None  # (status, api, message, which wait learned it)
         self._blocks: dict[Block, None] = {}  # every block made and not yet freed
@@ -209,7 +225,7 @@ class Device:
         self._idle: dict[tuple[bool, int], list[Block]] = {}  # (pinned, size) -> idle blocks, newest last
         self._counts = {"hits": 0, "misses": 0, "pinned_hits": 0, "pinned_misses": 0, "workspace_takes": 0}
         self.context = ctx
-        self._default = Device.stream_class.default(self)
+        self._default: Any = Device.stream_class.default(self)
         _tls.device = self
 
     # -- identity and state
@@ -332,12 +348,13 @@ class Device:
     # -- memory
 
     def allocate(self, sizes: Sequence[int], home: Any = None, pinned: bool = False,
-                 owners: Sequence[Any] | None = None) -> list[Allocation]:
+                 owners: Sequence[Any] | None = None, counts: str = "") -> list[Allocation]:
         """New memory of each size in bytes for work on stream ``home`` (a StreamState): an
         idle block of the same rounded size that is free for it (no call to CANN), else
         aclrtMalloc (aclrtMallocHost when ``pinned``: free blocks only, homed on no stream, the
         host writes them directly). A block goes back to the cache once its Allocation (or,
-        for pinned memory, ``owners[i]``) is gone."""
+        for pinned memory, ``owners[i]``) is gone. ``counts``: a figure of memory_stats to add
+        one to (``workspace_takes``)."""
         allocs, tokens, died, token = [], [], self.dead_blocks.append, _lifetime.Token
         for n in sizes:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
             a = Allocation(self, n)
@@ -352,6 +369,8 @@ class Device:
             if self.dead_blocks:
                 self._reap()
             missing = self._take(allocs, tokens, pinned, home)
+            if counts:
+                self._counts[counts] += 1
         for i in missing:
             self._malloc(allocs[i], tokens[i], pinned, home)
         if not _Process.caching[0]:
@@ -441,12 +460,6 @@ class Device:
         with self.lock:
             _give(arrays)
 
-    def _free(self, block: Block) -> None:
-        """aclrtFree (or aclrtFreeHost) of a block no one uses. One CANN refuses stays a stray
-        (no token, not idle): the next trim, or the device's close, tries it again."""
-        with self.free_lock:
-            _freed([block], self)
-
     def trim(self) -> list[BaseException]:
         """Free the idle blocks (and strays an interrupt left); the errors CANN reported."""
         with self.free_lock:
@@ -499,11 +512,6 @@ class Device:
             out.update({prefix + "bytes_idle": sum(idle), prefix + "blocks_idle": len(idle),
                         prefix + "bytes_in_use": sum(used)})
         return out
-
-    def count_workspace(self) -> None:
-        """A stream took or grew its workspace (memory_stats' workspace_takes)."""
-        with self.lock:
-            self._counts["workspace_takes"] += 1
 
     # -- waiting
 

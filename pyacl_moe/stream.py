@@ -21,12 +21,25 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from . import _args
 from ._cann import acl
 from ._cann.errcheck import check
-from .device import EVENTS, NOT_YET, STREAMS, Allocation, Device, Holder, calling, collect, is_fault, resolve_device
+from .device import (
+    EVENTS,
+    NOT_YET,
+    STREAMS,
+    Allocation,
+    Device,
+    Holder,
+    Owner,
+    calling,
+    collect,
+    is_fault,
+    resolve_device,
+)
 from .errors import AclError, ClosedError, InvalidArgument
 
 __all__ = ["Event", "Stream", "StreamState", "current_stream", "resolve_stream", "thread_current"]
@@ -42,6 +55,7 @@ class _Current(threading.local):
 
 
 thread_current = _Current()
+Calls = Sequence[tuple[Any, tuple[Any, ...]]]  # (fn, args): queued as fn(*args, stream handle)
 
 
 class StreamState:
@@ -49,17 +63,18 @@ class StreamState:
     work on it. It is the device's holder for the stream (released when the Stream is gone and
     its work has run, or when the device closes).
 
-    ``lock`` guards every field below but ``device``, ``ctx``, ``handle`` and ``wait_lock``: the
-    points, holds and fences, ``closing``, ``workspace`` and ``ws_gen``, ``executors`` (the one call's cached
-    executors, by key), ``plans`` (plans' bound launches, by plan) and ``after_events``.
-    ``wait_lock`` is held across every CANN wait on the stream and across its destroy, so the
-    destroy waits for a wait in progress; a query and every enqueue run under ``lock``.
+    ``lock`` guards every field below but ``device``, ``ctx``, ``handle``, ``arg`` and
+    ``wait_lock``: the points, holds and fences, ``closing``, ``workspace`` (with ``ws_arg``
+    and ``ws_size``), ``executors`` (the one call's cached executors, by memo entry), ``plans``
+    (the keys of the plans bound here: each fits the workspace, which only grows while they are
+    bound) and ``after_events``. ``wait_lock`` is held across every CANN wait on
+    the stream and across its destroy, so the destroy waits for a wait in progress; a query and
+    every enqueue run under ``lock``.
     """
 
-    __slots__ = ("device", "ctx", "handle", "lock", "wait_lock", "point", "done", "holds", "fences", "spare",
-                 "events", "next_fence", "closing", "workspace", "ws_gen", "executors", "plans", "after_events",
-                 "owner",
-                 "__weakref__")
+    __slots__ = ("device", "ctx", "handle", "arg", "lock", "wait_lock", "point", "done", "holds", "fences", "spare",
+                 "events", "next_fence", "closing", "workspace", "ws_arg", "ws_size", "executors", "plans",
+                 "after_events", "owner", "__weakref__")
     RANK = STREAMS
     API = "aclrtDestroyStream"
     # A fence every so many held tasks bounds what is held by what is truly outstanding, at two
@@ -69,6 +84,7 @@ class StreamState:
 
     def __init__(self, device: Device, handle: acl.StreamHandle | None, owner: Any = None) -> None:
         self.device, self.ctx, self.handle, self.owner = device, device.context, handle, owner
+        self.arg = acl.raw(handle)  # what a second phase is passed for the stream (set once it exists)
         self.lock, self.wait_lock = threading.Lock(), threading.Lock()
         self.point = self.done = 0  # held tasks queued so far; every one <= done is known complete
         self.holds: collections.deque[tuple[int, Any]] = collections.deque()  # (point, what), in order
@@ -77,13 +93,11 @@ class StreamState:
         self.events: list[acl.EventHandle] = []  # every fence event made: destroyed with the stream
         self.next_fence = self.FENCE_EVERY
         self.closing = False  # no new work
-        self.workspace: Allocation | None = None
-        self.ws_gen = 0  # counts the workspaces: a launch bound to another's address binds again
+        self.workspace: Allocation | None = None  # the stream's block for its launches' workspace
+        self.ws_arg, self.ws_size = acl.void(0), 0  # its address as a second phase is passed it; its bytes
         self.executors: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        self.plans: dict[int, Any] = {}
+        self.plans: set[int] = set()
         self.after_events = False  # it waited on another stream's event: a read waits for the device
-
-    # -- state
 
     def check_open(self, what: str = "stream") -> None:
         if self.closing or not self.ctx.open:
@@ -96,53 +110,38 @@ class StreamState:
 
     # -- queuing, holding (lock held unless said)
 
-    def enqueue(self, hold: Any, fn: Any, *args: Any, writes: Allocation | None = None) -> None:
-        """Queue ``fn(*args, stream handle)`` (no lock held), keeping ``hold`` until it has run;
-        ``writes`` is the memory it writes. The hold is taken before the call, so an interrupt
-        leaves it held, never freed."""
+    def enqueue(self, hold: Any, calls: Calls, writes: Sequence[Allocation | None] = ()) -> None:
+        """Queue each ``fn(*args, stream handle)`` of ``calls`` under one taking of the lock (no
+        lock held), keeping ``hold`` until they have run; ``writes``: the memory they write.
+        The hold is taken before the calls, so an interrupt leaves it held, never freed."""
         self.device.check()  # (before the lock: in a fork() child a parent thread may hold it)
         with self.lock:
             self.check_open()
             acl.use_context(self.ctx)
             self.hold(hold)
-            if writes is not None:
-                writes.writer = self
-            fn(*args, self.handle)
-            done = self.fenced()
-        del done  # outside the lock: dropping the last reference to memory gives its block back
-
-    def enqueue_all(self, hold: Any, calls: list[tuple[Any, tuple[Any, ...]]]) -> None:
-        """Queue each ``fn(*args, stream handle)`` of ``calls`` under one taking of the lock
-        (no lock held), keeping ``hold`` until they have run."""
-        self.device.check()
-        with self.lock:
-            self.check_open()
-            acl.use_context(self.ctx)
-            self.hold(hold)
+            written(writes, self)
             _queue(calls, self.handle)
             done = self.fenced()
-        del done
+        del done  # outside the lock: dropping the last reference to memory gives its block back
 
     def hold(self, what: Any) -> None:
         """Keep ``what`` until the task about to be queued has run."""
         self.point += 1
         self.holds.append((self.point, what))
 
-    def retire(self, what: Any) -> list[Any]:
-        """Keep ``what`` until everything queued so far has run (a fence right behind it, so it
-        goes without waiting for more work); what became free, to drop after the lock."""
-        self.hold(what)
-        self.fence()
-        return self.poll()
-
     def live(self) -> bool:
         """Not destroyed, its device not reset: work queued on it may still run."""
         return (self.handle is None or bool(self.handle)) and self.ctx.alive
 
     def keep(self, what: Any) -> list[Any]:
-        """:meth:`retire`, but nothing to keep on a stream that was destroyed (it ran
-        everything) or whose device was reset."""
-        return self.retire(what) if self.live() else _NOTHING
+        """Keep ``what`` until everything queued so far has run (a fence right behind it, so it
+        goes without waiting for more work); nothing to keep on a stream that was destroyed or
+        whose device was reset. What became free, to drop after the lock."""
+        if not self.live():
+            return _NOTHING
+        self.hold(what)
+        self.fence()
+        return self.poll()
 
     def fenced(self) -> list[Any]:
         """After a held task: a fence every FENCE_EVERY points, and what the fences show done."""
@@ -175,9 +174,8 @@ class StreamState:
             if self.fences:
                 acl.use_context(self.ctx)
             while self.fences and acl.query_event(self.fences[0][1]):
-                point, h = self.fences.popleft()
-                self.spare.append(h)
-                self.done = max(self.done, point)
+                self.done = max(self.done, self.fences[0][0])
+                self.spare.append(self.fences.popleft()[1])
         except AclError:
             pass
         return self._advance(self.done)
@@ -235,8 +233,7 @@ class StreamState:
         self.device.check_open()
         with self.lock:
             self.check_open()
-            acl.use_context(self.ctx)
-            idle = acl.query_stream(self.handle)
+            idle = _idle(self)
             done = self._advance(self.point) if idle else self.poll()
         del done
         return idle
@@ -245,20 +242,25 @@ class StreamState:
 
     def ensure_workspace(self, nbytes: int) -> None:
         """A workspace of at least ``nbytes`` (no lock held): the stream's block, grown here.
-        The block it replaces goes once the work queued so far has run."""
+        The block it replaces is homed here: this stream's later work runs after what used it."""
         with self.lock:
-            ws = self.workspace
-        if ws is not None and ws.nbytes >= nbytes:
-            return
-        new = self.device.allocate((nbytes,), self)[0]
-        self.device.count_workspace()
+            if self.workspace is not None and self.workspace.nbytes >= nbytes:
+                return
+        new: Allocation | None = self.device.allocate((nbytes,), self, counts="workspace_takes")[0]
         with self.lock:
             self.check_open()
-            if self.workspace is not None and self.workspace.nbytes >= nbytes:
-                return  # another thread got there first (ours goes back)
-            # The old block is homed here: this stream's later work runs after what used it.
-            self.workspace, self.plans = new, {}  # (the plans were bound to the old one's address)
-            self.ws_gen += 1
+            if self.workspace is None or self.workspace.nbytes < nbytes:  # (else another thread got there first)
+                new = self._set_workspace(new)
+        del new  # (outside the lock: the block it replaced goes back)
+
+    def _set_workspace(self, ws: Allocation | None) -> Allocation | None:
+        # (lock held) The stream's workspace from now on (None unbinds the plans: they may not
+        # fit the next); the one it replaces.
+        old, self.workspace, self.ws_arg = self.workspace, ws, acl.void(ws.ptr if ws is not None else 0)
+        self.ws_size = ws.nbytes if ws is not None else 0
+        if ws is None:
+            self.plans = set()
+        return old
 
     def workspace_size(self) -> int:
         with self.lock:
@@ -270,9 +272,9 @@ class StreamState:
         if not self.ctx.open:
             return
         with self.lock:
-            # (the workspace is homed here: free for others once the work queued so far has run)
             done = self._advance(self.point) if self.live() and _idle(self) else self.poll()
-            cached, ws = self._drop_caches()
+            cached, ws = list(self.executors.values()), self._set_workspace(None)
+            self.executors = collections.OrderedDict()
             self.events = _release_spare(self.events, self.spare)
             self.spare = []
         _destroy(cached)
@@ -284,19 +286,10 @@ class StreamState:
         if not self.ctx.open:
             return
         with self.lock:
-            if not self.closing and _idle(self):
-                done, ws = self._advance(self.point), self.workspace
-                self.workspace, self.plans = None, {}
-                self.ws_gen += 1
-            else:
-                done, ws = self.poll(), None
+            idle = not self.closing and _idle(self)
+            done = self._advance(self.point) if idle else self.poll()
+            ws = self._set_workspace(None) if idle else None
         del done, ws
-
-    def _drop_caches(self) -> tuple[list[Any], Allocation | None]:
-        cached, ws = list(self.executors.values()), self.workspace
-        self.executors, self.plans, self.workspace = collections.OrderedDict(), {}, None
-        self.ws_gen += 1
-        return cached, ws
 
     # -- release
 
@@ -304,17 +297,18 @@ class StreamState:
         """Refuse new work (launches in progress end first: they hold the lock)."""
         with self.lock:
             self.closing = True
-            self.plans = {}
+            self.plans = set()
 
     def release(self) -> int:
         """The stream has run everything (its close waited, or its device's): destroy it, after
         any wait in progress, and drop what it held. Safe again."""
         with self.wait_lock, self.lock:
             self.closing = True
-            done, (cached, ws) = self._advance(self.point), self._drop_caches()
+            done, ws, cached = self._advance(self.point), self._set_workspace(None), list(self.executors.values())
+            self.executors = collections.OrderedDict()
             status = self.handle.release() if self.handle is not None else 0
-            events = _release_all(self.events) if not status else self.events
-            self.events, self.spare, self.fences = events, [], collections.deque()
+            self.events = _release_all(self.events) if not status else self.events
+            self.spare, self.fences = [], collections.deque()
         _destroy(cached)
         del done, ws
         return status
@@ -334,7 +328,15 @@ class StreamState:
 _NOTHING: list[Any] = []  # what most enqueues free (never appended to)
 
 
-def _queue(calls: list[tuple[Any, tuple[Any, ...]]], handle: Any) -> None:
+def written(allocs: Sequence[Allocation | None], state: StreamState) -> None:
+    """Queued work on ``state`` writes ``allocs`` (the stream's lock held; a loop under a lock
+    is a function of its own: ARCHITECTURE.md)."""
+    for a in allocs:
+        if a is not None:
+            a.writer = state
+
+
+def _queue(calls: Calls, handle: Any) -> None:
     # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
     for fn, args in calls:
         fn(*args, handle)
@@ -379,12 +381,13 @@ class Stream:
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
         collect()
-        self.state = StreamState(dev, acl.StreamHandle(dev.context))
+        self.state = s = StreamState(dev, acl.StreamHandle(dev.context))
         self._is_default = False
-        dev.own(self.state, self)  # owned before it exists; released once this object is gone
-        with calling(dev, self.state.ctx):
-            acl.use_context(self.state.ctx)
-            acl.create_stream(self.state.handle)  # type: ignore[arg-type]
+        dev.own(s, self)  # owned before it exists; released once this object is gone
+        with calling(dev, s.ctx):
+            acl.use_context(s.ctx)
+            acl.create_stream(s.handle)  # type: ignore[arg-type]
+        s.arg = acl.raw(s.handle)  # (one store before the stream is anyone else's: read without a lock)
 
     @classmethod
     def from_handle(cls, handle: Any, device: Device | int | None = None, owner: Any = None) -> Stream:
@@ -398,17 +401,18 @@ class Stream:
         if address == 0:
             return dev.default_stream  # type: ignore[no-any-return]
         collect()
-        s = cls.__new__(cls)
-        s.state, s._is_default = StreamState(dev, acl.BorrowedStreamHandle(dev.context, address), owner), False
-        dev.own(s.state, s)
-        return s
+        return cls._made(StreamState(dev, acl.BorrowedStreamHandle(dev.context, address), owner), False)
 
     @classmethod
     def default(cls, device: Device) -> Stream:
         """The default stream of a device being opened (Device calls it)."""
+        return cls._made(StreamState(device, None), True)
+
+    @classmethod
+    def _made(cls, state: StreamState, is_default: bool) -> Stream:
         s = cls.__new__(cls)
-        s.state, s._is_default = StreamState(device, None), True
-        device.own(s.state)
+        s.state, s._is_default = state, is_default
+        state.device.own(state, None if is_default else s)
         return s
 
     @property
@@ -418,9 +422,15 @@ class Stream:
 
     @property
     def handle(self) -> int:
-        """The aclrtStream as an integer (0 for a default stream, and once closed)."""
-        h = self.state.handle
-        return h.address if h is not None else 0
+        """The aclrtStream as an integer (0 for a default stream: CANN's NULL stream).
+        ClosedError once the stream or its device was closed, as a handle CANN no longer knows
+        would be."""
+        s = self.state
+        if not s.ctx.open:
+            s.check_open()
+        with s.lock:
+            s.check_open()
+        return s.handle.address if s.handle is not None else 0
 
     @property
     def is_default(self) -> bool:
@@ -437,7 +447,7 @@ class Stream:
             return s.closing
 
     def __repr__(self) -> str:
-        kind = "default stream" if self._is_default else f"stream {self.handle:#x}"
+        kind = "default stream" if self._is_default else f"stream {self.state.handle.address:#x}"  # type: ignore[union-attr]
         return f"<Stream {kind} on device {self.device.device_id}{' closed' if self.closed else ''}>"
 
     def synchronize(self, timeout_ms: int | None = None) -> None:
@@ -467,7 +477,7 @@ class Stream:
         if core.device is not s.device:
             raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
                                            f"{s.device.device_id}")
-        s.enqueue(core, acl.stream_wait_event, core.holder.handle)
+        s.enqueue(core, [(acl.stream_wait_event, (core.holder.handle,))])
         with s.lock:
             s.after_events = True  # (only ever set: read without the lock, ARCHITECTURE.md)
 
@@ -479,11 +489,14 @@ class Stream:
         return ev
 
     def close(self) -> None:
-        """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice;
-        a no-op on a default stream. Raises a device fault its own wait learned of, after
-        releasing the stream."""
+        """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice.
+        Refused on a default stream (InvalidArgument): CANN's NULL stream lives as long as its
+        device. Raises a device fault its own wait learned of, after releasing the stream."""
         s = self.state
-        if self._is_default or not s.ctx.open:
+        if self._is_default:
+            raise InvalidArgument("stream", "is the device's default stream, which lives as long as the device: "
+                                            "synchronize() waits for it, Device.close() releases it")
+        if not s.ctx.open:
             return  # (a closed device's close released it)
         s.shut()
         learned = s.synchronize(closing=True)
@@ -525,9 +538,7 @@ def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") 
     open and on ``device``."""
     if stream is None:
         return current_stream(device).state
-    if not isinstance(stream, Stream):
-        raise InvalidArgument(name, f"must be a Stream or None, got {type(stream).__name__}")
-    state = stream.state
+    state = _args.instance(name, stream, Stream, "a Stream or None").state
     state.check_open(name)
     if state.device is not device:
         raise InvalidArgument(name, f"is on device {state.device.device_id}, the arrays on {device.device_id}")
@@ -538,14 +549,15 @@ class _EventCore:
     """What an Event and the queued work that records or waits on it hold: the event is
     destroyed once all of them are gone. Calls on the handle take the holder's lock."""
 
-    __slots__ = ("device", "holder", "__weakref__")
+    __slots__ = ("device", "holder", "recorded", "__weakref__")
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.holder = Holder(acl.EventHandle(device.context), EVENTS)
+        self.recorded = False  # a record was queued: only ever set, under the holder's lock
 
 
-class Event:
+class Event(Owner):
     """A CANN event: a marker recorded on a stream, for ordering and timing. ``close()``
     destroys it, at once unless queued work still records or waits on it. CANN tells neither
     its synchronize nor its query of a device fault (a stream's synchronize learns it); its
@@ -558,9 +570,9 @@ class Event:
         collect()
         core = _EventCore(dev)
         dev.own(core.holder, core)
-        ctx = core.holder.handle.context
-        with calling(dev, ctx):  # type: ignore[arg-type]
-            acl.use_context(ctx)  # type: ignore[arg-type]
+        ctx = dev.context
+        with calling(dev, ctx):
+            acl.use_context(ctx)
             acl.create_event(core.holder.handle)  # type: ignore[arg-type]
         self._device = dev
         self._core: _EventCore | None = core
@@ -605,7 +617,10 @@ class Event:
     def record(self, stream: Stream | None = None) -> Event:
         """Record the event on ``stream`` (default: the thread's current stream)."""
         core = self.core()
-        resolve_stream(stream, core.device).enqueue(core, acl.record_event, core.holder.handle)
+        state = resolve_stream(stream, core.device)
+        with core.holder.lock:  # (the lock order: an event's holder, then a stream's)
+            state.enqueue(core, [(acl.record_event, (core.holder.handle,))])
+            core.recorded = True
         return self
 
     def synchronize(self) -> None:
@@ -626,23 +641,12 @@ class Event:
         was never recorded, 107006 while one has not completed; negative if ``end`` completed
         first)."""
         other = _args.instance("end", end, Event, "an Event").core("end")
+        for name, core in (("event", self.core()), ("end", other)):
+            if not core.recorded:
+                raise InvalidArgument(name, "was never recorded: record() it on a stream first (CANN times only "
+                                            "recorded events)")
         return float(self._call(acl.event_elapsed_ms, other.holder.handle))
 
     def __sub__(self, start: Event) -> float:
         """``end - start``: milliseconds between two completed events."""
         return _args.instance("start", start, Event, "an Event").elapsed_ms(self)
-
-    def close(self) -> None:
-        """Destroy the event: at once, unless queued work still records or waits on it (then
-        once that work has run); CANN's refusal is raised. Safe twice."""
-        core, self._core = self._core, None
-        if core is not None:
-            holder = core.holder
-            del core
-            self._device.release_if_gone(holder)
-
-    def __enter__(self) -> Event:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -8,10 +8,12 @@ AclTensor nor an executor built from it holds it (``close()`` drops the AclTenso
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import _args
 from ._cann import aclnn, declare
 from .array import DeviceArray
-from .device import TENSORS, Allocation, Holder, collect
+from .device import TENSORS, Allocation, Holder, Owner, collect
 from .errors import ClosedError
 
 __all__ = ["AclTensor", "TensorCore"]
@@ -37,7 +39,15 @@ class TensorCore:
         return self.holder.handle  # type: ignore[return-value]
 
 
-class AclTensor:
+def _reported(what: str, doc: str) -> Any:
+    def get(self: AclTensor) -> Any:
+        return aclnn.tensor_query(self.core().handle, what)
+
+    get.__doc__ = doc
+    return property(get)
+
+
+class AclTensor(Owner):
     """An aclTensor describing ``array`` (which it keeps alive while the handle lives).
 
     ``fmt`` is an aclFormat code (default ND). ``close()`` (or ``with``) is aclDestroyTensor,
@@ -78,60 +88,18 @@ class AclTensor:
         c = self._core
         return c is None or c.device.closed
 
-    # What CANN reports back: used by tests to check the descriptor is the array's.
-    @property
-    def view_shape(self) -> tuple[int, ...]:
-        """aclGetViewShape."""
-        return aclnn.tensor_query(self.core().handle, "ViewShape")  # type: ignore[no-any-return]
-
-    @property
-    def view_strides(self) -> tuple[int, ...]:
-        """aclGetViewStrides (elements)."""
-        return aclnn.tensor_query(self.core().handle, "ViewStrides")  # type: ignore[no-any-return]
-
-    @property
-    def view_offset(self) -> int:
-        """aclGetViewOffset (elements)."""
-        return aclnn.tensor_query(self.core().handle, "ViewOffset")  # type: ignore[no-any-return]
-
-    @property
-    def storage_shape(self) -> tuple[int, ...]:
-        """aclGetStorageShape."""
-        return aclnn.tensor_query(self.core().handle, "StorageShape")  # type: ignore[no-any-return]
-
-    @property
-    def data_type(self) -> int:
-        """aclGetDataType: the aclDataType code."""
-        return aclnn.tensor_query(self.core().handle, "DataType")  # type: ignore[no-any-return]
-
-    @property
-    def format(self) -> int:
-        """aclGetFormat: the aclFormat code."""
-        return aclnn.tensor_query(self.core().handle, "Format")  # type: ignore[no-any-return]
-
-    @property
-    def raw_address(self) -> int:
-        """aclGetRawTensorAddr: the storage base address CANN holds."""
-        return aclnn.tensor_query(self.core().handle, "RawTensorAddr")  # type: ignore[no-any-return]
+    # What CANN reports back (aclGet*): used by tests to check the descriptor is the array's.
+    view_shape = _reported("ViewShape", "aclGetViewShape.")
+    view_strides = _reported("ViewStrides", "aclGetViewStrides (elements).")
+    view_offset = _reported("ViewOffset", "aclGetViewOffset (elements).")
+    storage_shape = _reported("StorageShape", "aclGetStorageShape.")
+    data_type = _reported("DataType", "aclGetDataType: the aclDataType code.")
+    format = _reported("Format", "aclGetFormat: the aclFormat code.")
+    raw_address = _reported("RawTensorAddr", "aclGetRawTensorAddr: the storage base address CANN holds.")
 
     def rebound(self, array: DeviceArray) -> None:
         """Point the wrapper at ``array`` after CANN was told its new address (a plan's rebind)."""
         self._array = array
-
-    def close(self) -> None:
-        """Drop this tensor's hold on the handle: destroyed at once unless an executor still
-        uses it; CANN's refusal is raised. Safe twice."""
-        core, self._core = self._core, None
-        if core is not None:
-            device, holder = core.device, core.holder
-            del core
-            device.release_if_gone(holder)
-
-    def __enter__(self) -> AclTensor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         a = self._array

@@ -34,18 +34,18 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 BACKEND = os.environ.get("PYACL_MOE_TEST_BACKEND", "emulator")
-# What the emulator stands for and how it runs is each test's to choose: a variable the caller
-# exported (PYACL_MOE_EMU_RELEASE=8.1.RC1, PYACL_MOE_EMU_SOC=Ascend950PR_9599, ...) would change
-# the default profile under every test. The suite starts from the defaults and the tests that
-# need another release, chip or setting set it for their children. The build's own variables
-# (PYACL_MOE_EMU_SANITIZE, PYACL_MOE_EMU_BUILD_TIMEOUT) stay: CI's sanitized runs set them. A
-# child (tests/child.py imports this module too) keeps what its test gave it: the marker says
-# the session's process has already started from the defaults.
-if os.environ.get("PYACL_MOE_TEST_ENV") != "defaults":
-    for _name in [n for n in os.environ if n.startswith("PYACL_MOE_EMU_") or n == "PYACL_MOE_CACHE_ALLOCATIONS"]:
-        if _name not in ("PYACL_MOE_EMU_SANITIZE", "PYACL_MOE_EMU_BUILD_TIMEOUT"):
-            del os.environ[_name]
-    os.environ["PYACL_MOE_TEST_ENV"] = "defaults"
+# What changes the binding's or the emulated CANN's behaviour is the suite's to set, test by
+# test: a caller's exported PYACL_MOE_EMU_RELEASE=8.1.RC1 (a user checking that release) must
+# not turn the suite's expectations. Dropped here, before pytest-xdist starts its workers, so
+# they and every child start without them; not in a child (tests/child.py), whose environment
+# is its test's. (Kept: the test backend, the sanitizer build, the build cache and timeout, the
+# iteration counts of the long tests.)
+BEHAVIOUR = ("PYACL_MOE_EMULATOR", "PYACL_MOE_CACHE_ALLOCATIONS", "PYACL_MOE_EMU_RELEASE", "PYACL_MOE_EMU_SOC",
+             "PYACL_MOE_EMU_MEMORY", "PYACL_MOE_EMU_DEVICES", "PYACL_MOE_EMU_MUTATION", "PYACL_MOE_EMU_STREAMS",
+             "PYACL_MOE_EMU_THREADS", "PYACL_MOE_EMU_QUEUE_DEPTH", "ASCEND_RT_VISIBLE_DEVICES")
+if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) != "tests.child":
+    for _name in BEHAVIOUR + (("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME") if BACKEND == "emulator" else ()):
+        os.environ.pop(_name, None)
 
 if BACKEND == "emulator":
     pyacl_moe.use_emulator()

@@ -57,6 +57,9 @@ def test_info_text(main):
     code, out, err = main("--emulator", "info")
     assert code == 0, err
     assert "backend      emulator" in out and "libopapi_transformer.so" in out and "toolkit      9.0.0" in out
+    # Each library's name and its path stay apart, however long the name (it ran into the path).
+    libs = [line for line in out.splitlines() if line.startswith("lib") and ".so" in line]
+    assert len(libs) == 3 and all(line.split()[1].startswith("/") for line in libs), libs
 
 
 @pytest.mark.parametrize("mode", ["dropless", "active", "drop-pad"])

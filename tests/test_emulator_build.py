@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pyacl_moe import emulator
 from pyacl_moe.emulator import _build, _releases
 
 from . import children
@@ -260,3 +261,20 @@ def test_build_file_says_what_the_build_is(fresh_build):
             "ascend_toolkit_install.info"
         lines = dict(line.split("=", 1) for line in info.read_text().splitlines())
         assert lines["version"] == p.release and lines["package_name"] == "Ascend-cann-toolkit"
+
+
+def test_a_build_says_in_one_line_what_it_builds_and_where(cache, capfd):
+    """The first use compiled the emulator for seconds without a word (issue: a new user's
+    papercuts, 3); a build that is cached says nothing, and --json turns the line off."""
+    tree = _tree_of(Path(_build.build()))
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pyacl-moe: building the host emulator with ") and \
+        str(tree) in lines[0], lines
+    _build.build()
+    assert capfd.readouterr().err == ""  # cached: silent
+    emulator.announce_builds(False)
+    try:
+        _build.build(force=True)
+        assert capfd.readouterr().err == ""
+    finally:
+        emulator.announce_builds(True)

@@ -92,7 +92,7 @@ def test_every_bindings_wrapper_checks_its_status(device):
     with pytest.raises(pm.AclRuntimeError) as info:
         # Freed twice behind the handle's back: the vendor's status (the driver's "address not
         # allocated", 107000), not a crash.
-        errcheck.check(loader.libs().acl.aclrtFree(acl._void(ptr)), "aclrtFree")
+        errcheck.check(loader.libs().acl.aclrtFree(acl.void(ptr)), "aclrtFree")
     assert info.value.status == 107000
     arr = pm.to_device(np.zeros((8, 4), np.float32))
     with pm.AclTensor(arr) as t:

@@ -361,16 +361,15 @@ def child_a_plans_close_waits_for_launches_in_flight() -> None:
         plan = pm.MoeInitRoutingV2(pm.to_device(x, stream=s), pm.to_device(ids, stream=s))
         plan(s)
         plan(s)  # the steady state for s
-        key = plan._c.key
         inside, release = threading.Event(), threading.Event()
-        real_call = s.state.plans[key]
+        real_call = plan._c.fn
 
-        def held_call():  # a launch in flight: its foreign call waits until released
+        def held_call(*args):  # a launch in flight: its foreign call waits until released
             inside.set()
             release.wait(30)
-            return real_call()
+            return real_call(*args)
 
-        s.state.plans[key] = held_call
+        plan._c.fn = held_call
         launcher = threading.Thread(target=lambda: (device.set_current(), plan(s)))  # its context current
         launcher.start()
         assert inside.wait(10)

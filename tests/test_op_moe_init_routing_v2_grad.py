@@ -232,3 +232,13 @@ def test_an_out_overlapping_an_input_is_refused(device, no_leaks):
     with pm.MoeInitRoutingV2Grad(x, idx, 2, out=out) as plan:
         with pytest.raises(pm.InvalidArgument, match="out"):
             plan.rebind(out=both[0:8])
+
+
+def test_float64_is_refused_saying_what_the_op_computes_in():
+    """torch.autograd.gradcheck asks for float64: the refusal says the op computes in float16,
+    bfloat16 or float32 (issue: papercuts, 11)."""
+    idx = np.arange(4, dtype=np.int32)
+    for call in (lambda: pm.moe_init_routing_v2_grad(np.ones((4, 8)), idx, 2),
+                 lambda: pm.moe_init_routing_v2(np.ones((2, 8)), idx.reshape(2, 2), expert_num=4)):
+        with pytest.raises(pm.InvalidArgument, match="the dtypes the op computes in .*gradcheck"):
+            call()

@@ -28,7 +28,9 @@ def test_stream_and_event_lifecycle(device, no_leaks):
         ev.close()
         ev.close()  # twice is fine
         assert ev.closed and ev.handle == 0
-    assert s.closed and s.handle == 0
+    assert s.closed
+    with pytest.raises(pm.ClosedError, match="stream"):  # (CuPy's habit: it read 0, a handle no one has)
+        s.handle
     s.close()  # twice is fine
     with pytest.raises(pm.ClosedError, match="stream"):
         s.synchronize()
@@ -45,8 +47,9 @@ def test_default_stream_wraps_null(device):
     assert s.is_default and s.handle == 0 and s is device.default_stream
     s.synchronize()
     assert s.query()
-    s.close()  # a no-op: the default stream belongs to the device
-    assert not s.closed
+    with pytest.raises(pm.InvalidArgument, match="default stream, which lives as long as the device") as info:
+        s.close()  # (it did nothing, silently: the default stream belongs to the device)
+    assert info.value.parameter == "stream" and not s.closed
     s.synchronize()
 
 
@@ -262,3 +265,27 @@ def test_a_dropped_stream_is_released_without_any_synchronize(device):
     while pm.emulator.stats()["streams"] != streams and time.time() < deadline:
         time.sleep(0.01)
     assert pm.emulator.stats()["streams"] == streams
+
+
+def test_elapsed_time_of_an_event_never_recorded_says_so(device):
+    """It raised CANN's 507000 "runtime internal error" (issue: papercuts, 12)."""
+    start, end = pm.Event(device), pm.Event(device)
+    end.record()
+    with pytest.raises(pm.InvalidArgument, match="never recorded") as info:
+        start.elapsed_ms(end)
+    assert info.value.parameter == "event"
+    start.record()
+    with pytest.raises(pm.InvalidArgument, match="never recorded") as info:
+        start.elapsed_ms(pm.Event(device))
+    assert info.value.parameter == "end"
+    end.record()
+    device.synchronize()
+    assert start.elapsed_ms(end) >= 0
+    start.close()
+    end.close()
+
+
+def test_zeros_and_empty_default_to_float32(device):
+    z = pm.zeros((2, 3))
+    assert z.dtype == np.float32 and pm.empty((4,)).dtype == np.float32
+    np.testing.assert_array_equal(z.to_host(), np.zeros((2, 3), np.float32))

@@ -22,10 +22,10 @@ __all__ = [
     "BorrowedStreamHandle", "Context", "DeviceMemory", "EventHandle", "Handle", "HostMemory", "StreamHandle",
     "call_probe", "create_event", "create_stream", "device_count", "event_elapsed_ms", "finalize", "forked",
     "interrupts_deferred",
-    "get_mem_info", "get_version", "has_version_str", "init", "malloc", "malloc_host", "memcpy_async",
+    "get_mem_info", "get_version", "has_version_str", "init", "malloc", "malloc_host", "memcpy_async", "raw",
     "memset_async", "open_device", "query_event", "query_stream", "record_event", "reset_device", "soc_name",
     "stream_wait_event", "synchronize_device", "synchronize_event", "synchronize_stream", "thread_state",
-    "use_context", "version_str",
+    "use_context", "version_str", "void",
 ]
 
 _ffi = declare.ffi
@@ -55,8 +55,15 @@ _cast = _ffi.cast
 _KINDS: dict[str, int] = {}  # an aclrtMemcpyKind's name -> its value, read from the headers at first use
 
 
-def _void(address: int) -> Any:
+def void(address: int) -> Any:
+    """A device or host address as the ``void *`` a C call takes (opaque above this layer)."""
     return _cast(_VOIDP, address)
+
+
+def raw(h: Handle | None) -> Any:
+    """A handle's C value as a call takes it (NULL for None: the default stream); opaque above
+    this layer."""
+    return _NULL if h is None else h._slot[0]
 
 
 def forked() -> bool:
@@ -251,7 +258,7 @@ class BorrowedStreamHandle(StreamHandle):
 
     def __init__(self, context: Context, address: int) -> None:
         super().__init__(context)
-        self._slot[0] = _void(address)
+        self._slot[0] = void(address)
 
     def release(self) -> int:
         self.forget()  # its creator destroys it
@@ -308,10 +315,6 @@ class interrupts_deferred:
             self.saved(*self.hit)
 
 
-def _stream(h: StreamHandle | None) -> Any:
-    return _NULL if h is None else h._slot[0]
-
-
 # ---------------------------------------------------------------------------- streams
 
 def create_stream(h: StreamHandle) -> None:
@@ -321,23 +324,21 @@ def create_stream(h: StreamHandle) -> None:
 def synchronize_stream(h: StreamHandle | None, timeout_ms: int | None = None) -> None:
     acl = loader.libs().acl
     if timeout_ms is None:
-        st = acl.aclrtSynchronizeStream(_NULL if h is None else h._slot[0])
-        if st:
-            check(st, "aclrtSynchronizeStream")
+        check(acl.aclrtSynchronizeStream(raw(h)), "aclrtSynchronizeStream")
     else:
-        check(acl.aclrtSynchronizeStreamWithTimeout(_stream(h), timeout_ms), "aclrtSynchronizeStreamWithTimeout")
+        check(acl.aclrtSynchronizeStreamWithTimeout(raw(h), timeout_ms), "aclrtSynchronizeStreamWithTimeout")
 
 
 def query_stream(h: StreamHandle | None) -> bool:
     """aclrtStreamQuery: True when everything queued on the stream has run."""
     status = _ffi.new(declare.ctype("aclrtStreamStatus *"))
-    check(loader.libs().acl.aclrtStreamQuery(_stream(h), status), "aclrtStreamQuery")
+    check(loader.libs().acl.aclrtStreamQuery(raw(h), status), "aclrtStreamQuery")
     return int(status[0]) == declare.const("ACL_STREAM_STATUS_COMPLETE")
 
 
 def stream_wait_event(event: EventHandle, h: StreamHandle | None) -> None:
     """aclrtStreamWaitEvent (the stream last, as in every call that queues a task)."""
-    check(loader.libs().acl.aclrtStreamWaitEvent(_stream(h), event._slot[0]), "aclrtStreamWaitEvent")
+    check(loader.libs().acl.aclrtStreamWaitEvent(raw(h), event._slot[0]), "aclrtStreamWaitEvent")
 
 
 # ---------------------------------------------------------------------------- events
@@ -347,7 +348,7 @@ def create_event(h: EventHandle) -> None:
 
 
 def record_event(event: EventHandle, stream: StreamHandle | None) -> None:
-    check(loader.libs().acl.aclrtRecordEvent(event._slot[0], _stream(stream)), "aclrtRecordEvent")
+    check(loader.libs().acl.aclrtRecordEvent(event._slot[0], raw(stream)), "aclrtRecordEvent")
 
 
 def synchronize_event(event: EventHandle) -> None:
@@ -386,13 +387,13 @@ def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: str, stream
     if code is None:
         code = _KINDS[kind] = declare.const(kind)
     st = loader.libs().acl.aclrtMemcpyAsync(_cast(_VOIDP, dst), dst_max, _cast(_VOIDP, src), count, code,
-                                            _NULL if stream is None else stream._slot[0])
+                                            _NULL if stream is None else stream._slot[0])  # (inlined: the copies' path)
     if st:  # (the common case costs no call: this is the NumPy call's copies' path)
         check(st, "aclrtMemcpyAsync")
 
 
 def memset_async(ptr: int, max_count: int, value: int, count: int, stream: StreamHandle | None) -> None:
-    check(loader.libs().acl.aclrtMemsetAsync(_void(ptr), max_count, value, count, _stream(stream)),
+    check(loader.libs().acl.aclrtMemsetAsync(void(ptr), max_count, value, count, raw(stream)),
           "aclrtMemsetAsync")
 
 

@@ -8,27 +8,18 @@ aclrtStream stream)``, as for every aclnn operator; the op layer says which para
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import declare, loader
-from .acl import Handle, StreamHandle, interrupts_deferred
+from .acl import Handle, StreamHandle, interrupts_deferred, raw, void
 from .errcheck import check, null_result
 
-__all__ = ["ExecutorHandle", "TensorDesc", "TensorHandle", "bound_launch", "create_tensor", "get_workspace_size",
-           "launch", "set_input_addr", "set_output_addr", "set_repeatable", "tensor_query"]
+__all__ = ["ExecutorHandle", "TensorDesc", "TensorHandle", "create_tensor", "get_workspace_size",
+           "launch", "second_phase", "set_input_addr", "set_output_addr", "set_repeatable", "tensor_query"]
 
 _ffi = declare.ffi
 _NULL = declare.NULL
-
-
-def _void(address: int) -> Any:
-    return _ffi.cast(declare.ctype("void *"), address)
-
-
-def _stream(h: StreamHandle | None) -> Any:
-    return _NULL if h is None else h._slot[0]
 
 
 # ---------------------------------------------------------------------------- aclTensor
@@ -56,7 +47,7 @@ def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> Non
     fn = loader.libs().nn.aclCreateTensor
     with interrupts_deferred():  # the pointer it returns is stored before anything is raised
         h._slot[0] = fn(desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset, fmt, desc.sdims, desc.sndim,
-                        _void(addr))
+                        void(addr))
     if not h:
         raise null_result("aclCreateTensor")
 
@@ -97,12 +88,12 @@ def set_repeatable(ex: ExecutorHandle) -> None:
 
 
 def set_input_addr(ex: ExecutorHandle, index: int, tensor: TensorHandle, addr: int) -> None:
-    check(loader.libs().nn.aclSetInputTensorAddr(ex._slot[0], index, tensor._slot[0], _void(addr)),
+    check(loader.libs().nn.aclSetInputTensorAddr(ex._slot[0], index, tensor._slot[0], void(addr)),
           "aclSetInputTensorAddr")
 
 
 def set_output_addr(ex: ExecutorHandle, index: int, tensor: TensorHandle, addr: int) -> None:
-    check(loader.libs().nn.aclSetOutputTensorAddr(ex._slot[0], index, tensor._slot[0], _void(addr)),
+    check(loader.libs().nn.aclSetOutputTensorAddr(ex._slot[0], index, tensor._slot[0], void(addr)),
           "aclSetOutputTensorAddr")
 
 
@@ -119,15 +110,16 @@ def get_workspace_size(api: str, args: Sequence[TensorHandle | int | bool | None
     return int(size[0])
 
 
-def launch(api: str, workspace: int, size: int, executor: ExecutorHandle, stream: StreamHandle | None,
-           consumes: bool) -> None:
-    """``<api>(workspace, size, executor, stream)``: queue the kernel. With ``consumes`` (a
+def launch(api: str, workspace: int, size: int, executor: ExecutorHandle, consumes: bool,
+           stream: StreamHandle | None) -> None:
+    """``<api>(workspace, size, executor, stream)``: queue the kernel (the stream last, as a
+    stream's enqueue passes it). With ``consumes`` (a
     one-shot executor) the executor is CANN's from this call on, whatever it returns: nnopbase
     recycles a one-shot executor once past its argument checks (null executor, a null
     workspace for a non-zero size, a size below the executor's), which the caller has made.
     The handle is forgotten with the call, interrupts held back between the two."""
     fn = getattr(loader.libs().op, api)
-    ws, st, ex = _void(workspace), _stream(stream), executor._slot[0]
+    ws, st, ex = void(workspace), raw(stream), executor._slot[0]
     if not consumes:
         check(fn(ws, size, ex, st), api)
         return
@@ -137,10 +129,9 @@ def launch(api: str, workspace: int, size: int, executor: ExecutorHandle, stream
     check(status, api)
 
 
-def bound_launch(api: str, workspace: int, size: int, executor: ExecutorHandle,
-                 stream: StreamHandle | None) -> Callable[[], int]:
-    """The second phase with every argument bound: calling it is one foreign call that returns
-    the raw status (the caller checks it, and keeps the executor, stream and workspace alive
-    as long as it may make the call)."""
-    fn = getattr(loader.libs().op, api)
-    return functools.partial(fn, _void(workspace), size, executor._slot[0], _stream(stream))
+def second_phase(api: str) -> Callable[..., int]:
+    """``<api>`` itself, for the launches that bind their arguments once (:func:`raw` and
+    :func:`void` give them): ``fn(workspace, size, executor, stream)`` is one foreign call that
+    returns the raw status (the caller checks it, and keeps the executor, stream and workspace
+    alive as long as it may make the call)."""
+    return getattr(loader.libs().op, api)  # type: ignore[no-any-return]

@@ -46,8 +46,11 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 
 from .._paths import untrusted_above
+
+_T = TypeVar("_T")
 
 __all__ = ["DRIVER_FOLDERS", "OP_LIBRARIES", "RUNTIME_LIBRARIES", "arch", "candidate_homes",
            "defined_symbols", "dependency_order", "elf_problem", "library_folders", "loader_path", "needed"]
@@ -141,69 +144,81 @@ def loader_path() -> tuple[list[str], list[str]]:
 
 # ---------------------------------------------------------------------------- ELF
 
-_SHT_DYNSYM, _SHT_DYNAMIC = 11, 6
-_DT_NEEDED = 1
+# The ELF structures of this process's class and byte order (a library of another cannot be
+# loaded here, so it is only ever refused): header, program header (up to p_filesz), section
+# header, dynamic symbol, dynamic entry.
+_END = "<" if sys.byteorder == "little" else ">"
+_WIDE = struct.calcsize("P") == 8
+_EHDR = struct.Struct(_END + ("16sHHIQQQIHHHHHH" if _WIDE else "16sHHIIIIIHHHHHH"))
+_PHDR = struct.Struct(_END + ("IIQQQQ" if _WIDE else "IIIIII"))
+_SHDR = struct.Struct(_END + ("IIQQQQIIQQ" if _WIDE else "IIIIIIIIII"))
+_SYM = struct.Struct(_END + ("IBBHQQ" if _WIDE else "IIIBBH"))
+_DYN = struct.Struct(_END + ("qQ" if _WIDE else "iI"))
+_MACHINES = {"x86_64": 62, "aarch64": 183}  # ELF e_machine: EM_X86_64, EM_AARCH64
+_ET_DYN, _PT_LOAD, _SHT_DYNSYM, _SHT_DYNAMIC, _DT_NEEDED = 3, 1, 11, 6, 1
 _MAX_TABLE = 64 << 20  # a symbol or string table larger than this is not read (not a sane library)
 
 
-@dataclass
 class _Elf:
-    sections: list[tuple[int, int, int, int]]  # (type, offset, size, link)
-    little: bool
-    wide: bool
+    """A shared library's headers, read from its file (nothing is mapped). ``problem`` says why
+    it must not be mapped, or is None; then ``sections`` are (type, offset, size, link)."""
 
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.sections: list[tuple[int, int, int, int]] = []
+        self.problem = self._check(os.fstat(f.fileno()).st_size)
 
-def _elf(f: object) -> _Elf | None:
-    """The section table of an ELF file, or None when it is not one (or is damaged)."""
-    read, seek = f.read, f.seek  # type: ignore[attr-defined]
-    ident = read(16)
-    if len(ident) < 16 or ident[:4] != b"\x7fELF" or ident[4] not in (1, 2) or ident[5] not in (1, 2):
+    def _check(self, size: int) -> str | None:
+        head = self.f.read(_EHDR.size)
+        if head[:4] != b"\x7fELF":
+            return "not an ELF file"
+        if len(head) >= 6 and (head[4] != (2 if _WIDE else 1) or head[5] != (1 if _END == "<" else 2)):
+            return "an ELF file of another class or byte order than this process"
+        if len(head) < _EHDR.size:
+            return f"cut short ({size} bytes: not even its ELF header)"
+        e = _EHDR.unpack(head)
+        e_type, machine, phoff, shoff, phentsize, phnum, shentsize, shnum = e[1], e[2], *e[5:7], *e[9:13]
+        if e_type != _ET_DYN:
+            return f"not a shared object (ELF type {e_type})"
+        want = _MACHINES.get(arch())
+        if want is not None and machine != want:
+            return f"built for another machine (ELF machine {machine}; this one is {arch()}, {want})"
+        if phnum == 0 or phentsize < _PHDR.size or phoff + phnum * phentsize > size:
+            return f"cut short or damaged ({size} bytes: its program headers are not all there)"
+        table = self.read(phoff, phnum * phentsize)
+        for i in range(phnum):
+            p = _PHDR.unpack_from(table, i * phentsize)
+            offset, filesz = (p[2], p[5]) if _WIDE else (p[1], p[4])
+            if p[0] == _PT_LOAD and offset + filesz > size:
+                return f"cut short ({size} bytes; its segments need {offset + filesz})"
+        if shoff and (shentsize < _SHDR.size or shoff + shnum * shentsize > size or shnum > 1 << 20):
+            return f"cut short ({size} bytes; its section table ends at {shoff + shnum * shentsize})"
+        raw = self.read(shoff, shnum * shentsize) if shoff else b""
+        self.sections = [(s[1], s[4], s[5], s[6]) for s in
+                         (_SHDR.unpack_from(raw, i * shentsize) for i in range(shnum))]
         return None
-    wide, end = ident[4] == 2, "<" if ident[5] == 1 else ">"
-    header = read(48 if wide else 36)
+
+    def read(self, offset: int, size: int) -> bytes:
+        self.f.seek(offset)
+        return self.f.read(size)
+
+    def tables(self, kind: int) -> list[tuple[bytes, bytes]]:
+        """(entries, string table) of each section of ``kind`` (its link is the strings)."""
+        out = []
+        for t, offset, size, link in self.sections:
+            if t == kind and link < len(self.sections) and max(size, self.sections[link][2]) <= _MAX_TABLE:
+                out.append((self.read(offset, size), self.read(*self.sections[link][1:3])))
+        return out
+
+
+def _elf(path: str, use: Callable[[_Elf], _T]) -> _T | str:
+    """``use`` of the library at ``path``, or why it cannot be read as one."""
     try:
-        fields = struct.unpack(end + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH"), header)
-    except struct.error:
-        return None
-    shoff, shentsize, shnum = fields[5], fields[10], fields[11]
-    fmt = end + ("IIQQQQIIQQ" if wide else "IIIIIIIIII")
-    need = struct.calcsize(fmt)
-    if not shoff or shentsize < need:
-        return None
-    seek(shoff)
-    first = read(shentsize)
-    if len(first) < need:
-        return None
-    if shnum == 0:  # more sections than the header can count: section 0 holds the number
-        shnum = struct.unpack(fmt, first[:need])[5]
-    if shnum > 65536 * 16:
-        return None
-    seek(shoff)
-    raw = read(shentsize * shnum)
-    if len(raw) < shentsize * shnum:
-        return None
-    sections = []
-    for i in range(shnum):
-        s = struct.unpack(fmt, raw[i * shentsize:i * shentsize + need])
-        sections.append((s[1], s[4], s[5], s[6]))
-    return _Elf(sections, end == "<", wide)
-
-
-def _table(f: object, offset: int, size: int) -> bytes | None:
-    if size > _MAX_TABLE:
-        return None
-    f.seek(offset)  # type: ignore[attr-defined]
-    data = f.read(size)  # type: ignore[attr-defined]
-    return data if len(data) == size else None
-
-
-def _string(strtab: bytes, at: int) -> str:
-    end = strtab.find(b"\0", at)
-    return strtab[at:end if end >= 0 else len(strtab)].decode("utf-8", "replace")
-
-
-_MACHINES = {"x86_64": 62, "aarch64": 183}  # ELF e_machine: EM_X86_64, EM_AARCH64
-_ET_DYN, _PT_LOAD = 3, 1
+        with open(path, "rb") as f:
+            elf = _Elf(f)
+            return elf.problem or use(elf)
+    except (OSError, struct.error) as exc:
+        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
 
 
 def elf_problem(path: str) -> str | None:
@@ -212,105 +227,46 @@ def elf_problem(path: str) -> str | None:
     hold every byte its program headers, segments and section table say it has (a file cut
     short is mapped by the dynamic loader all the same, and touching the missing pages kills
     the process with SIGBUS)."""
-    wide, little = struct.calcsize("P") == 8, sys.byteorder == "little"
-    end = "<" if little else ">"
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            ident = f.read(16)
-            if len(ident) < 16 or ident[:4] != b"\x7fELF":
-                return "not an ELF file"
-            if ident[4] != (2 if wide else 1) or ident[5] != (1 if little else 2):
-                return "an ELF file of another class or byte order than this process"
-            header = f.read(48 if wide else 36)
-            if len(header) < (48 if wide else 36):
-                return f"cut short ({size} bytes: not even its ELF header)"
-            e = struct.unpack(end + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH"), header)
-            e_type, e_machine, phoff, shoff, phentsize, phnum, shentsize, shnum = (e[0], e[1], e[4], e[5], e[8],
-                                                                                   e[9], e[10], e[11])
-            if e_type != _ET_DYN:
-                return f"not a shared object (ELF type {e_type})"
-            want = _MACHINES.get(arch())
-            if want is not None and e_machine != want:
-                return f"built for another machine (ELF machine {e_machine}; this one is {arch()}, {want})"
-            fmt = end + ("IIQQQQ" if wide else "IIIIII")
-            if phnum == 0 or phentsize < struct.calcsize(fmt) or phoff + phnum * phentsize > size:
-                return f"cut short or damaged ({size} bytes: its program headers are not all there)"
-            f.seek(phoff)
-            table = f.read(phnum * phentsize)
-            for i in range(phnum):
-                p = struct.unpack_from(fmt, table, i * phentsize)
-                p_type, offset, filesz = (p[0], p[2], p[5]) if wide else (p[0], p[1], p[4])
-                if p_type == _PT_LOAD and offset + filesz > size:
-                    return f"cut short ({size} bytes; its segments need {offset + filesz})"
-            if shoff and shoff + shnum * shentsize > size:
-                return f"cut short ({size} bytes; its section table ends at {shoff + shnum * shentsize})"
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc})"
-    return None
+    return _elf(path, lambda elf: None)
+
+
+def _string(strtab: bytes, at: int) -> bytes:
+    end = strtab.find(b"\0", at)
+    return strtab[at:end if end >= 0 else len(strtab)]
 
 
 def needed(path: str) -> tuple[str, ...] | None:
     """The DT_NEEDED entries of a shared library, in order; None when it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            elf = _elf(f)
-            if elf is None:
-                return None
-            end = "<" if elf.little else ">"
-            fmt = end + ("qQ" if elf.wide else "iI")
-            step = struct.calcsize(fmt)
-            for kind, offset, size, link in elf.sections:
-                if kind != _SHT_DYNAMIC or link >= len(elf.sections):
-                    continue
-                dyn, strtab = _table(f, offset, size), _table(f, elf.sections[link][1], elf.sections[link][2])
-                if dyn is None or strtab is None:
-                    return None
-                names = []
-                for tag, value in struct.iter_unpack(fmt, dyn[:len(dyn) // step * step]):
-                    if tag == 0:
-                        break
-                    if tag == _DT_NEEDED and value < len(strtab):
-                        names.append(_string(strtab, value))
-                return tuple(names)
-            return ()
-    except OSError:
-        return None
+    def entries(elf: _Elf) -> tuple[str, ...]:
+        names: list[str] = []
+        for dyn, strtab in elf.tables(_SHT_DYNAMIC)[:1]:
+            for tag, value in _DYN.iter_unpack(dyn[:len(dyn) // _DYN.size * _DYN.size]):
+                if tag == 0:
+                    break
+                if tag == _DT_NEEDED and value < len(strtab):
+                    names.append(_string(strtab, value).decode("utf-8", "replace"))
+        return tuple(names)
+
+    got = _elf(path, entries)
+    return None if isinstance(got, str) else got
 
 
 def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
     """Which of ``wanted`` the library's dynamic symbol table defines (global or weak, not
     undefined); None when it cannot be read."""
     targets = {w.encode() for w in wanted}
-    try:
-        with open(path, "rb") as f:
-            elf = _elf(f)
-            if elf is None:
-                return None
-            end = "<" if elf.little else ">"
-            fmt = end + ("IBBHQQ" if elf.wide else "IIIBBH")
-            step = struct.calcsize(fmt)
-            found: set[str] = set()
-            for kind, offset, size, link in elf.sections:
-                if kind != _SHT_DYNSYM or link >= len(elf.sections):
-                    continue
-                syms, strtab = _table(f, offset, size), _table(f, elf.sections[link][1], elf.sections[link][2])
-                if syms is None or strtab is None:
-                    return None
-                for entry in struct.iter_unpack(fmt, syms[:len(syms) // step * step]):
-                    if elf.wide:
-                        name, info, _, shndx = entry[0], entry[1], entry[2], entry[3]
-                    else:
-                        name, info, shndx = entry[0], entry[3], entry[5]
-                    if shndx == 0 or (info >> 4) not in (1, 2) or name >= len(strtab):
-                        continue
-                    end_at = strtab.find(b"\0", name)
-                    symbol = strtab[name:end_at if end_at >= 0 else len(strtab)]
-                    if symbol in targets:
-                        found.add(symbol.decode())
-            return found
-    except OSError:
-        return None
+
+    def defined(elf: _Elf) -> set[str]:
+        found: set[str] = set()
+        for syms, strtab in elf.tables(_SHT_DYNSYM):
+            for entry in _SYM.iter_unpack(syms[:len(syms) // _SYM.size * _SYM.size]):
+                name, info, shndx = (entry[0], entry[1], entry[3]) if _WIDE else (entry[0], entry[3], entry[5])
+                if shndx and (info >> 4) in (1, 2) and name < len(strtab) and _string(strtab, name) in targets:
+                    found.add(_string(strtab, name).decode())
+        return found
+
+    got = _elf(path, defined)
+    return None if isinstance(got, str) else got
 
 
 _UNVERSIONED = re.compile(r"lib[^/]*\.so")
@@ -319,43 +275,41 @@ _UNVERSIONED = re.compile(r"lib[^/]*\.so")
 @dataclass
 class Dependencies:
     """A library's dependency closure: ``order`` the paths to load first (dependencies before
-    what needs them), ``missing`` (name, needed by) for CANN-style names found nowhere,
-    ``unreadable`` the files whose ELF could not be read."""
+    what needs them), ``missing`` (name, needed by) for CANN-style names found nowhere, ``left``
+    those found only through ``$LD_LIBRARY_PATH`` (the dynamic loader's to load)."""
 
     order: list[str] = field(default_factory=list)
     missing: list[tuple[str, str]] = field(default_factory=list)
-    unreadable: list[str] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)  # found only through $LD_LIBRARY_PATH: the dynamic loader's
+    left: list[str] = field(default_factory=list)
+
+
+def find(name: str, folders: list[str]) -> str | None:
+    """The first of ``folders`` that holds a file ``name``."""
+    return next((os.path.join(d, name) for d in folders if os.path.isfile(os.path.join(d, name))), None)
 
 
 def dependency_order(path: str, folders: list[str], present: Callable[[str], bool] = lambda name: False
                      ) -> Dependencies:
     """Every dependency of ``path`` found in ``folders``, transitively, in load order.
     ``present(name)`` says whether a library of that name is already loaded by us (then it is
-    not looked for again)."""
+    not looked for again). A library whose ELF cannot be read is left for dlopen to judge."""
     deps = Dependencies()
     seen: set[str] = set()
     absolute = loader_path()[0]
 
     def visit(lib: str) -> None:
-        names = needed(lib)
-        if names is None:
-            deps.unreadable.append(lib)
-            return
-        for name in names:
+        for name in needed(lib) or ():
             if name in seen or present(name):
                 continue
             seen.add(name)
-            where = next((os.path.join(d, name) for d in folders if os.path.isfile(os.path.join(d, name))), None)
-            if where is None:
-                other = next((os.path.join(d, name) for d in absolute if os.path.isfile(os.path.join(d, name))), None)
-                if other is not None:
-                    deps.left.append(other)
-                elif _UNVERSIONED.fullmatch(name):
-                    deps.missing.append((name, os.path.basename(lib)))
-                continue
-            visit(where)
-            deps.order.append(where)
+            where = find(name, folders)
+            if where is not None:
+                visit(where)
+                deps.order.append(where)
+            elif find(name, absolute) is not None:
+                deps.left.append(find(name, absolute))  # type: ignore[arg-type]
+            elif _UNVERSIONED.fullmatch(name):
+                deps.missing.append((name, os.path.basename(lib)))
 
     visit(path)
     return deps

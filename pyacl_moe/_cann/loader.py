@@ -140,84 +140,56 @@ def _required(part: str) -> list[str]:
     return [f for h in _HEADERS[part] for f in declare.functions_in(h) if f not in OPTIONAL]
 
 
-@dataclass
-class _Plan:
-    """What to load from a home: each library's dependencies, then the library."""
-
-    acl: str
-    nn: str
-    op: str
-    order: list[str]  # every path to dlopen, in order (dependencies first, the three included)
-
-
 def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> tuple[list[str], str | None]:
     """(load order for the library at ``rel``, None) when it is there, its dependencies are
     found and it (with them) defines ``wanted``; else ([], what is wrong)."""
     path = os.path.join(home, rel)
     if not os.path.isfile(path):
         return [], f"{rel}: not found"
-    deps = layout.dependency_order(path, layout.library_folders(home, path), lambda n: n in loaded)
+    folders = layout.library_folders(home, path)
+    deps = layout.dependency_order(path, folders, lambda n: n in loaded)
     if deps.missing:
         names = ", ".join(sorted({f"{name} (needed by {by})" for name, by in deps.missing}))
-        folders = ", ".join(layout.library_folders(home, path)[:3])
-        return [], f"{rel}: a dependency is missing: {names}, in none of {folders} (nor the driver's folders or "\
-                   "LD_LIBRARY_PATH)"
+        return [], f"{rel}: a dependency is missing: {names}, in none of {', '.join(folders[:3])} (nor the " \
+                   "driver's folders or LD_LIBRARY_PATH)"
     for lib in [path, *deps.order, *deps.left]:  # (left to the dynamic loader: read, never loaded by path here)
         why = layout.elf_problem(lib)
         if why:
             return [], f"{rel}: {lib if lib != path else 'the library'} is {why}"
-    found: set[str] = set()
-    unreadable = False
-    for lib in [path, *deps.order]:
-        got = layout.defined_symbols(lib, wanted)
-        if got is None:
-            unreadable = True
-            continue
-        found |= got
-    lacking = [w for w in wanted if w not in found]
-    if lacking and not unreadable:
+    found = [layout.defined_symbols(lib, wanted) for lib in [path, *deps.order]]
+    lacking = [w for w in wanted if not any(w in f for f in found if f is not None)]
+    if lacking and None not in found:  # (one that cannot be read is tried: dlopen and the resolution judge it)
         if wanted == list(ENTRY_POINTS) and len(lacking) == len(wanted):
-            what = "exports none of the op's entry points"
-        else:
-            shown = ", ".join(lacking[:6]) + (f" and {len(lacking) - 6} more" if len(lacking) > 6 else "")
-            what = f"lacks {shown}"
-        return [], f"{rel}: {what}"
-    # An ELF that cannot be read is tried anyway: dlopen and the resolution after it judge it.
+            return [], f"{rel}: exports none of the op's entry points"
+        more = f" and {len(lacking) - 6} more" if len(lacking) > 6 else ""
+        return [], f"{rel}: lacks {', '.join(lacking[:6])}{more}"
     return [*deps.order, path], None
 
 
-def _plan(home: str) -> tuple[_Plan | None, list[str]]:
-    """The libraries to load from ``home``, or None and what each library lacked."""
+def _plan(home: str) -> tuple[dict[str, str], list[str], list[str]]:
+    """What to load from ``home``: the path of each library ("acl", "nn", "op"), every path to
+    dlopen in order (dependencies first), and what each library lacked (empty when it fits)."""
     problems: list[str] = []
     order: list[str] = []
-    loaded: set[str] = set()
     picked: dict[str, str] = {}
-    for part, rel in (("acl", layout.RUNTIME_LIBRARIES[0]), ("nn", layout.RUNTIME_LIBRARIES[1])):
-        got, why = _fits(home, rel, _required(part), loaded)
-        if why:
-            problems.append(why)
-            continue
-        picked[part] = os.path.join(home, rel)
-        order += [p for p in got if p not in order]
-        loaded |= {os.path.basename(p) for p in got}
     arch = layout.arch()
-    passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
-    for rel, _what in layout.OP_LIBRARIES:
-        rel = rel.format(arch=arch)
-        got, why = _fits(home, rel, list(ENTRY_POINTS), loaded)
-        if why:
-            if not why.endswith(": not found"):
+    tries = [("acl", [layout.RUNTIME_LIBRARIES[0]]), ("nn", [layout.RUNTIME_LIBRARIES[1]]),
+             ("op", [rel.format(arch=arch) for rel, _what in layout.OP_LIBRARIES])]
+    for part, candidates in tries:
+        passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
+        for rel in candidates:
+            got, why = _fits(home, rel, _required(part) if part != "op" else list(ENTRY_POINTS),
+                             {os.path.basename(p) for p in order})
+            if why is None:
+                picked[part] = os.path.join(home, rel)
+                order += [p for p in got if p not in order]
+                break
+            if part != "op" or not why.endswith(": not found"):
                 passed_over.append(why)
-            continue
-        picked["op"] = os.path.join(home, rel)
-        order += [p for p in got if p not in order]
-        break
-    else:
-        names = ", ".join(r.format(arch=arch) for r, _ in layout.OP_LIBRARIES)
-        problems += passed_over or [f"no op library with the op's four entry points (looked for {names})"]
-    if problems:
-        return None, problems
-    return _Plan(picked["acl"], picked["nn"], picked["op"], order), []
+        else:
+            problems += passed_over or [f"no op library with the op's four entry points (looked for "
+                                        f"{', '.join(candidates)})"]
+    return picked, order, problems
 
 
 def _opened(names: list[str], then: Callable[[dict[str, Any]], Libraries]) -> Libraries:
@@ -239,27 +211,23 @@ def _opened(names: list[str], then: Callable[[dict[str, Any]], Libraries]) -> Li
         raise
 
 
-def _load_plan(home: str, plan: _Plan, backend: str) -> Libraries:
-    def bound(handles: dict[str, Any]) -> Libraries:
-        info = LibraryInfo(
-            backend, str(Path(home)),
-            {os.path.basename(p)[3:-3]: p for p in (plan.acl, plan.nn, plan.op)},
-            os.path.realpath(plan.op),
-            tuple(p for p in plan.order if p not in (plan.acl, plan.nn, plan.op)),
-        )
-        libs = Libraries(handles[plan.acl], handles[plan.nn], handles[plan.op], info,
-                         tuple(h for p, h in handles.items() if p not in (plan.acl, plan.nn, plan.op)))
-        _resolve_all(libs, strict_extras=backend != "cann")
-        return libs
+def _load_plan(home: str, picked: dict[str, str], order: list[str], backend: str) -> Libraries:
+    three = (picked["acl"], picked["nn"], picked["op"])
 
-    return _opened(plan.order, bound)
+    def bound(handles: dict[str, Any]) -> Libraries:
+        info = LibraryInfo(backend, str(Path(home)), {os.path.basename(p)[3:-3]: p for p in three},
+                           os.path.realpath(picked["op"]), tuple(p for p in order if p not in three))
+        return _resolved(Libraries(handles[three[0]], handles[three[1]], handles[three[2]], info,
+                                   tuple(h for p, h in handles.items() if p not in three)))
+
+    return _opened(order, bound)
 
 
 def _load_home(label: str, home: str, backend: str) -> Libraries:
-    plan, problems = _plan(home)
-    if plan is None:
+    picked, order, problems = _plan(home)
+    if problems:
         raise errors.CannNotFoundError([f"{label} = {home}: {'; '.join(problems)}"])
-    return _load_plan(home, plan, backend)
+    return _load_plan(home, picked, order, backend)
 
 
 def _from_loader_path() -> Libraries:
@@ -274,43 +242,25 @@ def _from_loader_path() -> Libraries:
                       "or one below it, for the dynamic loader), and nothing is loaded from such a place")
 
     def checked(name: str) -> str:
-        path = next((os.path.join(d, name) for d in absolute if os.path.isfile(os.path.join(d, name))), None)
+        path = layout.find(name, absolute)
         why = layout.elf_problem(path) if path else None
         if why:
             raise OSError(f"{path} is {why}")
         return name
 
-    lacking: list[str] = []
+    problems: list[str] = []
+    for op in dict.fromkeys(os.path.basename(rel) for rel, _ in layout.OP_LIBRARIES):
+        names = ["libascendcl.so", "libnnopbase.so", op]
+        info = LibraryInfo("cann", None, {n[3:-3]: n for n in names}, op)
 
-    def with_runtime(handles: dict[str, Any]) -> Libraries:
-        for rel, _ in layout.OP_LIBRARIES:
-            name = os.path.basename(rel)
-            try:
-                op = declare.ffi.dlopen(checked(name))
-            except OSError:
-                continue
-            missing = [e for e in ENTRY_POINTS if not _has(op, e)]
-            try:
-                if missing:
-                    lacking.append(f"{name} lacks {', '.join(missing)}")
-                    raise LookupError(name)
-                info = LibraryInfo("cann", None, {"ascendcl": "libascendcl.so", "nnopbase": "libnnopbase.so",
-                                                  name[3:-3]: name}, name)
-                libs = Libraries(handles["libascendcl.so"], handles["libnnopbase.so"], op, info)
-                _resolve_all(libs, strict_extras=False)
-                return libs
-            except LookupError:
-                declare.ffi.dlclose(op)
-            except BaseException:
-                declare.ffi.dlclose(op)
-                raise
-        raise errors.CannNotFoundError(["no op library with the op's entry points"
-                                        + (f" ({'; '.join(lacking)})" if lacking else "")])
+        def bound(h: dict[str, Any], names: list[str] = names, info: LibraryInfo = info) -> Libraries:
+            return _resolved(Libraries(h[names[0]], h[names[1]], h[names[2]], info))
 
-    try:
-        return _opened([checked("libascendcl.so"), checked("libnnopbase.so")], with_runtime)
-    except errors.CannNotFoundError as exc:
-        raise OSError("; ".join(exc.tried)) from None
+        try:  # (all three each time: a failed try leaves nothing mapped)
+            return _opened([checked(n) for n in names], bound)
+        except (OSError, errors.CannNotFoundError) as exc:
+            problems += exc.tried if isinstance(exc, errors.CannNotFoundError) else [str(exc)]
+    raise OSError("; ".join(dict.fromkeys(problems)))
 
 
 def _has(lib: Any, name: str) -> bool:
@@ -324,21 +274,16 @@ def _has(lib: Any, name: str) -> bool:
 def _search(ascend_home: str | None) -> Libraries:
     tried = []
     for label, home, named in layout.candidate_homes(ascend_home):
-        if not home:
-            tried.append(f"{label}: not set")
-            continue
-        if not os.path.isdir(home):
-            tried.append(f"{label} = {home}: no such folder")
-            continue
-        why = layout.home_problem(home, named)
+        why = "not set" if not home else "no such folder" if not os.path.isdir(home) else \
+            layout.home_problem(home, named)
         if why:
-            tried.append(f"{label} = {home}: refused: {why}")
+            tried.append(f"{label}: {why}" if not home else f"{label} = {home}: "
+                         + (why if why == "no such folder" else f"refused: {why}"))
             continue
-        plan, problems = _plan(home)
-        if plan is None:
-            tried.append(f"{label} = {home}: {'; '.join(problems)}")
-            continue
-        return _load_plan(home, plan, "cann")
+        picked, order, problems = _plan(home)  # type: ignore[arg-type]
+        if not problems:
+            return _load_plan(home, picked, order, "cann")  # type: ignore[arg-type]
+        tried.append(f"{label} = {home}: {'; '.join(problems)}")
     if ascend_home is not None:
         raise errors.CannNotFoundError(tried)
     try:
@@ -348,7 +293,7 @@ def _search(ascend_home: str | None) -> Libraries:
     raise errors.CannNotFoundError(tried)
 
 
-def _resolve_all(libs: Libraries, strict_extras: bool) -> None:
+def _resolved(libs: Libraries) -> Libraries:
     """Resolve every declared function now, each in its own library: cffi resolves a function
     on first use under its internal lock (see declare's docstring for why that must not happen
     in a finalizer), and a function the library lacks is an install that cannot work."""
@@ -360,10 +305,11 @@ def _resolve_all(libs: Libraries, strict_extras: bool) -> None:
             if not _has(lib, name) and name not in OPTIONAL:
                 missing.append(f"{where[part]} lacks {name}")
     for name in declare.extra_functions():
-        if not _has(libs.acl, name) and strict_extras:
+        if not _has(libs.acl, name) and libs.info.backend != "cann":
             missing.append(f"{where['acl']} lacks {name}")
     if missing:
         raise errors.CannNotFoundError(missing)
+    return libs
 
 
 def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | None = None) -> LibraryInfo:

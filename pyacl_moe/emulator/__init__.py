@@ -15,7 +15,7 @@ from __future__ import annotations
 from .._cann import aclemu, loader
 from ..device import collect
 from ..errors import InvalidArgument
-from . import _releases
+from . import _build, _releases
 from ._build import SRC_DIR, build, build_tree, cache_root
 from ._env import EmulatorConfigError, check_environment
 from ._errors import EmulatorBuildError
@@ -36,6 +36,7 @@ FIRST_PHASE_API = "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
 SKIP_CHECKS = -1
 
 __all__ = [
+    "announce_builds",
     "FIRST_PHASE_API",
     "FORWARD_MUTATIONS",
     "MEMORY_MUTATIONS",
@@ -73,6 +74,12 @@ loader.register_provider(loader.Provider(
     declarations=(SRC_DIR / "aclemu.h").read_text(),
     types=(aclemu.STATS_TYPE,),
 ))
+
+
+def announce_builds(on: bool) -> None:
+    """Whether a build of the emulator says on stderr, in one line, what it compiles and where
+    (the default; the CLI's ``--json`` turns it off)."""
+    _build.announce[0] = bool(on)
 
 
 def use_emulator() -> None:

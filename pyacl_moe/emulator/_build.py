@@ -37,6 +37,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -383,6 +384,11 @@ def _seal(tmp: Path) -> None:
                 os.chmod(p, stat.S_IMODE(st.st_mode) & ~0o022)
 
 
+# Whether a build says on stderr, in one line, what it compiles and where (the first one takes
+# seconds): the CLI turns it off under --json. One store, read without a lock.
+announce = [True]
+
+
 def build(force: bool = False) -> str:
     """Compile the emulator if needed and return the home of the selected release profile
     (``PYACL_MOE_EMU_RELEASE``, default ``_releases.DEFAULT``): the folder its set_env.sh exports
@@ -419,6 +425,10 @@ def build_tree(force: bool = False) -> str:
                 root = _private_dir()
                 tree = root / name
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    if announce[0]:
+        kind = "the sanitized host emulator" if sanitize_flags() else "the host emulator"
+        print(f"pyacl-moe: building {kind} with {' '.join(cc)} into {tree} (once per version of its sources; "
+              "a few seconds)", file=sys.stderr, flush=True)
     keep = False
     try:
         _compile_into(tmp, tree, cc, timeout)

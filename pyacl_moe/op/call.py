@@ -32,10 +32,10 @@ from ..array import DeviceArray, contiguous_layout, empty_from, host_array, wait
 from ..device import Allocation, Device, collect, current_device
 from ..errors import InvalidArgument
 from ..host import TORCH, host_view, in_family
-from ..stream import Stream, StreamState, resolve_stream, thread_current
+from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import TensorCore
-from .executor import build, check_output_layout, checked_workspace, device_of, first_phase, fits, launch, written
-from .plan import check_no_overlap, check_workspace_apart
+from .executor import build, check_output_layout, checked_workspace, device_of, fits
+from .plan import Plan, check_no_overlap, check_workspace_apart
 from .spec import OpSpec
 
 __all__ = ["OneCall", "Outputs", "one_call", "run_device", "run_host"]
@@ -104,10 +104,10 @@ class OneCall:
 
 class _Cached:
     """A repeatable executor for one memo entry on one stream (in the stream's ``executors``,
-    used only under its lock): the first-element addresses it is bound to now, and its launch
-    with every argument bound for the stream's workspace of generation ``gen``."""
+    used only under its lock): the first-element addresses it is bound to now, and its second
+    phase, launched as ``fn(workspace, size, ex, stream)``."""
 
-    __slots__ = ("core", "tensors", "offsets", "bound", "unknown", "call", "gen", "size")
+    __slots__ = ("core", "tensors", "offsets", "bound", "unknown", "fn", "ex", "size")
     SIZE = 8  # entries per stream
 
     def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray | None],
@@ -121,8 +121,7 @@ class _Cached:
         self.offsets = [0 if a is None else a.offset * a.itemsize for a in arrays]
         self.bound = [0 if a is None else a.span[0] for a in arrays]  # first-element addresses bound now
         self.unknown = [0 if a is None else -1 for a in arrays]  # while a rebind is under way
-        self.call: Any = None
-        self.gen = -1  # the stream's workspace (its ws_gen) the launch is bound to
+        self.fn, self.ex = aclnn.second_phase(spec.api), acl.raw(self.core.handle)
 
     def rebind(self, spec: OpSpec, firsts: Sequence[int]) -> None:
         """Point the executor at views whose first elements are at ``firsts`` (the stream's
@@ -135,12 +134,6 @@ class _Cached:
                 setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
                 setter(self.core.handle, index, self.tensors[i].handle, addr - self.offsets[i])  # type: ignore[union-attr]
         self.bound = list(firsts)
-
-    def bind(self, spec: OpSpec, state: StreamState) -> None:
-        """The launch with every argument bound, for the stream's workspace (its lock held)."""
-        ws, self.gen = state.workspace if self.size else None, state.ws_gen
-        self.call = aclnn.bound_launch(spec.api, ws.ptr if ws is not None else 0, self.size,
-                                       self.core.handle, state.handle)
 
     def destroy(self) -> None:
         self.core.destroy()
@@ -226,7 +219,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         if state.device is not dev:
             resolve_stream(stream, dev)  # raises, naming the devices
     if not validate:
-        return _run_unchecked(op, arrays, values, state, workspace, dev)
+        return _run_unchecked(op, arrays, values, stream, workspace)
     # The values with their types: the key tells True from 1, and a NumPy integer from an int.
     key.append(values)
     key.append(tuple(map(type, values)))
@@ -251,29 +244,74 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         with memo.lock:
             memo.apart = (number, firsts)
     n_in = len(spec.inputs)
-    if workspace is None and ctx.open and dev.fault is None:  # type: ignore[union-attr]
-        # The steady state: the stream's executor for this entry, bound to its workspace.
+    ws = None if workspace is None else _given_workspace(spec, arrays, workspace, dev)
+    while True:
         done: list[Any] | None = None
-        with state.lock:
-            e = state.executors.get(number)
-            if e is not None and not state.closing and (not e.size or e.gen == state.ws_gen):
-                if _thread.context is not state.ctx:
-                    acl.use_context(state.ctx)
-                if firsts != e.bound:
-                    e.rebind(spec, firsts)
-                state.hold(held)
-                written(allocs[n_in:], state)
-                st = e.call()
-                if st:
-                    check(st, spec.api)
-                done = state.fenced() if state.point >= state.next_fence else _NONE
+        if ctx.open and dev.fault is None:  # type: ignore[union-attr]
+            # The stream's executor for this entry, launched with the stream's workspace.
+            with state.lock:
+                e = state.executors.get(number)
+                if e is not None and not state.closing and e.size <= (state.ws_size if ws is None else ws.size):
+                    if _thread.context is not state.ctx:
+                        acl.use_context(state.ctx)
+                    if firsts != e.bound:
+                        e.rebind(spec, firsts)
+                    state.point += 1  # (StreamState.hold and written, inline: the steady state's frames)
+                    state.holds.append((state.point, held if ws is None else (held, ws)))
+                    if len(allocs) == n_in + 1:
+                        allocs[n_in].writer = state  # type: ignore[union-attr]  # (an output: never None here)
+                    else:
+                        written(allocs[n_in:], state)
+                    st = e.fn(state.ws_arg if ws is None else ws.arg, e.size, e.ex, state.arg)
+                    if st:
+                        check(st, spec.api)
+                    done = state.fenced() if state.point >= state.next_fence else _NONE
         if done is not None:
             del done
             return arrays[n_in:]
+        _cache(op, number, arrays, values, state, workspace)
+
+
+class _Workspace:
+    """A caller's workspace for one launch: its allocation (held), its address as passed and its
+    bytes (the checks of one too small or of another device are made on a miss)."""
+
+    __slots__ = ("alloc", "arg", "size")
+
+    def __init__(self, workspace: DeviceArray, device: Device) -> None:
+        self.alloc, self.arg = workspace.allocation("workspace"), acl.void(workspace.address)
+        self.size = workspace.nbytes if workspace.is_contiguous and self.alloc.device is device else -1
+
+
+def _given_workspace(spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray,
+                     device: Device) -> _Workspace:
+    check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
+    return _Workspace(workspace, device)
+
+
+def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
+           workspace: DeviceArray | None) -> None:
+    """A miss: the stream's executor for entry ``number`` (built here, outside the lock: another
+    thread may add one meanwhile; the oldest evicted past the cache's size) and, for its
+    workspace, the stream's (or the caller's, checked). Raises what the device's state
+    refuses (closed, faulted)."""
+    spec, dev = op.spec, state.device
+    dev.check()
+    collect()
+    with state.lock:
+        state.check_open()
+        e = state.executors.get(number)
+    if e is None:
+        e = _Cached(spec, dev, arrays, op.attrs(*values))
     if workspace is not None:
-        check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
-    _launch_cached(op, number, arrays, allocs, firsts, values, state, workspace, held)
-    return arrays[n_in:]
+        checked_workspace(workspace, e.size, dev, "stream")
+    elif e.size:
+        state.ensure_workspace(e.size)
+    with state.lock:
+        state.check_open()
+        extra = [e] if state.executors.setdefault(number, e) is not e else _evict(state.executors)
+    for old in extra:
+        old.destroy()
 
 
 _NONE: list[Any] = []
@@ -309,56 +347,6 @@ def _device_of(spec: OpSpec, arrays: list[DeviceArray | None], workspace: Device
     return device_of(every)
 
 
-def _launch_cached(op: OneCall, number: int, arrays: list[DeviceArray | None], allocs: list[Allocation | None],
-                   firsts: list[int], values: tuple[Any, ...], state: StreamState, workspace: DeviceArray | None,
-                   held: list[Allocation | None]) -> None:
-    """Every launch but the steady state's: the stream's executor for entry ``number`` (built
-    here on a miss, outside the lock: another thread may add one meanwhile), the stream's
-    workspace (or the caller's), then the launch under the stream's lock."""
-    spec, dev = op.spec, state.device
-    dev.check()
-    collect()
-    built: _Cached | None = None
-    while True:
-        with state.lock:
-            state.check_open()
-            e = state.executors.get(number)
-        if e is None and built is None:
-            built = _Cached(spec, dev, arrays, op.attrs(*values))
-        size = (e or built).size  # type: ignore[union-attr]
-        ws = checked_workspace(workspace, size, dev, "stream") if workspace is not None else None
-        if workspace is None and size:
-            state.ensure_workspace(size)
-        evicted: list[Any] = []
-        with state.lock:
-            state.check_open()
-            e = state.executors.get(number)
-            if e is None:
-                if built is None:
-                    continue  # evicted since it was looked up: build one
-                e = state.executors[number] = built
-                built = None
-                evicted = _evict(state.executors)
-            if workspace is None and e.size and (state.workspace is None or state.workspace.nbytes < e.size):
-                continue  # the stream's workspace went meanwhile
-            if firsts != e.bound:
-                e.rebind(spec, firsts)
-            acl.use_context(state.ctx)
-            state.hold((held, ws))
-            written(allocs[len(spec.inputs):], state)
-            if workspace is not None:
-                check(aclnn.bound_launch(spec.api, workspace.address, e.size, e.core.handle, state.handle)(), spec.api)
-            else:
-                if e.call is None or (e.size and e.gen != state.ws_gen):
-                    e.bind(spec, state)
-                check(e.call(), spec.api)
-            done = state.fenced()
-        del done
-        for old in evicted if built is None else [*evicted, built]:
-            old.destroy()
-        return
-
-
 def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
     # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
     out = []
@@ -367,35 +355,24 @@ def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
     return out
 
 
-def _run_unchecked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
-                   workspace: DeviceArray | None, dev: Device) -> list[DeviceArray | None]:
-    """validate=False: CANN judges everything, through the vendor's first phase each call."""
-    spec = op.spec
-    attrs = op.attrs(*values)
-    n_in = len(spec.inputs)
-    sizes = op.sizes(dict(zip(spec.inputs, arrays)), attrs)
-    for i, name in zip(spec.output_positions, spec.outputs):
-        want = sizes[name]
-        if arrays[i] is None and want is not None:
-            _args.nbytes(name, want[0], want[1].itemsize)  # what the attributes size must be addressable
-            arrays[i] = empty_from([contiguous_layout(*want)], dev, state)[0]
-    named = dict(zip(spec.tensors, arrays))
-    size, executor = first_phase(spec, named, attrs, dev)
-    try:
-        core = executor.core()
-        if workspace is not None:
-            block: Any = checked_workspace(workspace, size, dev, "executor")
-            ws = workspace.address
-        else:
-            if size:
-                state.ensure_workspace(size)
-            block = state.workspace if size else None
-            ws = block.ptr if block is not None else 0
-        allocs = [None if a is None else a.allocation(n) for n, a in named.items()]
-        launch(core, state, ws, size, (block, allocs), allocs[n_in:])
-    finally:
-        executor.close()
-    return arrays[n_in:]
+class _Unchecked(Plan):
+    """validate=False: a one-shot plan, CANN judging everything through the vendor's first
+    phase on every call."""
+
+    def __init__(self, op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> None:
+        self._op = op
+        self._build(arrays, values, False, False)
+
+    @staticmethod
+    def _result_of(arrays: Mapping[str, DeviceArray]) -> Any:
+        return arrays
+
+
+def _run_unchecked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], stream: Stream | None,
+                   workspace: DeviceArray | None) -> list[DeviceArray | None]:
+    with _Unchecked(op, arrays, values) as plan:
+        outs = plan(stream, workspace)
+    return [outs.get(name) for name in op.spec.outputs]
 
 
 def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], stream: Stream | None,
@@ -412,7 +389,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     given: list[np.ndarray | None] = []
     for name, value in zip(spec.outputs, out):
         if value is not None:
-            if not isinstance(value, np.ndarray) and family is not TORCH:
+            if not isinstance(value, np.ndarray) and family != TORCH:
                 raise InvalidArgument(name, f"must be a NumPy array when the inputs are host arrays, got "
                                             f"{type(value).__name__}")
             value = host_view(value, name)[0]  # a torch tensor's own memory, written in place
@@ -443,7 +420,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     # copies out queued on the stream, then one wait: the blocks are idle again after it.
     arrays = empty_from(layouts, dev, state)
     n_in = len(spec.inputs)
-    state.enqueue_all(views, _copies(arrays, views, True))
+    state.enqueue(views, _copies(arrays, views, True))
     it = iter(arrays[n_in:])
     tensors: list[DeviceArray | None] = arrays[:n_in]  # type: ignore[assignment]
     made: list[DeviceArray] = []
@@ -461,7 +438,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
         hosts.append(host)
         results.append((host, target, mine))
     run_device(op, tensors, values, stream, workspace, validate)
-    state.enqueue_all(results, _copies(made, hosts, False))
+    state.enqueue(results, _copies(made, hosts, False))
     wait_for(state)
     dev.give_back(arrays)
     return [None if r is None else _delivered(r, family) for r in results]

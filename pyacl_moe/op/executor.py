@@ -18,17 +18,17 @@ from typing import Any
 import numpy as np
 
 from .. import _args, _contract
-from .._cann import acl, aclnn
+from .._cann import aclnn
 from ..array import DeviceArray
-from ..device import EXECUTORS, Allocation, Device, Holder, calling, collect, current_device
+from ..device import EXECUTORS, Allocation, Device, Holder, Owner, calling, collect, current_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
-from ..stream import Stream, StreamState, resolve_stream
+from ..stream import Stream, StreamState, resolve_stream, written
 from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
 __all__ = ["Executor", "ExecutorCore", "build", "check_output_layout", "checked_workspace", "device_of", "execute",
-           "first_phase", "fits", "launch", "written"]
+           "first_phase", "fits", "launch", "written"]  # (written: the stream's, for the launches here)
 
 
 class ExecutorCore:
@@ -160,14 +160,6 @@ def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> A
     return alloc
 
 
-def written(allocs: Sequence[Allocation | None], state: StreamState) -> None:
-    """Queued work on ``state`` writes ``allocs`` (the stream's lock held; a loop under a lock
-    is a function of its own: ARCHITECTURE.md)."""
-    for a in allocs:
-        if a is not None:
-            a.writer = state
-
-
 def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, hold: Any,
            outputs: Sequence[Allocation | None]) -> None:
     """The second phase on ``state``'s stream, keeping ``hold`` (what the kernel reads and
@@ -175,17 +167,11 @@ def launch(core: ExecutorCore, state: StreamState, workspace: int, size: int, ho
     state.device.check()
     with core.holder.lock:
         core.check_live()
-        with state.lock:
-            state.check_open()
-            acl.use_context(state.ctx)
-            state.hold(hold)
-            written(outputs, state)
-            aclnn.launch(core.spec.api, workspace, size, core.handle, state.handle, not core.repeatable)
-            done = state.fenced()
-    del done
+        state.enqueue(hold, [(aclnn.launch, (core.spec.api, workspace, size, core.handle, not core.repeatable))],
+                      outputs)
 
 
-class Executor:
+class Executor(Owner):
     """An aclOpExecutor from the first phase.
 
     A one-shot executor is consumed by its launch (CANN frees it); call
@@ -217,26 +203,22 @@ class Executor:
     @property
     def workspace_size(self) -> int:
         """Bytes of workspace the second phase needs."""
-        c = self._core
-        return c.workspace_size if c is not None else 0
+        return self._of("workspace_size", 0)  # type: ignore[no-any-return]
 
     @property
     def repeatable(self) -> bool:
         """True once aclSetAclOpExecutorRepeatable was called."""
-        c = self._core
-        return c is not None and c.repeatable
+        return self._of("repeatable", False)  # type: ignore[no-any-return]
 
     @property
     def closed(self) -> bool:
         """True once consumed by a one-shot launch or closed."""
-        c = self._core
-        return c is None or not c.handle
+        return not self._of("handle", None)
 
     @property
     def device(self) -> Device | None:
         """The device it was built on (None once closed)."""
-        c = self._core
-        return c.device if c is not None else None
+        return self._of("device", None)  # type: ignore[no-any-return]
 
     @property
     def tensors(self) -> tuple[AclTensor, ...]:
@@ -271,21 +253,11 @@ class Executor:
     def close(self) -> None:
         """Destroy the executor, at once unless a plan still uses it (then when it lets go);
         CANN's refusal is raised (the device tries again later). Safe twice."""
-        core, self._core, self._tensors = self._core, None, ()
-        if core is not None:
-            device, holder = core.device, core.holder
-            del core
-            device.release_if_gone(holder)
-
-    def __enter__(self) -> Executor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._tensors = ()
+        super().close()
 
     def __repr__(self) -> str:
-        c = self._core
-        state = "closed" if self.closed else ("repeatable" if c is not None and c.repeatable else "one-shot")
+        state = "closed" if self.closed else ("repeatable" if self.repeatable else "one-shot")
         return f"<Executor {self.handle:#x} {state} workspace={self.workspace_size}>"
 
 

@@ -24,19 +24,9 @@ from .._cann.errcheck import check
 from ..array import DeviceArray, empty, may_overlap
 from ..device import PLANS, Allocation, Device, collect
 from ..errors import ClosedError, InvalidArgument
-from ..stream import Stream, StreamState, resolve_stream, thread_current
+from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import AclTensor
-from .executor import (
-    Executor,
-    ExecutorCore,
-    build,
-    check_output_layout,
-    checked_workspace,
-    device_of,
-    fits,
-    launch,
-    written,
-)
+from .executor import Executor, build, check_output_layout, checked_workspace, device_of, fits, launch
 from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "check_workspace_apart"]
@@ -78,27 +68,31 @@ class _PlanCore:
     store under ``lock``, read without it."""
 
     __slots__ = ("lock", "spec", "device", "ctx", "executor", "tensors", "arrays", "allocs", "outs", "streams",
-                 "rebinding", "closed", "spent", "last", "key", "result", "result_of", "__weakref__")
-    # (set by Plan._prepare)
-    lock: threading.Lock
-    spec: OpSpec
-    device: Device
-    ctx: Any
-    executor: ExecutorCore
-    tensors: dict[str, AclTensor]
-    arrays: dict[str, DeviceArray]
-    allocs: dict[str, Allocation]
-    outs: tuple[Allocation, ...]
-    streams: dict[StreamState, Any]
-    rebinding: dict[str, tuple[DeviceArray, Allocation, int]]
-    closed: bool
-    spent: bool
-    last: StreamState | None
-    key: int
-    result: Any
-    result_of: Any
+                 "rebinding", "closed", "spent", "last", "key", "result", "result_of", "fn", "ex", "size",
+                 "__weakref__")
     RANK = PLANS
     API = "aclDestroyAclOpExecutor"
+
+    def __init__(self, spec: OpSpec, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
+                 repeatable: bool, result_of: Any) -> None:
+        self.lock, self.spec, self.device, self.ctx = threading.Lock(), spec, device, device.context
+        self.arrays = dict(arrays)
+        self.allocs = {n: a.allocation(n) for n, a in arrays.items()}
+        self.outs = tuple(self.allocs[n] for n in spec.outputs if n in self.allocs)
+        self.streams: dict[StreamState, Any] = {}
+        self.rebinding: dict[str, tuple[DeviceArray, Allocation, int]] = {}
+        self.closed = self.spent = False
+        self.last: StreamState | None = None
+        self.key = next(_keys)
+        self.tensors = {n: AclTensor(a) for n, a in arrays.items()}
+        self.executor = build(spec, device, {n: t.core() for n, t in self.tensors.items()}, attrs)
+        if repeatable:
+            self.executor.set_repeatable()
+        # The second phase, launched as fn(the stream's workspace, size, ex, stream) where bound.
+        self.fn, self.ex, self.size = aclnn.second_phase(spec.api), acl.raw(self.executor.handle), \
+            self.executor.workspace_size
+        self.result_of = result_of
+        self.result = result_of(self.arrays)
 
     def release(self) -> int:
         """Let go of every stream, then destroy the executor."""
@@ -136,7 +130,7 @@ class _PlanCore:
 
 def _unbind(state: StreamState, core: _PlanCore) -> None:
     with state.lock:
-        state.plans.pop(core.key, None)
+        state.plans.discard(core.key)
         done = state.keep(tuple(core.allocs.values()))
     del core.streams[state]
     del done
@@ -184,23 +178,11 @@ class Plan:
     def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
                  repeatable: bool) -> None:
         collect()
-        c = _PlanCore()
-        c.lock, c.spec, c.device, c.ctx = threading.Lock(), self._spec, device, device.context
-        c.arrays = dict(arrays)
-        c.allocs = {n: a.allocation(n) for n, a in arrays.items()}
-        c.outs = tuple(c.allocs[n] for n in self._spec.outputs if n in c.allocs)
-        c.streams, c.rebinding, c.closed, c.spent, c.last, c.key = {}, {}, False, False, None, next(_keys)
-        c.tensors = {n: AclTensor(a) for n, a in arrays.items()}
-        c.executor = build(self._spec, device, {n: t.core() for n, t in c.tensors.items()}, attrs)
-        if repeatable:
-            c.executor.set_repeatable()
         self._repeatable = repeatable
         # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
         self._view_offsets = {n: a.offset for n, a in arrays.items()}
-        self._c = c
-        c.result_of = type(self)._result_of
-        c.result = c.result_of(c.arrays)
-        device.own(c, self)
+        self._c = _PlanCore(self._spec, device, arrays, attrs, repeatable, type(self)._result_of)
+        device.own(self._c, self)
 
     # -- properties
 
@@ -247,11 +229,10 @@ class Plan:
         # lock: in a fork() child a parent thread may have held it) and not faulted.
         if state is not None and state is c.last and workspace is None and c.ctx.open and c.device.fault is None:
             with state.lock:
-                call = state.plans.get(c.key)
-                if call is not None:
+                if c.key in state.plans:
                     if _thread.context is not state.ctx:
                         acl.use_context(state.ctx)
-                    st = call()
+                    st = c.fn(state.ws_arg, c.size, c.ex, state.arg)
                     if not st:
                         if len(c.outs) == 1:  # (the backward: its one output, without a loop's frame)
                             c.outs[0].writer = state
@@ -305,21 +286,17 @@ class Plan:
                     return c.result
 
     def _bound_launch(self, c: _PlanCore, state: StreamState, size: int) -> bool:
-        """(the plan's lock held) Launch through the stream's bound call, binding it first;
-        False when the stream's workspace went meanwhile (bind again)."""
+        """(the plan's lock held) Bind the plan to the stream and launch; False when the
+        stream's workspace went meanwhile (try again)."""
         with c.executor.holder.lock, state.lock:
             state.check_open()
             c.executor.check_live()
-            call = state.plans.get(c.key)
-            if call is None:
-                ws = state.workspace
-                if size and (ws is None or ws.nbytes < size):
-                    return False
-                call = state.plans[c.key] = aclnn.bound_launch(self._spec.api, ws.ptr if ws is not None else 0,
-                                                               size, c.executor.handle, state.handle)
-                c.streams[state] = None
+            if state.ws_size < size:
+                return False
+            state.plans.add(c.key)
+            c.streams[state] = None
             acl.use_context(state.ctx)
-            check(call(), self._spec.api)
+            check(c.fn(state.ws_arg, c.size, c.ex, state.arg), self._spec.api)
             written(c.outs, state)
         return True
 
@@ -331,10 +308,9 @@ class Plan:
             raise InvalidArgument("plan", "is one-shot (repeatable=False): only a repeatable plan has a launch to "
                                           "repeat")
         self(stream)
-        state = resolve_stream(stream, self._c.device)
+        state, c = resolve_stream(stream, self._c.device), self._c
         with state.lock:
-            call = state.plans[self._c.key]
-        return call.func, call.args
+            return c.fn, (state.ws_arg, c.size, c.ex, state.arg)
 
     # -- rebinding and release
 
