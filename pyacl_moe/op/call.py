@@ -301,12 +301,17 @@ def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: t
     with state.lock:
         state.check_open()
         e = state.executors.get(number)
+    cached = e is not None
     if e is None:
         e = _Cached(spec, dev, arrays, op.attrs(*values))
     if workspace is not None:
         checked_workspace(workspace, e.size, dev, "stream")
     elif e.size:
         state.ensure_workspace(e.size)
+    if cached:
+        # Only its workspace was missing. It is not put back: empty_cache may have taken and
+        # destroyed it meanwhile, and the next lookup builds another if so.
+        return
     with state.lock:
         state.check_open()
         extra = [e] if state.executors.setdefault(number, e) is not e else _evict(state.executors)
