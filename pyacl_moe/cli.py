@@ -45,6 +45,10 @@ def _info(args: argparse.Namespace) -> int:
         free, total = dev.mem_info()
         report["devices"].append({"id": d, "memory_free": free, "memory_total": total})
     report["soc"] = pm.soc_name()
+    c = pm.device.chip()
+    report["chip"] = {"family": c.family, "vector_cores": c.vector_cores, "ub_bytes": c.ub_bytes,
+                      "summation": c.summation, "invalid_index": c.invalid_index,
+                      "forward_relaxed": c.forward_relaxed}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -55,14 +59,16 @@ def _info(args: argparse.Namespace) -> int:
     print(f"ops          {version.ops_version or '(part of the toolkit)'}")
     print(f"runtime      {version.runtime_version or '(not recorded)'}")
     print(f"op library   {version.op_library}")
-    for name, path in lib.paths.items():  # (a name as long as libopapi_transformer.so keeps a space too)
-        print(f"{'lib' + name + '.so':<12} {path}")
+    width = max(13, *(len(name) + 7 for name in lib.paths))  # a library's name, a space, then its path
+    for name, path in lib.paths.items():
+        print(f"{'lib' + name + '.so':<{width}}{path}")
     for path in lib.dependencies:
-        print(f"{'  needs':<13}{path}")
+        print(f"{'  needs':<{width}}{path}")
     print(f"ACL version  {report['acl_version']}")
     note = f" ({applies.note})" if applies.note else ""
     print(f"expects      the op of {applies.behaviour.since} and later{note}")
     print(f"SoC          {report['soc']}")
+    print(f"chip         {c.describe()}")
     print(f"devices      {count}")
     for d in report["devices"]:
         print(f"  device {d['id']}: {d['memory_free'] / 2**30:.2f} GiB free of {d['memory_total'] / 2**30:.2f} GiB")
@@ -171,7 +177,8 @@ def _conformance(args: argparse.Namespace) -> int:
         from .tools import kitcases
 
         try:
-            kit_cases = kitcases.load(args.cases)
+            # An ATK file's cases are judged by the standard it names, unless one is given here.
+            kit_cases = kitcases.load(args.cases, own_standards=not (args.exact or args.standard))
         except kitcases.CaseFileError as exc:
             raise UsageError(str(exc), "--cases") from None
         profile = "cases"
@@ -467,9 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--filter", metavar="SUBSTRING", help="only cases whose name contains SUBSTRING")
     conf.add_argument("--report", metavar="FILE.json", help="write a JSON report")
     conf.add_argument("--junit", metavar="FILE.xml", help="write a JUnit XML report")
-    conf.add_argument("--cases", action="append", metavar="FILE.csv",
-                      help="run the rows of a case file of the vendor's operator test kit (either op) instead of "
-                           "the catalogue; repeatable (see docs/conformance.md)")
+    conf.add_argument("--cases", action="append", metavar="FILE.csv|FILE.json",
+                      help="run the rows of a case file of the vendor's operator test kit, CSV or ATK JSON (either "
+                           "op), instead of the catalogue; repeatable (see docs/conformance.md)")
     conf.add_argument("--report-csv", metavar="FILE.csv",
                       help="write one row per case, as the vendor's test kit does (standard, metrics, times, memory)")
     conf.add_argument("--perf", type=_integer(0), default=0, metavar="N",

@@ -29,12 +29,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _args, _lifetime
+from . import _args, _lifetime, release
 from ._cann import acl
 from ._cann.errcheck import check
+from ._contract import Chip
 from .errors import AclError, AclRuntimeError, ClosedError, InvalidArgument, error_for
 
-__all__ = ["Allocation", "Device", "Holder", "Owner", "acl_version", "calling", "collect", "current_device",
+__all__ = ["Allocation", "Device", "Holder", "Owner", "acl_version", "calling", "chip", "collect", "current_device",
            "device_count", "empty_cache", "is_fault", "is_pinned", "memory_stats", "open_devices", "pinned_empty",
            "resolve_device", "set_caching", "soc_name"]
 
@@ -157,6 +158,9 @@ class _Process:
     # first device opens (a bad value is refused by name there, not at import), or
     # set_caching(). One store, read without a lock.
     caching: list[bool | None] = [None]
+    # The chip the process runs the ops on, with its release's rules: read once (one SoC and one
+    # CANN a process), stored whole under ``lock``, read without it.
+    chip: Chip | None = None
 
 
 _tls = threading.local()  # .device: the Device this thread last used; .saved: `with device:` stack
@@ -740,6 +744,19 @@ def resolve_device(device: Device | int | None, name: str = "device") -> Device:
     if isinstance(device, bool) or not hasattr(device, "__index__"):
         raise InvalidArgument(name, f"must be a Device, a device id or None, got {type(device).__name__}")
     return Device(device)
+
+
+def chip() -> Chip:
+    """The chip this process runs the ops on: the family of the SoC CANN reports
+    (aclrtGetSocName) with the rules of the loaded ops release (release.chip_for). The host
+    checks, the reference, conformance and the reports follow it."""
+    c = _Process.chip
+    if c is None:
+        _refuse_after_fork()
+        found = release.chip_for(acl.soc_name(), release.cann_version().ops_release)
+        with _Process.lock:
+            c = _Process.chip = _Process.chip or found
+    return c
 
 
 def device_count() -> int:

@@ -112,17 +112,10 @@ def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.partition(".")[0] == "torch" and "torch" in sys.modules
 
 
-class Family:
-    """Where an input came from, so that the result goes back the same way."""
-
-    __slots__ = ("kind",)
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind  # "numpy" or "torch"
-
-
-NUMPY = Family("numpy")
-TORCH = Family("torch")
+# Where an input came from, so that the result goes back the same way.
+Family = str
+NUMPY: Family = "numpy"
+TORCH: Family = "torch"
 
 
 def host_view(obj: Any, name: str) -> tuple[np.ndarray, Family]:
@@ -171,7 +164,7 @@ def _export(obj: Any, name: str) -> Any:
 def in_family(result: np.ndarray, family: Family) -> Any:
     """``result`` as the caller's family has it: a torch tensor for torch inputs (same dtype,
     bfloat16 included, sharing the NumPy array's memory), else the NumPy array."""
-    if family is not TORCH:
+    if family != TORCH:
         return result
     torch = sys.modules["torch"]
     if result.dtype == _BF16:

@@ -46,9 +46,23 @@ token's K slots, not the row it names):
 
 The split of the hidden dimension into copies that fit the kernel's local buffer, the split
 of tokens across cores and the token groups do not change any element's order, so the model
-needs none of them. This is the kernel for Atlas A2 and A3 (Ascend910B, Ascend910_93); the
-tiling hands Ascend910_95 to another kernel (op_kernel/moe_init_routing_v2_grad_apt.cpp),
-which this does not model.
+needs none of them. This is the kernel for Atlas A2 and A3 (Ascend910B, Ascend910_93).
+
+**The Ascend950's kernel** (``chip=``; ops-transformer op_kernel/arch35/, from v9.0.0-beta.2)
+is modelled as well, bit for bit: per element a float32 sum from +0.0; the terms in chunks
+(below), and in each chunk every four consecutive terms added as ``acc + ((t0 + t1) + (t2 +
+t3))`` (arch35/moe_init_routing_v2_grad_base.h:204-377, SequenceReduceSum), then the one to
+three left one by one; the float32 sum carried exactly from chunk to chunk; one rounding to
+nearest even at the end (CAST_RINT). A term the kernel reads as a zero row (the scenario's
+marks, and from v9.1.0.pre every index outside the rows but one past them in drop/pad mode:
+base.h:65-75) is a +0.0 in its place: the fours stay where they are. The chunks: all K terms
+at once when the tiling picks its split-H template (K <= 64, N below the vector cores and
+below H/512/dtype bytes: op_host/moe_init_routing_v2_grad_split_h_tiling_arch35.cpp:49-58) or
+its full-load one ((2K+1) rows of H fit in the UB, else K <= 10:
+..._full_load_tiling_arch35.cpp:104-137); else its general template's kUbFactor terms at a
+time, ``(UB - (bytes+4)*Ha) // (2*bytes*Ha)`` (or 1) with Ha = H rounded up to 32 bytes
+(..._tiling_arch35.cpp:100-129). So the 950's bits depend on its UB size, which
+:class:`pyacl_moe._contract.Chip` carries.
 
 The model works through tiles of tokens (and of columns when one token's buffers would not
 fit), so its extra memory stays small whatever the input size.
@@ -63,6 +77,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _args, _contract
+from ._contract import Chip, chip_named
 from .errors import InvalidArgument
 
 __all__ = ["moe_init_routing_v2", "moe_init_routing_v2_grad"]
@@ -115,12 +130,16 @@ def moe_init_routing_v2_grad(
     *,
     out: np.ndarray | None = None,
     validate: bool = True,
+    chip: Chip | str | None = None,
 ) -> np.ndarray:
     """Reference result for the op, as a NumPy array of shape (N, H).
 
     Same arguments as :func:`pyacl_moe.moe_init_routing_v2_grad` (NumPy arrays only).
     ``validate`` checks the contract, index values included, and raises InvalidArgument.
+    ``chip``: whose kernel to model, a :class:`~pyacl_moe._contract.Chip` or a SoC or family name
+    (its newest rules); None is the 910B's.
     """
+    chip = _chip(chip)
     x = _contract.native(np.asarray(grad_expanded_x))
     idx = _contract.native(np.asarray(expanded_row_idx))
     if validate:
@@ -128,7 +147,7 @@ def moe_init_routing_v2_grad(
             x.shape, x.dtype, idx.shape, idx.dtype, top_k, drop_pad_mode, active_num,
             None if out is None else out.shape, None if out is None else out.dtype,
         )
-        _contract.check_indices(idx, geo, int(top_k), int(active_num))
+        _contract.check_indices(idx, geo, int(top_k), int(active_num), chip)
     else:
         geo = _contract.Geometry(
             idx.shape[0] // int(top_k), x.shape[-1],
@@ -142,6 +161,19 @@ def moe_init_routing_v2_grad(
         raise InvalidArgument("out", "must be writable")
     rows = np.ascontiguousarray(x).reshape(geo.rows, h)
     ids = idx.reshape(n, k)
+    if chip.summation in ("quads", "sequential"):
+        zero = _contract.zero_rows(ids, geo, k, int(active_num), chip)
+        if zero is not None:
+            ids = np.where(zero, 0, ids)
+        if not geo.rows:  # every slot a zero row (or outside an empty input)
+            out[...] = 0
+            return out
+        if not validate and ids.size:
+            _in_bounds(ids, geo.rows)
+        with np.errstate(over="ignore", invalid="ignore"):
+            chunk = 1 if chip.summation == "sequential" else arch35_tiling(chip, n, k, h, x.dtype.itemsize)[2]
+            _quads(rows, ids, zero, out, k, chunk)
+        return out
     if geo.scenario == "drop-pad":
         skip_all = ids == -1
     elif geo.scenario == "active":
@@ -156,12 +188,7 @@ def moe_init_routing_v2_grad(
         out[...] = 0
         return out
     if not validate and ids.size:
-        # The gathers below use mode="wrap", which takes no copy of its output but would
-        # wrap an index that NumPy's indexing refuses; refuse those here, as np.take would.
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < -geo.rows or hi >= geo.rows:
-            bad = lo if lo < -geo.rows else hi
-            raise IndexError(f"index {bad} is out of bounds for axis 0 with size {geo.rows}")
+        _in_bounds(ids, geo.rows)
 
     is_bf16 = rows.dtype == _BF16
     # bfloat16 rows are gathered as their bits, then widened to float32 without rounding.
@@ -169,6 +196,90 @@ def moe_init_routing_v2_grad(
     with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN are values here, as on the device
         _accumulate(src, ids, skip_all, out, k, is_bf16)
     return out
+
+
+def _chip(chip: Chip | str | None) -> Chip:
+    if chip is None or isinstance(chip, Chip):
+        return chip or _A2
+    if not isinstance(chip, str):
+        raise InvalidArgument("chip", f"must be a Chip, a SoC or family name, or None, got {type(chip).__name__}")
+    return chip_named(chip)
+
+
+_A2 = chip_named(None)
+
+
+def _in_bounds(ids: np.ndarray, rows: int) -> None:
+    # The gathers use mode="wrap", which takes no copy of its output but would wrap an index
+    # that NumPy's indexing refuses; refuse those here, as np.take would.
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < -rows or hi >= rows:
+        bad = lo if lo < -rows else hi
+        raise IndexError(f"index {bad} is out of bounds for axis 0 with size {rows}")
+
+
+ARCH35_TEMPLATES = {"split-h": 20000, "full-load": 30000, "general": 40000}
+
+
+def arch35_tiling(chip: Chip, n: int, k: int, h: int, itemsize: int,
+                  scenario: str = "dropless") -> tuple[str, int, int]:
+    """The Ascend950's tiling of the backward (see the module docstring): the template its
+    registry picks, the tiling key (op_kernel/moe_init_routing_v2_grad_apt.cpp:22-30: the
+    template's number * 10 + 1 dropless, 2 drop/pad, 3 active) and how many of a token's K terms
+    one pass sums (K, or the general template's kUbFactor, which the UB size sets)."""
+    ts, ub = itemsize, chip.ub_bytes
+    key = {"dropless": 1, "drop-pad": 2, "active": 3}[scenario]
+    if k <= 64 and n < chip.vector_cores and n < (h // 512) // ts:
+        template, chunk = "split-h", k  # split_h_tiling_arch35.cpp:49-58
+    else:
+        h_align = -(-(h * ts) // 32) * 32 // ts
+        if (2 * k + 1) * ts * h_align <= ub or k <= 10:
+            template, chunk = "full-load", k  # full_load_tiling_arch35.cpp:104-137 (H split when K <= 10)
+        elif (3 * ts + 4) * h_align <= ub:
+            template, chunk = "general", min((ub - (ts + 4) * h_align) // (2 * ts * h_align), 65535)
+        else:
+            template, chunk = "general", 1  # tiling_arch35.cpp:100-129: H split, one term a pass
+    return template, ARCH35_TEMPLATES[template] * 10 + key, chunk
+
+
+def _term(tile: tuple[Any, ...], t: int) -> np.ndarray:
+    """Term t of a tile's tokens, widened to float32 exactly; a zero row +0.0."""
+    part, ids, zero, values = tile
+    g = np.take(part, ids[:, t], axis=0, mode="wrap").view(values).astype(np.float32)
+    if zero is not None and zero[:, t].any():
+        g[zero[:, t]] = 0.0
+    return g  # type: ignore[no-any-return]
+
+
+def _quads(rows: np.ndarray, ids: np.ndarray, zero: np.ndarray | None, out: np.ndarray, k: int, chunk: int) -> None:
+    """The Ascend950's sum (module docstring), tile by tile of tokens and columns."""
+    n, h = out.shape
+    is_bf16 = rows.dtype == _BF16
+    src = rows.view(np.uint16) if is_bf16 else rows
+    values = _BF16 if is_bf16 else src.dtype
+    cols = max(1, min(h, _WORKING_SET_BYTES // (6 * 4)))
+    tokens = max(1, min(n, _WORKING_SET_BYTES // (6 * 4 * cols)))
+    for c0 in range(0, h, cols):
+        c1 = min(h, c0 + cols)
+        part = src if (c0, c1) == (0, h) else src[:, c0:c1]
+        for t0 in range(0, n, tokens):
+            t1 = min(n, t0 + tokens)
+            tile = (part, ids[t0:t1], None if zero is None else zero[t0:t1], values)
+            acc = np.zeros((t1 - t0, c1 - c0), np.float32)
+            for k0 in range(0, k, chunk):
+                length, j = min(chunk, k - k0), 0
+                while j + 3 < length:
+                    a = _term(tile, k0 + j) + _term(tile, k0 + j + 1)
+                    b = _term(tile, k0 + j + 2) + _term(tile, k0 + j + 3)
+                    acc += a + b
+                    j += 4
+                while j < length:
+                    acc += _term(tile, k0 + j)
+                    j += 1
+            nan = np.isnan(acc)
+            if nan.any():
+                acc[nan] = _NAN32
+            out[t0:t1, c0:c1] = acc
 
 
 def _accumulate(src: np.ndarray, ids: np.ndarray, skip_all: np.ndarray | None, out: np.ndarray,
@@ -246,6 +357,8 @@ def moe_init_routing_v2(
     drop_pad_mode: int = 0,
     expert_tokens_count_or_cumsum_flag: int = 0,
     expert_tokens_before_capacity_flag: bool = False,
+    *,
+    chip: Chip | str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """aclnnMoeInitRoutingV2 (MoE token routing, forward) in NumPy: (expanded_x,
     expanded_row_idx, expert_tokens_count_or_cumsum or None, expert_tokens_before_capacity or
@@ -260,8 +373,10 @@ def moe_init_routing_v2(
     slots at [e, rank], the others get -1, and rows nobody fills are zero. The count output
     (mode 0, flag 1: cumulative sum, 2: count per expert) and the before-capacity output (mode
     1, flag set: count per expert before dropping) have expert_num entries. Rows are copied,
-    never computed: the results are exact.
+    never computed: the results are exact. ``chip``: whose rules (an Ascend950 takes INT64
+    and 1-D ids, K = 1, and an active_num <= 0, N*K + active_num rows); None is the 910B's.
     """
+    chip = _chip(chip)
     xs = _contract.native(np.asarray(x))
     ids = np.asarray(expert_idx)
     # The binding's own argument rules: "3" or 2.5 where an int belongs is refused, not converted.
@@ -270,9 +385,9 @@ def moe_init_routing_v2(
     active, cap = _args.int64("active_num", active_num), _args.int64("expert_capacity", expert_capacity)
     num = _args.int64("expert_num", expert_num)
     before_flag = _args.boolean("expert_tokens_before_capacity_flag", expert_tokens_before_capacity_flag)
-    _contract.check_routing(xs.shape, xs.dtype, ids.shape, ids.dtype, active, cap, num, mode, flag)
+    _contract.check_routing(xs.shape, xs.dtype, ids.shape, ids.dtype, active, cap, num, mode, flag, chip)
     _contract.check_expert_ids(ids, num, mode, flag)
-    n, k = ids.shape
+    n, k = ids.shape[0], _contract.top_k_of(ids.shape)
     h = xs.shape[1]
     total = n * k
     flat = ids.reshape(-1).astype(np.int64)
@@ -280,7 +395,7 @@ def moe_init_routing_v2(
     order = np.argsort(flat, kind="stable")  # equal ids keep the order of their positions
     row_idx = np.empty(total, np.int32)
     if mode == 0:
-        rows = total if active == 0 else min(active, total)
+        rows = _contract.routing_outputs(n, k, h, xs.dtype, active, cap, num, mode, flag, False)["expanded_x"][0][0]
         row_idx[order] = np.arange(total, dtype=np.int32)
         expanded = np.take(xs, order[:rows] // k, axis=0) if h else np.zeros((rows, h), xs.dtype)
     else:

@@ -3,7 +3,8 @@
 **Names.** :func:`parse_release` reads every form the vendor writes: ``8.1.RC1`` (the
 toolkit's ``version=`` up to 8.3), ``8.0.RC2.alpha002`` (a pre-release of an RC), ``8.0.0``,
 ``9.0.0-beta.2``, ``9.0.0-rc.1``, ``9.1.0-beta.2.pre``, ``9.1.0.pre`` (the ops repositories'
-tags, without their ``v``) and ``9.1.0``. Releases order as the vendor numbers them: at each
+tags, without their ``v``), ``9.1.0``, ``9.1.1`` and ``9.2.0-beta`` (a qualifier without a
+number is its 0th, as the runtime reads it). Releases order as the vendor numbers them: at each
 level alpha < beta < RC < pre < final, so 8.0.RC2.alpha002 < 8.0.RC2 < 8.0.0 < 8.1.RC1 <
 9.1.0-beta.2.pre < 9.1.0-beta.2 < 9.1.0-beta.3 < 9.1.0.pre < 9.1.0. Build numbers such as
 ``7.7.0.1.238`` (a component's inner ``Version=`` up to 8.3) are not releases and are refused.
@@ -32,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._cann.layout import arch
+from ._contract import Chip, chip_named
 
-__all__ = ["BEHAVIOURS", "CannVersion", "OpBehaviour", "Release", "Versions", "behaviour_for", "cann_version",
-           "parse_release", "read_versions"]
+__all__ = ["BEHAVIOURS", "CHIP_RULES", "CannVersion", "OpBehaviour", "Release", "Versions", "behaviour_for",
+           "cann_version", "chip_for", "parse_release", "read_versions"]
 
 # Rank of a qualifier at one level of a release name; a level with no qualifier is final.
 _RANKS = {"alpha": 0, "beta": 1, "rc": 2, "pre": 3}
@@ -103,8 +105,9 @@ def parse_release(text: str) -> Release:
         if not number and q.group(1).lower() != "pre" and i + 1 < len(tokens) and tokens[i + 1].isdigit():
             number = tokens[i + 1]  # beta.2, rc.1
             i += 1
-        if not number and q.group(1).lower() != "pre":
-            raise ValueError(f"{text!r} is not a CANN release name: {tokens[i]!r} needs a number")
+        # A qualifier without a number counts as its 0th ("9.2.0-beta" before 9.2.0-beta.1), as
+        # the runtime's aclsysGetVersionNum reads it (github:hicann/runtime 681ef7610
+        # src/acl/aclrt_impl/acl.cpp:1054-1059, ParsePreNumStrict: an empty number is 0).
         qualifiers.append((_RANKS[q.group(1).lower()], int(number or 0)))
         i += 1
     if len(qualifiers) > 3:
@@ -218,8 +221,48 @@ def behaviour_for(release: str | Release | None) -> Applies:
     return Applies(applies, text, note.rstrip(": "))
 
 
-# The newest release whose op was read (the emulator's newest profile follows it).
-NEWEST_KNOWN = "9.1.0"
+# The newest release whose op was read. The releases after 9.1.0 (hicann/release-management
+# 9.1.1/release-notes.md and 9.2.0-beta.1/, 9.2.0-beta.2/: ops-transformer tags v9.1.1,
+# v9.2.0-beta.1 and v9.2.0-beta.2) are known by name and order; their notes list no change to
+# either op, and their tags are in no snapshot we could read. ops-transformer's master of
+# 2026-07-21 (3a280bcc3), the newest source read, changes the backward's refusal messages
+# (op_host/moe_init_routing_v2_grad_tiling_base.cpp) and adds a data-movement path to the
+# forward on the Ascend 950 (op_host/moe_init_routing_v2_tiling.cpp:916-933, K <= 6): no
+# status, workspace, data type or result changes. So they behave as 9.1.0, and a newer release
+# runs with the newest known expectations, saying so (behaviour_for).
+NEWEST_KNOWN = "9.2.0-beta.2"
+KNOWN_AFTER_9_1 = ("9.1.1", "9.2.0-beta.1", "9.2.0-beta.2")
+
+
+# ---------------------------------------------------------------------------- chips by release
+
+# (family, since, rules): where a family's op changed (ops-transformer
+# moe/moe_init_routing_v2_grad/op_kernel/arch35/). a5d6f9dca (first in v8.5.0-beta.1) brought
+# the Ascend 950's kernel, summing a token's terms one by one from +0.0; 8c1f71ff5 (first in
+# v9.0.0-beta.2) sums them in fours; 49e0de82b (first in v9.1.0.pre) reads an index outside
+# the rows as a zero row. The A2/A3 rules did not change. A release older than a family's
+# first entry gets that entry.
+CHIP_RULES: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("Ascend950", "8.5.0-beta.1", {"summation": "sequential", "invalid_index": "fault"}),
+    ("Ascend950", "9.0.0-beta.2", {"summation": "quads", "invalid_index": "fault"}),
+    ("Ascend950", "9.1.0.pre", {"summation": "quads", "invalid_index": "zero"}),
+)
+
+
+def chip_for(soc: str | None, release: str | None) -> Chip:
+    """The chip ``soc`` names (see :func:`pyacl_moe._contract.chip_named`) with its family's
+    rules as ``release`` (an ops release) ships them; an unknown or unreadable release gets the
+    newest."""
+    chip = chip_named(soc, release)
+    try:
+        r = parse_release(release) if release else None
+    except ValueError:
+        r = None
+    entries = [(parse_release(since), what) for family, since, what in CHIP_RULES if family == chip.family]
+    if not entries or r is None:
+        return chip
+    applies = [what for since, what in entries if since <= r] or [entries[0][1]]
+    return chip_named(soc, release, **applies[-1])
 
 
 # ---------------------------------------------------------------------------- which release is loaded

@@ -182,7 +182,8 @@ def test_quick_profile_passes_bit_for_bit_and_strict(device):
     # The reference models the kernel's summation order, so every result matches its bits.
     report = conformance.run("quick", progress=None, exact=True, strict=True)
     assert report.ok, report.table()
-    assert all(c.mismatches == 0 for c in report.cases if c.kind == "positive")
+    # (A case whose indices make the kernel fault on this chip is judged by that status.)
+    assert all(c.mismatches == 0 for c in report.cases if c.kind == "positive" and c.expected_status is None)
 
 
 def test_exact_mode_passes_where_any_summation_order_gives_the_same_bits(device):

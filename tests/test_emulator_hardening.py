@@ -387,6 +387,9 @@ ENV_CASES = [
     ("PYACL_MOE_EMU_THREADS", "64", True),
     ("PYACL_MOE_EMU_SOC", "Ascend 910", False),
     ("PYACL_MOE_EMU_SOC", "Ascend910B4", True),
+    ("PYACL_MOE_EMU_SOC", "Ascend950PR_9599", True),  # (the default release, 9.0.0, models the 950)
+    ("PYACL_MOE_EMU_SOC", "Ascend310P3", False),  # a SoC of no family the op is built for
+    ("PYACL_MOE_EMU_SOC", "Ascend950", False),  # a family, not a SoC
 ]
 
 def _c_config(name: str, value: str) -> dict:

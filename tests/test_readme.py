@@ -75,3 +75,16 @@ def test_the_test_time_the_readme_gives_is_a_measurement():
     m = re.search(r"`pytest` runs the default suite \(([\d,]+) tests: (\d+) s on two cores, measured by "
                   r"`\.ci/run` on (\d{4}-\d{2}-\d{2})", text)
     assert m, "the README's test-time sentence gives no measured figure"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None,
+                    reason="the README counts the suite where torch is not installed")
+def test_the_test_count_the_readme_gives_is_what_a_fresh_clone_collects():
+    """The README said 1,248 tests where a fresh clone collected 1,260 (issue: papercuts, 8)."""
+    text = " ".join(README.read_text().split())
+    said = int(re.search(r"`pytest` runs the default suite \(([\d,]+) tests", text).group(1).replace(",", ""))
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"],
+                       capture_output=True, text=True, cwd=str(ROOT), env=_env(), timeout=120)
+    m = re.search(r"(\d+)(?:/\d+)? tests collected", r.stdout)
+    assert m, r.stdout[-2000:] + r.stderr[-2000:]
+    assert said == int(m.group(1)), f"the README says {said} tests; the suite collects {m.group(1)}"

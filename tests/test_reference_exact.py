@@ -183,9 +183,10 @@ def catalogue_mismatches(profile: str, monkeypatch, shard: int = 0, shards: int 
     recording every launch a case makes (inputs copied back to the host, views included), and
     compare each result with the model as soon as the case is done (the full profile's inputs
     reach 512 MiB)."""
-    # (A strided out's case judges where the release puts its values, bit for bit itself.)
+    # (A strided out's case judges where the release puts its values, bit for bit itself; an
+    # invalid-rows case its zero rows on the 950, a fault elsewhere.)
     cases = [c for c in conformance.catalogue(profile) if c.op == "backward" and c.kind in ("positive", "determinism")
-             and "strided-out" not in c.name][shard::shards]
+             and "strided-out" not in c.name and not c.name.startswith("invalid-rows")][shard::shards]
     launches: list[tuple] = []
     failing: list[str] = []
     real = conformance.moe_init_routing_v2_grad

@@ -48,7 +48,7 @@ def test_every_release_form_parses_and_orders_as_the_vendor_numbers_them():
     assert (r.major, r.minor, r.patch, r.qualifiers) == (9, 0, 0, ((1, 2),))
 
 
-@pytest.mark.parametrize("text", ["7.7.0.1.238", "V100R001C21SPC001B238", "8.0.T6", "9.1", "9.1.0-beta", "", "latest"])
+@pytest.mark.parametrize("text", ["7.7.0.1.238", "V100R001C21SPC001B238", "8.0.T6", "9.1", "", "latest"])
 def test_what_is_no_release_name_is_refused_by_name(text):
     if text == "9.1":
         assert release.parse_release(text).patch == 0  # major.minor alone is a release (9.1 = 9.1.0)
@@ -77,9 +77,33 @@ def test_each_release_gets_the_behaviour_read_from_its_tag(name, since, tiling, 
     assert b.workspace(16 << 20) == (16 << 20) + (512 if b.entry == "l0op" else 0)
 
 
+def test_the_releases_after_9_1_0_are_known_by_name_and_order():
+    names = ["9.1.0", "9.1.1", "9.2.0-beta", "9.2.0-beta.1", "9.2.0-beta.2", "9.2.0"]
+    parsed = [release.parse_release(n) for n in names]
+    assert parsed == sorted(parsed) and len(set(parsed)) == len(parsed)
+    assert release.KNOWN_AFTER_9_1 == ("9.1.1", "9.2.0-beta.1", "9.2.0-beta.2")
+    assert release.parse_release("9.2.0-beta") == release.parse_release("9.2.0-beta.0")  # as the runtime reads it
+    for known in release.KNOWN_AFTER_9_1:
+        applies = release.behaviour_for(known)
+        assert applies.behaviour is release.BEHAVIOURS[-1] and applies.note == "", (known, applies.note)
+    assert "newer than the newest release known" in release.behaviour_for("9.2.0").note
+
+
+def test_a_newer_install_runs_with_the_newest_expectations_and_its_report_says_so():
+    from pyacl_moe.tools import conformance
+
+    applies = release.behaviour_for("9.3.0")
+    assert applies.behaviour is release.BEHAVIOURS[-1]
+    report = conformance.Report("cann", "9.3.0", "Ascend950PR_9599", "quick", 0, chip="Ascend950",
+                                expectations={"note": applies.note})
+    assert "newer than the newest release known (9.2.0-beta.2): the newest's expectations apply" in report.summary()
+    assert "Ascend950PR_9599 (Ascend950)" in report.summary()
+
+
 def test_a_release_newer_or_older_than_every_entry_says_so():
     newer = release.behaviour_for("10.0.0")
-    assert newer.behaviour is release.BEHAVIOURS[-1] and "newer than the newest release known (9.1.0)" in newer.note
+    assert newer.behaviour is release.BEHAVIOURS[-1]
+    assert "newer than the newest release known (9.2.0-beta.2)" in newer.note
     older = release.behaviour_for("7.0.0")
     assert older.behaviour is release.BEHAVIOURS[0] and "older than the oldest" in older.note
     odd = release.behaviour_for("8.0.T6")

@@ -30,7 +30,7 @@ def test_stream_and_event_lifecycle(device, no_leaks):
         assert ev.closed and ev.handle == 0
     assert s.closed
     with pytest.raises(pm.ClosedError, match="stream"):  # (CuPy's habit: it read 0, a handle no one has)
-        s.handle
+        _ = s.handle
     s.close()  # twice is fine
     with pytest.raises(pm.ClosedError, match="stream"):
         s.synchronize()

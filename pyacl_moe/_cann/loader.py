@@ -248,25 +248,19 @@ def _from_loader_path() -> Libraries:
             raise OSError(f"{path} is {why}")
         return name
 
-    lacking: list[str] = []
+    problems: list[str] = []
+    for op in dict.fromkeys(os.path.basename(rel) for rel, _ in layout.OP_LIBRARIES):
+        names = ["libascendcl.so", "libnnopbase.so", op]
+        info = LibraryInfo("cann", None, {n[3:-3]: n for n in names}, op)
 
-    def with_runtime(handles: dict[str, Any]) -> Libraries:
-        for name in (os.path.basename(rel) for rel, _ in layout.OP_LIBRARIES):
-            info = LibraryInfo("cann", None, {"ascendcl": "libascendcl.so", "nnopbase": "libnnopbase.so",
-                                              name[3:-3]: name}, name)
-            def then(op: dict[str, Any], info: LibraryInfo = info) -> Libraries:
-                return _resolved(Libraries(handles["libascendcl.so"], handles["libnnopbase.so"], op[info.op_library],
-                                           info))
-            try:
-                return _opened([checked(name)], then)
-            except (OSError, errors.CannNotFoundError) as exc:
-                lacking.append(str(exc))
-        raise errors.CannNotFoundError([f"no op library with the op's entry points ({'; '.join(lacking)})"])
+        def bound(h: dict[str, Any], names: list[str] = names, info: LibraryInfo = info) -> Libraries:
+            return _resolved(Libraries(h[names[0]], h[names[1]], h[names[2]], info))
 
-    try:
-        return _opened([checked("libascendcl.so"), checked("libnnopbase.so")], with_runtime)
-    except errors.CannNotFoundError as exc:
-        raise OSError("; ".join(exc.tried)) from None
+        try:  # (all three each time: a failed try leaves nothing mapped)
+            return _opened([checked(n) for n in names], bound)
+        except (OSError, errors.CannNotFoundError) as exc:
+            problems += exc.tried if isinstance(exc, errors.CannNotFoundError) else [str(exc)]
+    raise OSError("; ".join(dict.fromkeys(problems)))
 
 
 def _has(lib: Any, name: str) -> bool:

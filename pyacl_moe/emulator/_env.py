@@ -6,7 +6,8 @@ typo into an exception that names the variable and the accepted forms, when the 
 selected or built, instead of a status at the first call. An empty value means unset.
 docs/emulator.md lists the variables.
 
-Plain Python: neither imports cffi nor loads anything.
+Plain Python: neither imports cffi nor loads anything. The SoC names are the binding's table
+(pyacl_moe._contract.SOCS), which the C library's (emu.h) matches.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import re
 import warnings
 from collections.abc import Callable, Mapping
 
+from .._contract import SOCS, family_of
 from ._errors import EmulatorBuildError
-from ._releases import DEFAULT, PROFILES
+from ._releases import DEFAULT, PROFILES, selected
 
 PREFIX = "PYACL_MOE_EMU_"
 MAX_DEVICES = 64  # EMU_MAX_DEVICES in rt_internal.h
@@ -70,8 +72,10 @@ VARIABLES: dict[str, tuple[Callable[[str], bool], str]] = {
     "PYACL_MOE_EMU_DEVICES": (_int(0, MAX_DEVICES), f"a whole number of devices from 0 to {MAX_DEVICES}"),
     "PYACL_MOE_EMU_MEMORY": (_size, "a positive number of bytes, optionally with a fraction and one of the "
                                     "suffixes K, M, G, T (powers of 1024), e.g. 8G or 1.5M, at most 1T"),
-    "PYACL_MOE_EMU_SOC": (lambda v: bool(_SOC.fullmatch(v)),
-                          "a SoC name of 1 to 63 letters, digits, '_', '-' or '.', e.g. Ascend910B3"),
+    "PYACL_MOE_EMU_SOC": (lambda v: bool(_SOC.fullmatch(v)) and v in SOCS,
+                          "a SoC name CANN's platform files give a family the op is built for: Ascend910B1 to "
+                          "Ascend910B4 (Atlas A2), Ascend910_9362 to Ascend910_9392 (Atlas A3), Ascend950PR_* or "
+                          "Ascend950DT_* (arch35), e.g. Ascend950PR_9599"),
     "PYACL_MOE_EMU_MUTATION": (lambda v: v in MUTATIONS, "one of " + ", ".join(MUTATIONS)),
     "PYACL_MOE_EMU_STREAMS": (lambda v: v in STREAM_MODES, "async or lazy"),
     "PYACL_MOE_EMU_QUEUE_DEPTH": (_int(1, MAX_QUEUE_DEPTH), f"a whole number of tasks from 1 to {MAX_QUEUE_DEPTH}"),
@@ -95,6 +99,12 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         value = env.get(name, "")
         if value and not ok(value):
             problems.append(f"{name}={value!r} is malformed: use {forms}")
+    soc = env.get("PYACL_MOE_EMU_SOC", "")
+    release = env.get("PYACL_MOE_EMU_RELEASE", "").strip()
+    if family_of(soc) == "Ascend950" and soc in SOCS and (not release or release in PROFILES) and \
+            selected(dict(env)).code < 90000:
+        problems.append(f"PYACL_MOE_EMU_SOC={soc!r} is refused: the emulator models the Ascend 950 from release 9.0 "
+                        "(8.5 named it Ascend910_95 and summed another way): use PYACL_MOE_EMU_RELEASE=9.0.0 or 9.1.0")
     if problems:
         raise EmulatorConfigError("; ".join(problems))
     unknown = sorted(n for n in env if n.startswith(PREFIX) and n not in VARIABLES)

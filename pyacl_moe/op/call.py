@@ -256,8 +256,12 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
                         acl.use_context(state.ctx)
                     if firsts != e.bound:
                         e.rebind(spec, firsts)
-                    state.hold(held if ws is None else (held, ws))
-                    written(allocs[n_in:], state)
+                    state.point += 1  # (StreamState.hold and written, inline: the steady state's frames)
+                    state.holds.append((state.point, held if ws is None else (held, ws)))
+                    if len(allocs) == n_in + 1:
+                        allocs[n_in].writer = state  # type: ignore[union-attr]  # (an output: never None here)
+                    else:
+                        written(allocs[n_in:], state)
                     st = e.fn(state.ws_arg if ws is None else ws.arg, e.size, e.ex, state.arg)
                     if st:
                         check(st, spec.api)
@@ -297,12 +301,17 @@ def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: t
     with state.lock:
         state.check_open()
         e = state.executors.get(number)
+    cached = e is not None
     if e is None:
         e = _Cached(spec, dev, arrays, op.attrs(*values))
     if workspace is not None:
         checked_workspace(workspace, e.size, dev, "stream")
     elif e.size:
         state.ensure_workspace(e.size)
+    if cached:
+        # Only its workspace was missing. It is not put back: empty_cache may have taken and
+        # destroyed it meanwhile, and the next lookup builds another if so.
+        return
     with state.lock:
         state.check_open()
         extra = [e] if state.executors.setdefault(number, e) is not e else _evict(state.executors)
@@ -385,7 +394,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     given: list[np.ndarray | None] = []
     for name, value in zip(spec.outputs, out):
         if value is not None:
-            if not isinstance(value, np.ndarray) and family is not TORCH:
+            if not isinstance(value, np.ndarray) and family != TORCH:
                 raise InvalidArgument(name, f"must be a NumPy array when the inputs are host arrays, got "
                                             f"{type(value).__name__}")
             value = host_view(value, name)[0]  # a torch tensor's own memory, written in place

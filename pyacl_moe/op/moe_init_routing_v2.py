@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _args, _contract
 from ..array import DeviceArray
-from ..device import Device, resolve_device
+from ..device import Device, chip, resolve_device
 from ..errors import InvalidArgument
 from ..stream import Stream
 from ..tensor import AclTensor
@@ -88,13 +88,13 @@ def get_workspace_size(x: AclTensor | DeviceArray | None, expert_idx: AclTensor 
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
     (xs, xd), (ixs, ixd) = layouts["x"], layouts["expert_idx"]
-    return _contract.check_routing_call(xs, xd, ixs, ixd, tuple(attrs.values()))
+    return _contract.check_routing_call(xs, xd, ixs, ixd, tuple(attrs.values()), chip())
 
 
 def _sizes(arrays: Mapping[str, Any], attrs: Mapping[str, Any]) -> Outputs:
     # validate=False: N, K and H as the arrays have them (0 where a rank is wrong).
     x, idx = arrays["x"], arrays["expert_idx"]
-    return _contract.routing_outputs(x.shape[0] if x.ndim else 0, idx.shape[1] if idx.ndim == 2 else 0,
+    return _contract.routing_outputs(x.shape[0] if x.ndim else 0, _contract.top_k_of(idx.shape) if idx.ndim else 0,
                                      x.shape[1] if x.ndim == 2 else 0, x.dtype, *attrs.values())
 
 
@@ -117,7 +117,7 @@ def output_shapes(x_shape: tuple[int, ...], expert_idx_shape: tuple[int, ...], a
     attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
                    expert_tokens_before_capacity_flag)
     n, h = (x_shape[0] if x_shape else 0), (x_shape[1] if len(x_shape) == 2 else 0)
-    k = expert_idx_shape[1] if len(expert_idx_shape) == 2 else 0
+    k = _contract.top_k_of(tuple(expert_idx_shape)) if expert_idx_shape else 0
     outs = _contract.routing_outputs(n, k, h, np.float32, *attrs.values())
     return RoutingResult(*(None if w is None else w[0] for w in outs.values()))
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import _args, _contract
 from ..array import DeviceArray
-from ..device import Device, resolve_device
+from ..device import Device, chip, resolve_device
 from ..stream import Stream
 from ..tensor import AclTensor
 from .call import OneCall, Outputs, one_call, run_device
@@ -74,7 +74,7 @@ def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> 
     x, idx, k, mode, active = hosts["grad_expanded_x"], hosts["expanded_row_idx"], *attrs.values()
     rows = x.shape[0] * x.shape[1] if mode == 1 else x.shape[0]
     geo = _contract.Geometry(idx.shape[0] // k, x.shape[-1], rows, _contract.scenario(mode, active))
-    _contract.check_indices(idx, geo, k, active)
+    _contract.check_indices(idx, geo, k, active, chip())
 
 
 ONE_CALL = OneCall(SPEC, _attrs, _check, _sizes, _check_values)

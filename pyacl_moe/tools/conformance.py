@@ -18,6 +18,7 @@ A catalogue of cases, each run through the binding and judged:
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import hashlib
 import json
@@ -32,7 +33,6 @@ import time
 import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
-from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TextIO
@@ -44,7 +44,7 @@ from .. import __version__, reference
 from .._cann.loader import library_info, load
 from .._contract import scenario as scenario_of
 from ..array import DeviceArray, empty, to_device
-from ..device import Device, current_device, soc_name
+from ..device import Device, chip, current_device, soc_name
 from ..errors import AclError, InvalidArgument
 from ..op.moe_init_routing_v2_grad import get_workspace_size, moe_init_routing_v2_grad
 from ..release import cann_version
@@ -151,11 +151,11 @@ def _nbytes(dtype: str, scenario: str, s: Shape, x_factor: float = 1.0) -> int:
 
 def _judge(ctx: Context, name: str, kind: str, dtype: str, case: _cases.Case, got: np.ndarray, cancels: bool,
            t0: float, no_atol: bool = False) -> CaseResult:
-    want = reference.moe_init_routing_v2_grad(*case.args())
+    want = reference.moe_init_routing_v2_grad(*case.args(), chip=chip())
     scale = None
     if cancels and ctx.standard == "pyacl":
         absx = np.abs(case.grad_expanded_x.astype(np.float32))
-        scale = reference.moe_init_routing_v2_grad(absx, *case.args()[1:])
+        scale = reference.moe_init_routing_v2_grad(absx, *case.args()[1:], chip=chip())
     std = ctx.standards[dtype]
     if no_atol:
         # Tiny values would all pass an absolute tolerance: judge them relatively only, so
@@ -223,6 +223,50 @@ def _positive(name: str, dtype: str, scenario: str, shape: Shape, pattern: str =
                 judged_by="reference")
 
 
+def _invalid_rows(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
+    """Indices outside the rows (every eighth slot: negative ones, and past the rows where the
+    scenario allows), launched without the binding's checks: the Ascend950 from 9.1 reads each
+    as a zero row (op_kernel/arch35/moe_init_routing_v2_grad_base.h:65-75), bit for bit the
+    reference's model of it; every other chip's kernel reads outside the input: a device fault
+    (507015), after which the harness resets the device."""
+    def body(ctx: Context) -> CaseResult:
+        t0 = time.perf_counter()
+        case, _ = _build(ctx, name, dtype, scenario, shape)
+        idx = case.expanded_row_idx.copy()
+        pos = ctx.rng(name + "/invalid").permutation(idx.size)[:max(1, idx.size // 8)]
+        beyond = idx.size + 3 if scenario == "dropless" else -9
+        idx[pos] = np.where(np.arange(pos.size) % 2, beyond, -5)
+        bad = dataclasses.replace(case, expanded_row_idx=idx)
+        s, zero = ctx.stream, ctx.chip.invalid_index == "zero"
+        shape_text = _shape_text(bad)
+        try:
+            got = ctx.measured(moe_init_routing_v2_grad, to_device(bad.grad_expanded_x, stream=s),
+                               to_device(idx, stream=s), bad.top_k, bad.drop_pad_mode, bad.active_num, stream=s,
+                               validate=False).to_host(s)
+        except AclError as exc:
+            ok = not zero and exc.status == 507015
+            return CaseResult(name, "positive", dtype, scenario, shape_text, ok, time.perf_counter() - t0,
+                              expected_status=None if zero else 507015, status=exc.status,
+                              detail="" if ok else f"expected zero rows on {ctx.chip.soc}, "
+                                                                      f"the kernel faulted: {exc.status}",
+                              source="op")
+        if not zero:
+            return CaseResult(name, "positive", dtype, scenario, shape_text, False, time.perf_counter() - t0,
+                              expected_status=507015, status=0,
+                              detail=f"expected a device fault on {ctx.chip.soc}: the kernel read no row there",
+                              source="op")
+        want = reference.moe_init_routing_v2_grad(*bad.args(), validate=False, chip=ctx.chip)
+        j = precision.judge("exact", got, want, dtype)
+        m = j.metrics
+        return CaseResult(name, "positive", dtype, scenario, shape_text, j.passed, time.perf_counter() - t0,
+                          m["max_abs_error"], m["max_rel_error"], round(m["mismatch_ratio"] * m["elements"]),
+                          m["elements"], detail="" if j.passed else f"exact: {j.reason}", source="op",
+                          digest=digest(got), standard="exact", thresholds={}, metrics=j.metrics)
+
+    return Case(name, "positive", dtype, scenario, f"N={shape.tokens} K={shape.k} H={shape.hidden}", body,
+                source="op", nbytes=_nbytes(dtype, scenario, shape), judged_by="reference")
+
+
 def _strided(name: str, dtype: str, scenario: str, shape: Shape) -> Case:
     """Inputs as device views with strides and an offset (no copy): every other column of a
     wider buffer starting at column 3, and indices at every third position after the first."""
@@ -265,7 +309,7 @@ def _strided_out(name: str, dtype: str, shape: Shape) -> Case:
                      to_device(case.expanded_row_idx, stream=s), case.top_k, out=view, stream=s, validate=False)
         whole = buf.to_host(s)
         want = poison.copy()
-        ref = reference.moe_init_routing_v2_grad(*case.args())
+        ref = reference.moe_init_routing_v2_grad(*case.args(), chip=chip())
         if ctx.behaviour.strided_out == "strides":
             want[:, 1::2] = ref
             got = whole[:, 1::2]
@@ -685,6 +729,12 @@ def catalogue(profile: str = "quick") -> list[Case]:
         ("h510", Shape(16, 2, 510)),
         ("k64", Shape(4, 64, 16, experts=16)),
         ("medium", Shape(64, 8, 4096)),
+        # The Ascend950's templates (pyacl_moe.reference.arch35_chunk), each in each scenario:
+        # split-H (N below H/512/dtype bytes), full load ("medium"), the general one summing
+        # K in chunks (14 and 6 terms for K = 16, H = 4096; 2 and 1 at H = 16384).
+        ("arch35-split-h", Shape(1, 4, 8192, experts=2, capacity=2, active=3)),
+        ("arch35-general", Shape(8, 16, 4096)),
+        ("arch35-general-wide", Shape(8, 16, 16384, experts=16, capacity=8)),
     ]
     if profile == "full":
         families += [
@@ -712,6 +762,8 @@ def catalogue(profile: str = "quick") -> list[Case]:
             _strided_out(f"dropless-{dtype}-strided-out", dtype, Shape(12, 2, 17)),
             _positive(f"dropless-{dtype}-mixed-signs-k64", dtype, "dropless", Shape(16, 64, 64), values="mixed-signs"),
             _positive(f"dropless-{dtype}-subnormal", dtype, "dropless", Shape(16, 4, 64), values="subnormal"),
+            *(_invalid_rows(f"invalid-rows-{dtype}-{scenario}", dtype, scenario, Shape(16, 4, 32))
+              for scenario in SCENARIOS),
             _positive(f"dropless-{dtype}-near-max", dtype, "dropless", Shape(16, 4, 64), values="near-max"),
             _positive(f"dropless-{dtype}-overflow", dtype, "dropless", Shape(8, 2, 16), values="overflow"),
             _determinism(f"determinism-{dtype}-k8", dtype, "dropless", Shape(64, 8, 1024)),
@@ -726,6 +778,7 @@ def _environment(devices: list[int]) -> dict[str, Any]:
     info = library_info()
     version = cann_version()
     applies = version.behaviour
+    c = chip()
     return {
         "backend": info.backend,
         "cann_version": version.toolkit_version,
@@ -737,10 +790,15 @@ def _environment(devices: list[int]) -> dict[str, Any]:
         "version_sources": dict(version.sources),
         "expectations": {"release": applies.release, "since": applies.behaviour.since,
                          "source": applies.behaviour.source, "inferred": list(applies.behaviour.inferred),
-                         "note": applies.note},
+                         "note": applies.note,
+                         # The chip's rules as that release ships them (pyacl_moe.release.CHIP_RULES).
+                         "chip": {"soc": c.soc, "family": c.family, "summation": c.summation,
+                                  "invalid_index": c.invalid_index, "forward_relaxed": c.forward_relaxed,
+                                  "vector_cores": c.vector_cores, "ub_bytes": c.ub_bytes}},
         "ascend_home": info.home,
         "libraries": dict(info.paths),
         "soc": soc_name(),
+        "chip": c.family,
         "devices": list(devices),
         # The host's ids of those devices, as ASCEND_RT_VISIBLE_DEVICES numbers them (tools.visible).
         "physical_devices": [visible.host_device(d) for d in devices],
@@ -770,6 +828,7 @@ class Report:
     version_sources: dict[str, str] = field(default_factory=dict)
     expectations: dict[str, Any] = field(default_factory=dict)  # which release's behaviour was expected, and why
     ascend_home: str | None = None
+    chip: str = ""  # the SoC's family: Ascend910B, Ascend910_93 or Ascend950
     libraries: dict[str, str] = field(default_factory=dict)
     devices: list[int] = field(default_factory=lambda: [0])
     physical_devices: list[int] = field(default_factory=list)  # the host's ids of devices (visible.host_device)
@@ -851,8 +910,8 @@ class Report:
         )
         props = ET.SubElement(suite, "properties")
         for key in ("backend", "cann_version", "toolkit_version", "ops_version", "runtime_version", "acl_version",
-                    "op_library", "soc", "devices", "physical_devices", "profile", "seed", "exact", "strict",
-                    "pyacl_moe", "ascend_home", "max_memory", "shard"):
+                    "op_library", "soc", "chip", "devices", "physical_devices", "profile", "seed", "exact",
+                    "strict", "pyacl_moe", "ascend_home", "max_memory", "shard"):
             value = getattr(self, key)
             ET.SubElement(props, "property", name=key, value="" if value is None else str(value))
         for lib, where in self.libraries.items():
@@ -895,7 +954,8 @@ class Report:
         if self.timing_note:
             note += f"; {self.timing_note}"
         return (f"{', '.join(parts)} in {self.seconds:.1f} s ({self.backend}, CANN {self.cann_version or 'unknown'}"
-                f"{ops}, ACL {self.acl_version}, {self.soc}, device {devs}{mode}{note}){pair}")
+                f"{ops}, ACL {self.acl_version}, {self.soc}{f' ({self.chip})' if self.chip else ''}, device {devs}"
+                f"{mode}{note}){pair}")
 
     def table(self) -> str:
         rows: list[tuple[str, ...]] = [("case", "runs", "dtype", "scenario", "shape", "source", "judged by", "result",
@@ -1247,15 +1307,23 @@ def _run_here(selected: list[Case], device: int, seed: int, standard: str, stds:
     dev = Device(device)
     dev.set_current()
     results = []
-    with closing(Stream(dev)) as stream:
-        ctx = Context(seed, stream, standard == "exact", stds, cann_version().behaviour.behaviour, standard, perf)
+    ctx = Context(seed, Stream(dev), standard == "exact", stds, cann_version().behaviour.behaviour, standard, perf,
+                  chip=chip())
+    try:
         for case in selected:
             bar.start(case.name)
             result = _run_case(case, ctx, device, max_memory)
+            if dev.fault is not None:
+                # Faults are sticky: a case that faulted the device (as a case expecting a fault
+                # does) leaves it raising until reset; the next case gets a fresh device and stream.
+                dev.reset()
+                ctx.stream = Stream(dev)
             results.append(result)
             bar.step(case.name, result.outcome)
             if on_result is not None:
                 on_result(result)
+    finally:
+        ctx.stream.close()
     return results
 
 

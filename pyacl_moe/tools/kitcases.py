@@ -1,4 +1,5 @@
-"""Cases from the vendor's operator test kit's case files (CSV): ``conformance --cases FILE.csv``.
+"""Cases from the vendor's operator test kit's case files: ``conformance --cases FILE.csv`` and
+``--cases FILE.json`` (the ATK format, :func:`load_atk`).
 
 A file has a header row naming its columns (in any order): ``testcase_name``, ``api_name``
 (``aclnnMoeInitRoutingV2Grad`` or ``aclnnMoeInitRoutingV2``: which op the row runs),
@@ -12,23 +13,27 @@ per input: values drawn uniformly between them, a constant when equal) and
 files", says how each op's inputs are made.
 
 Everything is parsed and checked before anything runs: a malformed row raises CaseFileError
-naming the file, the row and the column.
+naming the file, the row and the column (the case, in an ATK file).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .. import reference
 from ..array import to_device
+from ..device import chip
 from ..op.moe_init_routing_v2 import moe_init_routing_v2
 from . import cases as _cases
 from . import precision
@@ -67,6 +72,12 @@ class KitRow:
     atol: float | None
     ranges: list[tuple[float, float]]
     text: dict[str, str]  # the cells as written, for the report
+    # ATK rows only: each input tensor's values, (kind, low, high) with kind "uniform" or
+    # "fill"; the attributes drawn from a range (name -> (low, high)); the file's standard.
+    values: list[tuple[str, float, float]] = field(default_factory=list)
+    drawn: dict[str, tuple[int, int]] = field(default_factory=dict)
+    standard: str | None = None
+    standard_text: str = ""
 
 
 # What one cell may hold: the kit's cells are small Python literals (it writes infinity as a
@@ -265,11 +276,23 @@ def _check_geometry(row: KitRow, bad: Any) -> None:
             raise bad("tensor_dtypes", "x must be a float type and expertIdx int32")
 
 
-def load(paths: Sequence[str]) -> list[Case]:
-    """The cases of every row of every file, each checked before any runs (CaseFileError)."""
+def load(paths: Sequence[str], own_standards: bool = True) -> list[Case]:
+    """The cases of every row of every file, each checked before any runs (CaseFileError). A
+    file whose name ends in ``.json`` is read as the ATK format (:func:`load_atk`);
+    ``own_standards``: its cases are judged by the standard the file names (else by the run's)."""
     rows: list[KitRow] = []
     seen: dict[str, str] = {}
     for path in paths:
+        if path.lower().endswith(".json"):
+            for row in load_atk(path):
+                if row.name in seen:
+                    raise CaseFileError(f"{path}: case {row.text['case']}: its name {_shown(row.name)} is also a "
+                                        f"case of {seen[row.name]}")
+                seen[row.name] = f"{path} case {row.text['case']}"
+                if not own_standards:
+                    row.standard = None
+                rows.append(row)
+            continue
         try:
             with open(path, newline="") as f:
                 lines = list(csv.reader(f))
@@ -311,6 +334,8 @@ def _note(row: KitRow) -> str:
 
 def _case(row: KitRow) -> Case:
     shape_text = row.text["tensor_view_shapes"]
+    if row.values:
+        return _atk_case(row)
     if row.api == BACKWARD_API:
         return Case(row.name, "positive", row.dtypes[0], _scenario(row), shape_text,
                     lambda ctx: _run_backward(ctx, row), source="op", nbytes=_nbytes(row), op="backward",
@@ -346,7 +371,7 @@ def _run_backward(ctx: Context, row: KitRow) -> CaseResult:
         idx[active:] = -1
     s = ctx.stream
     got = ctx.measured(_backward_call, x, idx, k, mode, active, s)
-    want = reference.moe_init_routing_v2_grad(x, idx, k, mode, active, validate=False)
+    want = reference.moe_init_routing_v2_grad(x, idx, k, mode, active, validate=False, chip=chip())
     rtol, ptol = row.tolerances[0] if row.tolerances else (None, None)
     j = precision.judge(ctx.standard, got, want, row.dtypes[0], rtol=rtol, ptol=ptol, atol=row.atol)
     m = j.metrics
@@ -387,14 +412,14 @@ def _run_forward(ctx: Context, row: KitRow) -> CaseResult:
     s = ctx.stream
     r = ctx.measured(moe_init_routing_v2, to_device(x, stream=s), to_device(ids, stream=s), **attrs, stream=s)
     got = [None if o is None else o.to_host(s) for o in r]
-    want = reference.moe_init_routing_v2(x, ids, **attrs)
+    want = reference.moe_init_routing_v2(x, ids, **attrs, chip=chip())
     wrong = []
-    for field, g, w in zip(("expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
-                            "expert_tokens_before_capacity"), got, want):
+    for name, g, w in zip(("expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
+                           "expert_tokens_before_capacity"), got, want):
         if (g is None) != (w is None):
-            wrong.append(f"{field} {'missing' if g is None else 'not expected'}")
+            wrong.append(f"{name} {'missing' if g is None else 'not expected'}")
         elif g is not None and w is not None and not precision.judge("exact", g, w, _cases.dtype_name(w.dtype)).passed:
-            wrong.append(f"{field} differs in its bits from the reference")
+            wrong.append(f"{name} differs in its bits from the reference")
     m = precision.judge("exact", got[0], want[0], row.dtypes[0]).metrics if got[0] is not None and \
         want[0] is not None and got[0].shape == want[0].shape else None
     note = _note(row)
@@ -404,4 +429,302 @@ def _run_forward(ctx: Context, row: KitRow) -> CaseResult:
                       detail="; ".join([*wrong, note]), standard="exact", thresholds={}, metrics=m,
                       digest=digest(np.concatenate([np.ascontiguousarray(o).view(np.uint8).reshape(-1)
                                                     for o in got if o is not None])),
+                      attributes=row.text["attributes"])
+
+
+# ---------------------------------------------------------------------------- ATK JSON files
+
+# The ATK format, as the vendor's case files for these ops write it (ops-transformer
+# moe/moe_init_routing_v2_grad/tests/st/aclnnMoeInitRoutingV2Grad/atk_aclnnMoeInitRoutingV2Grad.json
+# and moe/moe_init_routing_v2/tests/st/aclnnMoeInitRoutingV2/atk_aclnnMoeInitRoutingV2.json): a
+# list of cases, each with ``id``, ``aclnn_name``, ``standard`` ({"acc": name or {name: {...}}})
+# and ``inputs``: the op's inputs by name, each ``type`` "tensor" or "attr", ``dtype``, ``shape``
+# (tensors) and ``range_values``. docs/conformance.md, "ATK case files", says how each is read.
+ATK_OPS = {"MoeInitRoutingV2Grad": BACKWARD_API, "MoeInitRoutingV2": FORWARD_API}
+# api -> input name -> (type, accepted dtypes, required, the aclnn attribute name)
+_ATK_INPUTS: dict[str, dict[str, tuple[str, tuple[str, ...], bool, str]]] = {
+    BACKWARD_API: {
+        "grad_expanded_x": ("tensor", ("float16", "bfloat16", "float32"), True, ""),
+        "expanded_row_idx": ("tensor", ("int32",), True, ""),
+        "top_k": ("attr", ("int",), True, "topK"),
+        "drop_pad_mode": ("attr", ("int",), False, "dropPadMode"),
+        "active_num": ("attr", ("int",), False, "activeNum"),
+    },
+    FORWARD_API: {
+        "x": ("tensor", ("float16", "bfloat16", "float32"), True, ""),
+        "expert_idx": ("tensor", ("int32", "int64"), True, ""),
+        "active_num": ("attr", ("int",), False, "activeNumOptional"),
+        "expert_capacity": ("attr", ("int",), False, "expertCapacityOptional"),
+        "expert_num": ("attr", ("int",), False, "expertNumOptional"),
+        "drop_pad_mode": ("attr", ("int",), False, "dropPadModeOptional"),
+        "expert_tokens_count_or_cumsum_flag": ("attr", ("int",), False, "expertTokensCountOrCumsumFlagOptional"),
+        "expert_tokens_before_capacity_flag": ("attr", ("bool",), False, "expertTokensBeforeCapacityFlagOptional"),
+    },
+}
+_ATK_DTYPES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp32": "float32", "float32": "float32", "float": "float32", "int32": "int32", "int64": "int64",
+               "int": "int", "bool": "bool"}
+# The kit's accuracy standards, as our standards apply them (docs/conformance.md says what was
+# read and what was not): single_bm, one golden (the community MERE/MARE standard: the test
+# kit's stat_rel_err, hicann/ops-test-kit ttk/core_modules/comparison/stat_rel_err.py); default,
+# the kit's routing by output dtype (ttk/core_modules/comparison/resolve.py, resolve_tolerance:
+# integer outputs binary_equal, floating ones stat_rel_err).
+ATK_STANDARDS = {"single_bm": "stat-rel-err", "default": "stat-rel-err"}
+MAX_ATK_FILE = 64 << 20  # bytes: the vendor's largest file is 216 KB
+MAX_ATK_CASES = 100_000
+_SPECIAL = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19 or abs(int(text)) > MAX_INT:
+        raise ValueError(f"the integer {text[:24]}{'...' if len(text) > 24 else ''} is out of range (at most "
+                         f"{MAX_INT} in size)")
+    return int(text)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON (write \"nan\", \"inf\" or \"-inf\" as strings)")
+
+
+def load_atk(path: str) -> list[KitRow]:
+    """The cases of an ATK JSON file, each checked before any runs: CaseFileError naming the
+    file and the case (by its id, or its place when it has none) and what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_ATK_FILE + 1)
+    except OSError as exc:
+        raise CaseFileError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if len(data) > MAX_ATK_FILE:
+        raise CaseFileError(f"{path}: larger than {MAX_ATK_FILE} bytes")
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise CaseFileError(f"{path}: not an ATK JSON file ({_shown(str(exc), 160)})") from None
+    if not isinstance(doc, list) or not doc:
+        raise CaseFileError(f"{path}: an ATK file is a non-empty list of cases, got {type(doc).__name__}"
+                            f"{'' if doc else ' (empty)'}")
+    if len(doc) > MAX_ATK_CASES:
+        raise CaseFileError(f"{path}: more than {MAX_ATK_CASES} cases")
+    return [_atk_row(path, i, case) for i, case in enumerate(doc)]
+
+
+def _atk_row(path: str, index: int, case: Any) -> KitRow:
+    cid = case.get("id") if isinstance(case, dict) else None
+    label = str(cid) if isinstance(cid, int) and not isinstance(cid, bool) else f"#{index + 1} (no id)"
+
+    def bad(where: str, why: str) -> CaseFileError:
+        return CaseFileError(f"{path}: case {label}: {where}: {why}")
+
+    if not isinstance(case, dict):
+        raise bad("the case", f"must be an object, got {type(case).__name__}")
+    op = case.get("aclnn_name")
+    api = ATK_OPS.get(op) if isinstance(op, str) else None
+    if api is None:
+        raise bad("aclnn_name", f"must be {' or '.join(ATK_OPS)}, got {_shown(repr(case.get('aclnn_name')))}")
+    spec = _ATK_INPUTS[api]
+    inputs = case.get("inputs")
+    if not isinstance(inputs, list) or not all(isinstance(i, dict) for i in inputs):
+        raise bad("inputs", "must be a list of objects, one per input")
+    given: dict[str, dict[str, Any]] = {}
+    for item in inputs:
+        name = item.get("name")
+        if not isinstance(name, str) or name not in spec:
+            raise bad("inputs", f"{_shown(repr(name))} is not an input of {op} (its inputs: "
+                                f"{', '.join(spec)})")
+        if name in given:
+            raise bad(f"input {name}", "given twice")
+        given[name] = item
+    missing = [n for n, (_t, _d, required, _a) in spec.items() if required and n not in given]
+    if missing:
+        raise bad("inputs", f"lacks {', '.join(missing)}")
+    tensors: list[tuple[tuple[int, ...], str, tuple[str, float, float]]] = []
+    attrs: dict[str, Any] = {}
+    drawn: dict[str, tuple[int, int]] = {}
+    for name, (kind, dtypes, _required, aclnn) in spec.items():
+        if name not in given:
+            continue
+        item = given[name]
+        if item.get("type") != kind:
+            raise bad(f"input {name}", f"type must be {kind!r}, got {_shown(repr(item.get('type')))}")
+        dtype = _ATK_DTYPES.get(str(item.get("dtype")).lower()) if isinstance(item.get("dtype"), str) else None
+        if dtype not in dtypes:
+            raise bad(f"input {name}", f"dtype must be one of {', '.join(dtypes)} (or their short forms), got "
+                                       f"{_shown(repr(item.get('dtype')))}")
+        rv = item.get("range_values")
+        try:
+            if kind == "tensor":
+                shape = item.get("shape")
+                if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and
+                                                          0 <= d <= MAX_DIM for d in shape) or \
+                        math.prod(shape) > MAX_ELEMENTS:
+                    raise ValueError(f"shape must be a list of dimensions from 0 to {MAX_DIM} of at most "
+                                     f"{MAX_ELEMENTS} elements, got {_shown(repr(shape))}")
+                tensors.append((tuple(shape), dtype, _atk_values(rv, dtype)))
+            elif dtype == "bool":
+                if not isinstance(rv, bool):
+                    raise ValueError(f"range_values must be true or false, got {_shown(repr(rv))}")
+                attrs[aclnn] = rv
+            else:
+                lo, hi = _atk_int_range(rv)
+                if lo == hi:
+                    attrs[aclnn] = lo
+                else:
+                    attrs[aclnn], drawn[aclnn] = lo, (lo, hi)
+        except ValueError as exc:
+            raise bad(f"input {name}", str(exc)) from None
+    acc = case.get("standard", {"acc": "default"})
+    acc = acc.get("acc", "default") if isinstance(acc, dict) else acc
+    std_name = next(iter(acc)) if isinstance(acc, dict) and len(acc) == 1 else acc
+    if not isinstance(std_name, str) or std_name not in ATK_STANDARDS:
+        raise bad("standard", f"acc must name one of the kit's standards {', '.join(ATK_STANDARDS)}, got "
+                              f"{_shown(repr(acc))}")
+    (xs, xdt, xv), (ids, idt, iv) = tensors
+    fixed = {k: v for k, v in attrs.items() if k not in drawn}
+    text = {"tensor_view_shapes": repr((xs, ids)), "tensor_dtypes": repr((xdt, idt)),
+            "attributes": repr({**fixed, **{k: list(r) for k, r in drawn.items()}}), "case": label}
+    row = KitRow(path, index + 1, f"{Path(path).stem}#{label}", api, [xs, ids], [xdt, idt], attrs, [], None, [],
+                 text, values=[xv, iv], drawn=drawn, standard=ATK_STANDARDS[std_name],
+                 standard_text=f"ATK {std_name}" + (f" {json.dumps(acc[std_name])}" if isinstance(acc, dict) else ""))
+    if api == BACKWARD_API and (len(ids) != 1 or len(xs) not in (2, 3)):
+        raise bad("inputs", f"grad_expanded_x must have 2 or 3 dimensions and expanded_row_idx 1, got {xs} and {ids}")
+    if api == FORWARD_API and (len(xs) != 2 or len(ids) not in (1, 2) or xs[0] != ids[0]):
+        raise bad("inputs", f"x must be (N, H) and expert_idx (N, K) or (N,), got {xs} and {ids}")
+    return row
+
+
+def _atk_number(v: Any) -> float:
+    if isinstance(v, str) and v.strip().lower() in _SPECIAL:
+        return _SPECIAL[v.strip().lower()]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"a value must be a number or \"nan\", \"inf\" or \"-inf\", got {_shown(repr(v))}")
+    return float(v)
+
+
+def _atk_values(rv: Any, dtype: str) -> tuple[str, float, float]:
+    """A tensor's range_values: [low, high] (uniform between them; a bound of +-inf stands for
+    the dtype's largest finite value, as the test kit reads it: hicann/ops-test-kit
+    ttk/utilities/data.py, RandomData._digitize_inf_nan), [v] or [v, v] (every element v, NaN and
+    infinities included)."""
+    items = rv if isinstance(rv, list) else [rv]
+    if len(items) not in (1, 2):
+        raise ValueError(f"range_values must be [value] or [low, high], got {_shown(repr(rv))}")
+    vals = [_atk_number(v) for v in items]
+    lo, hi = vals[0], vals[-1]
+    integer = dtype.startswith("int")
+    if integer and not all(math.isfinite(v) and v == int(v) for v in vals):
+        raise ValueError(f"an integer tensor's range_values must be whole numbers, got {_shown(repr(rv))}")
+    if integer and not all(np.iinfo(dtype).min <= v <= np.iinfo(dtype).max for v in vals):
+        raise ValueError(f"range_values {_shown(repr(rv))} do not fit {dtype}")
+    if math.isnan(lo) or math.isnan(hi):
+        if not (math.isnan(lo) and math.isnan(hi)):
+            raise ValueError(f"range_values mixes NaN with a number: {_shown(repr(rv))}")
+        return ("fill", lo, hi)
+    if lo > hi:
+        raise ValueError(f"range_values low {lo:g} is above high {hi:g}")
+    if lo == hi:
+        return ("fill", lo, hi)
+    big = math.inf
+    if not integer:
+        big = float(ml_dtypes.finfo(_cases.DTYPES[dtype]).max)  # type: ignore[no-untyped-call]
+    return ("uniform", max(lo, -big), min(hi, big))
+
+
+def _atk_int_range(rv: Any) -> tuple[int, int]:
+    items = rv if isinstance(rv, list) else [rv]
+    if len(items) not in (1, 2) or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise ValueError(f"range_values must be an integer or [low, high] integers, got {_shown(repr(rv))}")
+    lo, hi = items[0], items[-1]
+    if lo > hi:
+        raise ValueError(f"range_values low {lo} is above high {hi}")
+    return lo, hi
+
+
+def _atk_tensor(rng: np.random.Generator, shape: tuple[int, ...], dtype: str,
+                spec: tuple[str, float, float]) -> np.ndarray:
+    kind, lo, hi = spec
+    if dtype.startswith("int"):
+        if kind == "fill":
+            return np.full(shape, int(lo), dtype)
+        return rng.integers(int(lo), int(hi), shape, dtype=np.int64, endpoint=True).astype(dtype)
+    if kind == "fill":
+        return np.full(shape, lo, np.float32).astype(_cases.DTYPES[dtype])
+    return _uniform(rng, shape, dtype, (lo, hi))
+
+
+def _atk_case(row: KitRow) -> Case:
+    a = row.attributes
+    if row.api == BACKWARD_API:
+        scen = "drop-pad" if a.get("dropPadMode") == 1 else "active" if a.get("activeNum", 0) > 0 else "dropless"
+        return Case(row.name, "positive", row.dtypes[0], scen, row.text["tensor_view_shapes"],
+                    lambda ctx: _run_atk(ctx, row), source="op", nbytes=3 * _nbytes(row), op="backward",
+                    judged_by="reference")
+    return Case(row.name, "positive", row.dtypes[0], "drop-pad" if a.get("dropPadModeOptional") else "dropless",
+                row.text["tensor_view_shapes"], lambda ctx: _run_atk(ctx, row), source="op",
+                nbytes=3 * _nbytes(row), op="forward", judged_by="reference")
+
+
+def _run_atk(ctx: Context, row: KitRow) -> CaseResult:
+    """An ATK case: its inputs drawn as its ranges say (every tensor, the indices included;
+    attributes given as a range drawn in it), run, and judged against the reference of the
+    chip by the file's standard (or the run's, when ``--standard`` was given)."""
+    from ..errors import AclError, InvalidArgument
+
+    t0 = time.perf_counter()
+    rng = ctx.rng(row.name)
+    attrs = {**row.attributes, **{k: int(rng.integers(lo, hi, endpoint=True)) for k, (lo, hi) in row.drawn.items()}}
+    x = _atk_tensor(rng, row.shapes[0], row.dtypes[0], row.values[0])
+    ids = _atk_tensor(rng, row.shapes[1], row.dtypes[1], row.values[1])
+    standard = row.standard or ctx.standard
+    shown = {k: (int(v) if not isinstance(v, bool) else v) for k, v in attrs.items()}
+    note = f"{row.standard_text or 'ATK case'} of {row.file}, judged by {standard}; attributes {shown}"
+    scen = "dropless"
+    got: list[np.ndarray | None]
+    want: list[np.ndarray | None]
+    try:
+        if row.api == BACKWARD_API:
+            k, mode, active = int(attrs["topK"]), int(attrs.get("dropPadMode", 0)), int(attrs.get("activeNum", 0))
+            scen = "drop-pad" if mode == 1 else "active" if active > 0 else "dropless"
+            got = [ctx.measured(_backward_call, x, ids, k, mode, active, ctx.stream)]
+            want = [reference.moe_init_routing_v2_grad(x, ids, k, mode, active, validate=False, chip=chip())]
+        else:
+            kw: dict[str, Any] = {
+                "active_num": int(attrs.get("activeNumOptional", 0)),
+                "expert_capacity": int(attrs.get("expertCapacityOptional", 0)),
+                "expert_num": int(attrs.get("expertNumOptional", 0)),
+                "drop_pad_mode": int(attrs.get("dropPadModeOptional", 0)),
+                "expert_tokens_count_or_cumsum_flag": int(attrs.get("expertTokensCountOrCumsumFlagOptional", 0)),
+                "expert_tokens_before_capacity_flag": bool(attrs.get("expertTokensBeforeCapacityFlagOptional", False)),
+            }
+            scen = "drop-pad" if kw["drop_pad_mode"] else "dropless"
+            s = ctx.stream
+            r = ctx.measured(moe_init_routing_v2, to_device(x, stream=s), to_device(ids, stream=s), **kw, stream=s)
+            got = [None if o is None else o.to_host(s) for o in r]
+            want = list(reference.moe_init_routing_v2(x, ids, **kw, chip=chip()))
+    except (AclError, InvalidArgument, IndexError) as exc:
+        status = exc.status if isinstance(exc, AclError) else None
+        return CaseResult(row.name, "positive", row.dtypes[0], scen, row.text["tensor_view_shapes"], False,
+                          time.perf_counter() - t0, status=status, detail=f"{exc}; {note}", source="op",
+                          attributes=row.text["attributes"])
+    wrong, first = [], None
+    for field_name, g, w in zip(("out", "expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
+                                 "expert_tokens_before_capacity")[0 if row.api == BACKWARD_API else 1:], got, want):
+        if (g is None) != (w is None):
+            wrong.append(f"{field_name} {'missing' if g is None else 'not expected'}")
+            continue
+        if g is None or w is None:
+            continue
+        name = _cases.dtype_name(w.dtype)
+        # Integer outputs are judged bit for bit under every standard (the kit's binary_equal).
+        std = "exact" if name.startswith("int") else standard
+        j = precision.judge(std, g, w, name, pyacl=ctx.standards.get(name))
+        first = first or j
+        if not j.passed:
+            wrong.append(f"{field_name}: {std}: {j.reason}")
+    m = first.metrics if first else {}
+    return CaseResult(row.name, "positive", row.dtypes[0], scen, row.text["tensor_view_shapes"], not wrong,
+                      time.perf_counter() - t0, m.get("max_abs_error"), m.get("max_rel_error"),
+                      detail="; ".join([*wrong, note]), source="op",
+                      digest=digest(np.concatenate([np.ascontiguousarray(o).view(np.uint8).reshape(-1)
+                                                    for o in got if o is not None])),
+                      standard=standard, thresholds=first.thresholds if first else {}, metrics=m,
                       attributes=row.text["attributes"])

@@ -30,12 +30,13 @@ import numpy as np
 
 from .. import reference
 from ..array import DeviceArray, empty, to_device
+from ..device import chip
 from ..errors import AclError
 from ..op.moe_init_routing_v2 import RoutingResult, get_workspace_size, moe_init_routing_v2
 from ..op.moe_init_routing_v2_grad import moe_init_routing_v2_grad
 from . import cases as _cases
 from . import precision
-from .harness import Case, CaseResult, Context, digest
+from .harness import ARCH35_ACCEPTS, Case, CaseResult, Context, digest
 
 __all__ = ["FORWARD_SCENARIOS", "catalogue"]
 
@@ -191,7 +192,7 @@ def _forward_positive(name: str, dtype: str, scenario: str, shape: Shape) -> Cas
         attrs = _attrs(scenario, shape)
         _, _, r = _forward_on_device(ctx, x, ids, attrs)
         got = _host_outputs(r, ctx.stream)
-        want = reference.moe_init_routing_v2(x, ids, **attrs)
+        want = reference.moe_init_routing_v2(x, ids, **attrs, chip=chip())
         wrong: list[str] = []
         differ = elements = 0
         for field, g, w in zip(RoutingResult._fields, got, want):
@@ -305,6 +306,7 @@ def _forward_negatives() -> list[Case]:
     list from moe_init_routing_v2_def.cpp, every output empty: inferred). Where the releases
     differ the status names the field of the release's behaviour (pyacl_moe.release)."""
     P, T, M, N, OK = "dtype_status", "tiling_status", "mixed_dtype_status", 161001, 0
+    A = ARCH35_ACCEPTS
 
     def neg(name: str, status: int | str, why: str, source: str = "op", **spec: Any) -> Case:
         return _forward_negative(f"fwd-neg-{name}", status, Neg(**spec), why, source)
@@ -329,6 +331,12 @@ def _forward_negatives() -> list[Case]:
         neg("rows-differ", T, "x has 5 rows, expertIdx 4", x=(5, 3)),
         neg("expert-idx-1d", T, "expertIdx 1-D", idx=(4,)),
         neg("active-num-negative", T, "activeNum -1", attrs=(-1, 0, 0, 0, 0, False)),
+        # What the Ascend950 takes and the 910B refuses (op_api/aclnn_moe_init_routing_v2.cpp:38-41,
+        # op_host/moe_init_routing_v2_tiling.cpp:180-184, 387-397), with outputs that fit it.
+        nnop("expert-idx-int64", A + P, "expertIdx int64: the Ascend950 takes it", idx_dtype="int64"),
+        neg("expert-idx-1d-k1", A + T, "expertIdx 1-D [N]: K = 1 on the Ascend950", idx=(4,), ex=(4, 3), ri=(4,)),
+        neg("active-num-minus-3", A + T, "activeNum -3: N*K - 3 rows on the Ascend950", ex=(5, 3),
+            attrs=(-3, 0, 0, 0, 0, False)),
         neg("expert-capacity-negative", T, "expertCapacity -1", attrs=(0, -1, 0, 0, 0, False)),
         neg("expert-num-negative", T, "expertNum -1", attrs=(0, 0, -1, 0, 0, False)),
         neg("drop-pad-mode-2", T, "dropPadMode 2", attrs=(0, 0, 0, 2, 0, False)),

@@ -10,6 +10,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "acl_base.h"
 #include "acl_rt.h"
@@ -133,6 +134,67 @@ EMU_API int aclemuMutationId(void);
 enum { EMU_MUT_NONE = 0, EMU_MUT_SKIP_LAST_K = 1, EMU_MUT_FP16_ACC = 2, EMU_MUT_OFF_BY_ONE = 3,
        EMU_MUT_FWD_UNSTABLE_SORT = 4, EMU_MUT_FWD_WRONG_ROW = 5, EMU_MUT_SKIP_LAST_ROW = 6,
        EMU_MUT_OVERRUN = 7 };
+
+/* ---- chips (docs/emulator.md, "Chips"; pyacl_moe/_contract.py holds the same table) ---- */
+
+/* The families the ops are built for (ops-transformer moe_init_routing_v2_grad_def.cpp:42-54):
+ * Atlas A2 (Ascend910B*) and A3 (Ascend910_93*) run the same kernels; the Ascend 950 (arch35)
+ * its own. 0: no family. */
+enum { EMU_CHIP_NONE = 0, EMU_CHIP_910B = 1, EMU_CHIP_910_93 = 2, EMU_CHIP_950 = 3 };
+
+/* The SoCs the emulator can be, with their vector (AIV) cores, as CANN's platform files give
+ * them (github:hicann/runtime 681ef7610 src/platform/platform_config/cann/Ascend910*.ini and
+ * cann-dev/Ascend950*.ini: vector_core_cnt). Returns the family, 0 for a name not listed. */
+static inline int emu_soc_lookup(const char *soc, int64_t *cores) {
+    static const struct { const char *name; int family; int cores; } socs[] = {
+        {"Ascend910B1", EMU_CHIP_910B, 48}, {"Ascend910B2", EMU_CHIP_910B, 48},
+        {"Ascend910B2C", EMU_CHIP_910B, 48}, {"Ascend910B3", EMU_CHIP_910B, 40},
+        {"Ascend910B4", EMU_CHIP_910B, 40}, {"Ascend910B4-1", EMU_CHIP_910B, 40},
+        {"Ascend910_9362", EMU_CHIP_910_93, 40}, {"Ascend910_9363", EMU_CHIP_910_93, 40},
+        {"Ascend910_9372", EMU_CHIP_910_93, 40}, {"Ascend910_9381", EMU_CHIP_910_93, 48},
+        {"Ascend910_9382", EMU_CHIP_910_93, 48}, {"Ascend910_9391", EMU_CHIP_910_93, 48},
+        {"Ascend910_9392", EMU_CHIP_910_93, 48},
+        {"Ascend950PR_950z", EMU_CHIP_950, 8}, {"Ascend950PR_9579", EMU_CHIP_950, 56},
+        {"Ascend950PR_957b", EMU_CHIP_950, 56}, {"Ascend950PR_957bx", EMU_CHIP_950, 56},
+        {"Ascend950PR_957c", EMU_CHIP_950, 56}, {"Ascend950PR_957d", EMU_CHIP_950, 56},
+        {"Ascend950PR_9589", EMU_CHIP_950, 64}, {"Ascend950PR_958b", EMU_CHIP_950, 64},
+        {"Ascend950PR_9599", EMU_CHIP_950, 72},
+        {"Ascend950DT_950x", EMU_CHIP_950, 16}, {"Ascend950DT_950y", EMU_CHIP_950, 16},
+        {"Ascend950DT_9571", EMU_CHIP_950, 56}, {"Ascend950DT_9572", EMU_CHIP_950, 56},
+        {"Ascend950DT_9573", EMU_CHIP_950, 56}, {"Ascend950DT_9574", EMU_CHIP_950, 56},
+        {"Ascend950DT_9575", EMU_CHIP_950, 56}, {"Ascend950DT_9576", EMU_CHIP_950, 56},
+        {"Ascend950DT_9577", EMU_CHIP_950, 56}, {"Ascend950DT_9578", EMU_CHIP_950, 56},
+        {"Ascend950DT_9581", EMU_CHIP_950, 64}, {"Ascend950DT_9581x", EMU_CHIP_950, 64},
+        {"Ascend950DT_9582", EMU_CHIP_950, 64}, {"Ascend950DT_9582x", EMU_CHIP_950, 64},
+        {"Ascend950DT_9583", EMU_CHIP_950, 64}, {"Ascend950DT_9584", EMU_CHIP_950, 64},
+        {"Ascend950DT_9585", EMU_CHIP_950, 64}, {"Ascend950DT_9586", EMU_CHIP_950, 64},
+        {"Ascend950DT_9587", EMU_CHIP_950, 64}, {"Ascend950DT_9588", EMU_CHIP_950, 64},
+        {"Ascend950DT_9591", EMU_CHIP_950, 72}, {"Ascend950DT_9592", EMU_CHIP_950, 72},
+        {"Ascend950DT_9595", EMU_CHIP_950, 72}, {"Ascend950DT_9596", EMU_CHIP_950, 72},
+        {"Ascend950DT_95A1", EMU_CHIP_950, 72}, {"Ascend950DT_95A2", EMU_CHIP_950, 72},
+    };
+    for (size_t i = 0; soc && i < sizeof socs / sizeof socs[0]; i++) {
+        if (strcmp(soc, socs[i].name) == 0) {
+            if (cores) *cores = socs[i].cores;
+            return socs[i].family;
+        }
+    }
+    return EMU_CHIP_NONE;
+}
+
+static inline int emu_soc_family(const char *soc) { return emu_soc_lookup(soc, NULL); }
+
+static inline int64_t emu_soc_vector_cores(const char *soc) {
+    int64_t cores = 40; /* the default SoC's (Ascend910B3) */
+    emu_soc_lookup(soc, &cores);
+    return cores;
+}
+
+/* UB bytes a core (GetCoreMemSize(UB); the same files' ub_size): 192 KiB on A2/A3, 248 KiB on
+ * the 950. */
+static inline int64_t emu_soc_ub_bytes(const char *soc) {
+    return emu_soc_family(soc) == EMU_CHIP_950 ? 253952 : 196608;
+}
 
 /* ---- internals exported by libnnopbase ---- */
 

@@ -259,9 +259,105 @@ static row_ref flat_row(const token_job *j, int64_t r, unsigned char *scratch) {
     return (row_ref){scratch, 1};
 }
 
+/* One rounding of a float32 row to the output type, into out row i. */
+static void store_row(const token_job *j, int64_t i, float *acc) {
+    const int64_t h = j->a->h;
+    const aclDataType dt = j->a->x.dtype;
+    unsigned char *orow = j->out_base + i * h * (int64_t)j->es;
+    if (dt == ACL_FLOAT) {
+        /* Even a token whose one term was copied, not added, stores a canonical NaN: one rule
+         * for every K and dtype. The buffer is this thread's own, so it is rewritten in place
+         * (the quiet NaN goes through a float unchanged) and copied out whole: out may be at
+         * any address. */
+        for (int64_t c = 0; c < h; c++) acc[c] = bits_to_float(float_to_f32_bits(acc[c]));
+        memcpy(orow, acc, (size_t)h * sizeof(float));
+    } else if ((uintptr_t)orow % sizeof(uint16_t)) {
+        /* An output address that is not 2-byte aligned: no uint16_t stores. */
+        for (int64_t c = 0; c < h; c++) {
+            uint16_t v = dt == ACL_BF16 ? float_to_bf16(acc[c]) : float_to_half(acc[c]);
+            memcpy(orow + c * (int64_t)sizeof v, &v, sizeof v);
+        }
+    } else if (dt == ACL_BF16) {
+        uint16_t *restrict o = (uint16_t *)orow;
+        for (int64_t c = 0; c < h; c++) o[c] = float_to_bf16(acc[c]);
+    } else {
+        uint16_t *restrict o = (uint16_t *)orow;
+        for (int64_t c = 0; c < h; c++) o[c] = float_to_half(acc[c]);
+    }
+}
+
+/* Term t of token i on the Ascend 950: its row, or a NULL row where the kernel reads a zero row
+ * (arch35/moe_init_routing_v2_grad_base.h:65-75, IsInvalidRowIdx): the scenario's marks, and
+ * from 9.1 (zero_invalid) a negative index, and in dropless mode one of N*K or more. */
+static row_ref arch35_term(const token_job *j, int64_t i, int64_t t, unsigned char *scratch) {
+    const moe_kernel_args *a = j->a;
+    const int64_t *xs = a->x.strides;
+    int64_t r = j->ids[i * a->top_k + t];
+    const int zi = a->zero_invalid;
+    int zero = (j->droppad && (r == -1 || (zi && r < 0))) ||
+               (j->active && (r >= a->active_num || (zi && r < 0))) ||
+               (!j->droppad && !j->active && zi && (r < 0 || r >= a->n * a->top_k));
+    if (zero) return (row_ref){NULL, 0};
+    if (a->mutation == EMU_MUT_OFF_BY_ONE && r + 1 < a->rows) r++;
+    if (a->flat) return flat_row(j, r, scratch);
+    int64_t off = a->x.offset + (a->x.ndim == 3 ? (r / a->c) * xs[0] + (r % a->c) * xs[1] : r * xs[0]);
+    return (row_ref){j->x_host + (off - j->x_lo) * (int64_t)j->es, xs[a->x.ndim - 1]};
+}
+
+/* dst = term (set) or dst + term (add); a zero row is +0.0, added as one (so that a -0.0 there
+ * becomes +0.0, as on the device). */
+static void arch35_apply(float *dst, row_ref r, int64_t h, aclDataType dt, int add) {
+    if (r.p) row_apply(dst, r, h, dt, add);
+    else if (add)
+        for (int64_t c = 0; c < h; c++) dst[c] += 0.0f;
+    else
+        memset(dst, 0, (size_t)h * sizeof(float));
+}
+
+/* The Ascend 950's kernel (ops-transformer op_kernel/arch35/moe_init_routing_v2_grad_base.h:204-377,
+ * SequenceReduceSum, from v9.0.0-beta.2): per token a float32 sum from +0.0; K in chunks of
+ * k_chunk terms, and in each chunk every four terms added as acc + ((t0 + t1) + (t2 + t3)), the
+ * rest one by one; the sum carried exactly across chunks; one rounding at the end. */
+static void compute_tokens_arch35(const token_job *j, int64_t begin, int64_t end, float *bufs,
+                                  unsigned char *scratch) {
+    const moe_kernel_args *a = j->a;
+    const int64_t h = a->h, k = a->top_k;
+    const aclDataType dt = a->x.dtype;
+    const int mut = a->mutation;
+    const int64_t kk = mut == EMU_MUT_SKIP_LAST_K ? k - 1 : k;
+    const int64_t chunk = a->k_chunk > 0 ? a->k_chunk : k;
+    float *acc = bufs, *ta = bufs + h, *tb = bufs + 2 * h;
+    for (int64_t i = begin; i < end; i++) {
+        if (mut == EMU_MUT_SKIP_LAST_ROW && i == a->n - 1) continue; /* leaves it unwritten */
+        memset(acc, 0, (size_t)h * sizeof(float));
+        for (int64_t k0 = 0; k0 < kk; k0 += chunk) {
+            const int64_t len = emu_min64(chunk, kk - k0);
+            int64_t q = 0;
+            for (; q + 3 < len; q += 4) {
+                arch35_apply(ta, arch35_term(j, i, k0 + q, scratch), h, dt, 0);
+                arch35_apply(ta, arch35_term(j, i, k0 + q + 1, scratch), h, dt, 1);
+                arch35_apply(tb, arch35_term(j, i, k0 + q + 2, scratch), h, dt, 0);
+                arch35_apply(tb, arch35_term(j, i, k0 + q + 3, scratch), h, dt, 1);
+                for (int64_t c = 0; c < h; c++) ta[c] += tb[c];
+                for (int64_t c = 0; c < h; c++) acc[c] += ta[c];
+                if (mut == EMU_MUT_FP16_ACC) round_to_half(acc, h);
+            }
+            for (; q < len; q++) {
+                arch35_apply(acc, arch35_term(j, i, k0 + q, scratch), h, dt, 1);
+                if (mut == EMU_MUT_FP16_ACC) round_to_half(acc, h);
+            }
+        }
+        store_row(j, i, acc);
+    }
+}
+
 /* Token i's terms, summed the vendor's way, rounded once into out row i. */
 static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float *bins,
                            unsigned char *scratch) {
+    if (j->a->arch35) {
+        compute_tokens_arch35(j, begin, end, bins, scratch);
+        return;
+    }
     const moe_kernel_args *a = j->a;
     const int64_t h = a->h, k = a->top_k, nb = j->nb;
     const aclDataType dt = a->x.dtype;
@@ -333,28 +429,7 @@ static void compute_tokens(const token_job *j, int64_t begin, int64_t end, float
                 if (mut == EMU_MUT_FP16_ACC) round_to_half(da, h);
             }
         }
-        /* One rounding to the output type. */
-        unsigned char *orow = j->out_base + i * h * (int64_t)j->es;
-        if (dt == ACL_FLOAT) {
-            /* Even a token whose one term was copied, not added, stores a canonical NaN: one
-             * rule for every K and dtype. The buffer is this thread's own, so it is rewritten
-             * in place (the quiet NaN goes through a float unchanged) and copied out whole:
-             * out may be at any address. */
-            for (int64_t c = 0; c < h; c++) bins[c] = bits_to_float(float_to_f32_bits(bins[c]));
-            memcpy(orow, bins, (size_t)h * sizeof(float));
-        } else if ((uintptr_t)orow % sizeof(uint16_t)) {
-            /* An output address that is not 2-byte aligned: no uint16_t stores. */
-            for (int64_t c = 0; c < h; c++) {
-                uint16_t v = dt == ACL_BF16 ? float_to_bf16(bins[c]) : float_to_half(bins[c]);
-                memcpy(orow + c * (int64_t)sizeof v, &v, sizeof v);
-            }
-        } else if (dt == ACL_BF16) {
-            uint16_t *restrict o = (uint16_t *)orow;
-            for (int64_t c = 0; c < h; c++) o[c] = float_to_bf16(bins[c]);
-        } else {
-            uint16_t *restrict o = (uint16_t *)orow;
-            for (int64_t c = 0; c < h; c++) o[c] = float_to_half(bins[c]);
-        }
+        store_row(j, i, bins); /* one rounding to the output type */
     }
 }
 
@@ -521,6 +596,10 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
     for (int64_t j = 0; j < bsk; j++) {
         int32_t v = ids[j];
         if ((droppad && v == -1) || (active && (int64_t)v >= a->active_num)) continue;
+        /* The 950 from 9.1 reads these as zero rows (arch35/moe_init_routing_v2_grad_base.h:65-75;
+         * dropless: N*K and more); past the rows in drop/pad mode it reads outside the input: a
+         * fault here. */
+        if (a->zero_invalid && (v < 0 || (!droppad && !active && (int64_t)v >= a->n * k))) continue;
         if (v < 0 || (int64_t)v >= a->rows) {
             snprintf(msg, len,
                      "device fault (AI Core exception): expandedRowIdx[%lld] = %d addresses no "
@@ -535,7 +614,7 @@ EMU_HIDDEN int moe_kernel_run(void *payload, char *msg, size_t len) {
         .out_base = dense ? dense : mo.host + (a->out.offset - mo.lo) * (int64_t)mx.esize,
         .exp = bin_exponent(k), .droppad = droppad, .active = active,
     };
-    job.nb = (int64_t)1 << job.exp;
+    job.nb = a->arch35 ? 3 : (int64_t)1 << job.exp; /* arch35: the sum and two group buffers */
     if (run_tokens(&job)) {
         snprintf(msg, len, "emulator out of host memory");
         status = ACL_ERROR_RT_INTERNAL_ERROR;

@@ -14,7 +14,7 @@
 
 /* A flattened position of expertIdx and its expert id: the sort's key and value. */
 typedef struct slot {
-    int32_t expert;
+    int64_t expert; /* an INT32 id, or the Ascend 950's INT64 one */
     int64_t pos;
 } slot;
 
@@ -83,9 +83,10 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
         start[V_X] = a->x.addr + (uintptr_t)(xlo * (int64_t)es);
         bytes[V_X] = (size_t)(hi - xlo + 1) * es;
     }
+    const int64_t ies = a->idx.dtype == ACL_INT64 ? 8 : 4; /* the 950 reads 8-byte ids */
     if (view_extent(&a->idx, &ilo, &hi)) {
-        start[V_IDX] = a->idx.addr + (uintptr_t)(ilo * 4);
-        bytes[V_IDX] = (size_t)(hi - ilo + 1) * 4;
+        start[V_IDX] = a->idx.addr + (uintptr_t)(ilo * ies);
+        bytes[V_IDX] = (size_t)(hi - ilo + 1) * (size_t)ies;
     }
     start[V_EX] = a->ex_addr;
     bytes[V_EX] = (size_t)(ex_rows * h) * es;
@@ -138,8 +139,15 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
      * snapshot, never re-read, so a concurrent write cannot slip an unchecked id past the
      * check. */
     for (int64_t p = 0; p < total; p++) {
-        int64_t off = a->idx.offset + (p / a->k) * a->idx.strides[0] + (p % a->k) * a->idx.strides[1];
-        memcpy(&s[p].expert, host[V_IDX] + (off - ilo) * 4, sizeof(int32_t));
+        int64_t off = a->idx.offset + (p / a->k) * a->idx.strides[0];
+        if (a->idx.ndim == 2) off += (p % a->k) * a->idx.strides[1]; /* (1-D: K = 1) */
+        if (ies == 8) {
+            memcpy(&s[p].expert, host[V_IDX] + (off - ilo) * 8, sizeof(int64_t));
+        } else {
+            int32_t v;
+            memcpy(&v, host[V_IDX] + (off - ilo) * 4, sizeof v);
+            s[p].expert = v;
+        }
         s[p].pos = p;
     }
     /* The documented ranges: [0, expertNum) where an expert's slots or counts are addressed by
@@ -147,19 +155,19 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
      * not check them; on a device a bad id writes out of bounds, here it is a fault. */
     const int bounded = droppad || a->count_flag != 0;
     for (int64_t p = 0; p < total; p++) {
-        int32_t v = s[p].expert;
-        if (v < 0 || (bounded && (int64_t)v >= a->expert_num)) {
+        int64_t v = s[p].expert;
+        if (v < 0 || (bounded && v >= a->expert_num)) {
             if (bounded)
                 snprintf(msg, len,
-                         "device fault (AI Core exception): expertIdx[%lld][%lld] = %d is outside "
+                         "device fault (AI Core exception): expertIdx[%lld][%lld] = %lld is outside "
                          "[0, expertNum = %lld); no output was written",
-                         (long long)(p / a->k), (long long)(p % a->k), (int)v,
+                         (long long)(p / a->k), (long long)(p % a->k), (long long)v,
                          (long long)a->expert_num);
             else
                 snprintf(msg, len,
-                         "device fault (AI Core exception): expertIdx[%lld][%lld] = %d is "
+                         "device fault (AI Core exception): expertIdx[%lld][%lld] = %lld is "
                          "negative; no output was written",
-                         (long long)(p / a->k), (long long)(p % a->k), (int)v);
+                         (long long)(p / a->k), (long long)(p % a->k), (long long)v);
             goto done;
         }
     }
@@ -197,7 +205,7 @@ EMU_HIDDEN int moe_fwd_kernel_run(void *payload, char *msg, size_t len) {
         /* Each expert owns expertCapacity rows, filled in sorted order; a token past the
          * capacity is dropped (-1), and rows no token reaches are zero. */
         if (ex_rows * h > 0) memset(ex, 0, (size_t)(ex_rows * h) * es);
-        int32_t prev = -1;
+        int64_t prev = -1;
         int64_t rank = 0;
         for (int64_t i = 0; i < total; i++) {
             rank = s[i].expert == prev ? rank + 1 : 0;

@@ -25,7 +25,17 @@ typedef struct moe_kernel_args {
                          scratch, then through out's strides (l0op::ViewCopy) */
     uint64_t scratch;
     int mutation;
+    /* The Ascend 950 (arch35): its kernel sums from +0.0 in fours, K in chunks of k_chunk terms
+     * (the tiling's kUbFactor; K under its split-H and full-load templates), and from 9.1 reads
+     * every index outside the rows as a zero row (zero_invalid). 0: the 910B's kernel. */
+    int arch35;
+    int64_t k_chunk;
+    int zero_invalid;
 } moe_kernel_args;
+
+/* The Ascend 950's tiling of the backward (arch35): the K terms a pass sums, for N tokens,
+ * K, H, element bytes ts, aiv vector cores and ub bytes of UB (opapi.c). */
+EMU_HIDDEN int64_t moe_arch35_k_chunk(int64_t n, int64_t k, int64_t h, int64_t ts, int64_t aiv, int64_t ub);
 
 /* Task entry point: runs the kernel, returns 0 or a device fault status with msg filled. */
 EMU_HIDDEN int moe_kernel_run(void *args, char *msg, size_t msg_len);
@@ -35,6 +45,7 @@ EMU_HIDDEN int moe_kernel_run(void *args, char *msg, size_t msg_len);
 static inline size_t moe_dtype_size(aclDataType dt) {
     switch (dt) {
     case ACL_FLOAT: case ACL_INT32: return 4;
+    case ACL_INT64: return 8;
     case ACL_FLOAT16: case ACL_BF16: return 2;
     default: return 0;
     }

@@ -175,6 +175,30 @@ static int check_positive(const emu_tensor_desc *t, const char *name, int allow_
     return 0;
 }
 
+/* The Ascend 950's templates, tried in their priority order (ops-transformer v9.1.0.pre,
+ * moe/moe_init_routing_v2_grad/op_host/, the registry's map: 20000 split-H, 30000 full load,
+ * 40000 the general one; the 910B's template, 10000, runs the shared checks and declines):
+ * - split-H (..._split_h_tiling_arch35.cpp:49-58): K <= 64, N below the vector cores and below
+ *   H / 512 / ts: every pass sums all K terms;
+ * - full load (..._full_load_tiling_arch35.cpp:104-137): (2K+1) rows of H (aligned to 32 bytes)
+ *   fit in the UB, or, split across H, K <= 10: all K terms;
+ * - the general one (..._tiling_arch35.cpp:100-129): kUbFactor = (UB - (ts+4) * Ha) / (2 ts Ha)
+ *   terms a pass (at most 65535), or 1 when not even that fits.
+ * Only the number of terms a pass sums changes the result's bits (kernel.c). The tiling keys
+ * (200001-200003, 300001-300003, 400001-400003: the template, then dropless, drop/pad,
+ * active) are not visible through aclnn. The workspace stays the 910B's 16 MiB (tiling_base.cpp:271-276). */
+EMU_HIDDEN int64_t moe_arch35_k_chunk(int64_t n, int64_t k, int64_t h, int64_t ts, int64_t aiv, int64_t ub) {
+    if (ts <= 0 || k <= 0) return k > 0 ? k : 1;
+    if (k <= 64 && n < aiv && n < (h / 512) / ts) return k;
+    int64_t h_align = (h * ts + 31) / 32 * 32 / ts;
+    if ((2 * k + 1) * ts * h_align <= ub || k <= 10) return k;
+    if ((3 * ts + 4) * h_align <= ub) {
+        int64_t f = (ub - (ts + 4) * h_align) / (2 * ts * h_align);
+        return f > 65535 ? 65535 : f < 1 ? 1 : f;
+    }
+    return 1;
+}
+
 /* The tiling conditions, in the vendor's order. */
 static int check_tiling(const emu_tensor_desc *x, const emu_tensor_desc *idx,
                         const emu_tensor_desc *out, int64_t top_k, int64_t mode, int64_t active) {
@@ -443,6 +467,13 @@ EMU_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     a->rows = a->h > 0 && numel > 0 ? numel / a->h : 0;
     a->flat = x->ndim == 3 && dropPadMode != 1;
     a->c = x->ndim == 3 && !a->flat ? x->shape[1] : 0;
+    const char *soc = aclrtGetSocName();
+    if (emu_soc_family(soc) == EMU_CHIP_950) {
+        a->arch35 = 1;
+        a->k_chunk = moe_arch35_k_chunk(a->n, topK, a->h, (int64_t)moe_dtype_size(x->dtype),
+                                        emu_soc_vector_cores(soc), emu_soc_ub_bytes(soc));
+        a->zero_invalid = aclemuRelease() >= 90100;
+    }
     op->unchecked = unchecked;
     emu_executor_info info;
     memset(&info, 0, sizeof info);

@@ -25,9 +25,9 @@
 
 /* The tiling's fixed reserve (16 MiB), whatever the shapes. */
 #define FWD_FIXED_WORKSPACE ((uint64_t)16 * 1024 * 1024)
-/* Vector cores of the emulated SoC (Ascend910B3: 20 AI Cores of two vector units each); the
- * tiling reserves two int32 flags per core. */
-#define FWD_AIV_CORES 40
+/* The emulated SoC is an Ascend 950 (arch35): it takes INT64 and 1-D expert ids and an
+ * activeNum <= 0, and its workspace holds 4 more bytes an expert (docs/emulator.md, "Chips"). */
+static int arch35(void) { return emu_soc_family(aclrtGetSocName()) == EMU_CHIP_950; }
 
 static const char *const API = "aclnnMoeInitRoutingV2GetWorkspaceSize";
 
@@ -55,12 +55,13 @@ static void fwd_op_free(void *p) {
 #define tiling_error(...) emu_fail(API, emu_tiling_status(), __VA_ARGS__)
 #define invalid(...) emu_fail(API, ACLNN_ERR_PARAM_INVALID, __VA_ARGS__)
 
-/* expertIdx must be INT32 (161002): the list of the SoCs the emulator models. */
+/* expertIdx must be INT32, or INT64 on the Ascend 950 (161002; ops-transformer v9.1.0.pre
+ * op_api/aclnn_moe_init_routing_v2.cpp:38-41, 126-128; its def.cpp:104-117 lists the pairs). */
 static int want_expert_idx(const emu_tensor_desc *t) {
-    if (t->dtype == ACL_INT32) return 0;
-    return invalid("expertIdx has data type %s (%d): it must be INT32 (INT64 is accepted only on "
-                   "Ascend 950-class SoCs, which the emulator does not model)",
-                   dtype_name(t->dtype), (int)t->dtype);
+    if (t->dtype == ACL_INT32 || (t->dtype == ACL_INT64 && arch35())) return 0;
+    return invalid("expertIdx has data type %s (%d): it must be INT32 (INT64 only on the Ascend "
+                   "950; this SoC is %s)",
+                   dtype_name(t->dtype), (int)t->dtype, aclrtGetSocName());
 }
 
 /* The support list (moe_init_routing_v2_def.cpp, ascend910b), as nnopbase matches it up to 9.0:
@@ -113,6 +114,13 @@ static int check_token_count(const fwd_op *op, int which, int64_t expert_num) {
     return 0;
 }
 
+/* Rows of expandedXOut in mode 0: all N*K for activeNum 0, else min(activeNum, N*K); a negative
+ * one (the 950's) N*K + activeNum, floored at 0 (tiling:178-184). */
+static int64_t fwd_rows(int64_t total, int64_t active) {
+    int64_t r = active <= 0 ? total + active : emu_min64(total, active);
+    return r < 0 ? 0 : r;
+}
+
 /* The tiling's checks (GetShapeAttrsInfo, then CheckOutShape), in the order of its source. */
 static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, int64_t mode,
                         int64_t flag, int before) {
@@ -152,15 +160,17 @@ static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
     /* Each mode ignores the other mode's output flag from here on. */
     if (mode == 1) flag = 0;
     else before = 0;
-    if (active < 0)
+    /* The Ascend 950 checks no activeNum and takes a 1-D expertIdx as K = 1 (tiling:387-397). */
+    const int a35 = arch35();
+    if (active < 0 && !a35)
         return tiling_error("activeNum is %lld: it must be 0 or greater", (long long)active);
-    if (idx->ndim != 2)
-        return tiling_error("expertIdx has %lld dimensions: it must have 2, [numRows, k]",
-                            (long long)idx->ndim);
-    if (idx->shape[1] < 0)
+    if (a35 ? idx->ndim != 1 && idx->ndim != 2 : idx->ndim != 2)
+        return tiling_error("expertIdx has %lld dimensions: it must have %s", (long long)idx->ndim,
+                            a35 ? "1 or 2, [numRows] or [numRows, k]" : "2, [numRows, k]");
+    if (idx->ndim == 2 && idx->shape[1] < 0)
         return tiling_error("dim 1 of expertIdx is %lld: it must be 0 or greater",
                             (long long)idx->shape[1]);
-    const int64_t n = idx->shape[0], k = idx->shape[1], h = x->shape[1];
+    const int64_t n = idx->shape[0], k = idx->ndim == 2 ? idx->shape[1] : 1, h = x->shape[1];
     /* The tiling multiplies in int64 without a check and compares the outputs with the
      * wrapped product (the builtin leaves it in total), so a wrong output shape is its 561002
      * first; an overflow that gets through is the emulator's guard, below. */
@@ -185,11 +195,13 @@ static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
         if (ex->ndim != 2)
             return tiling_error("expandedXOut has %lld dimensions: it must have 2, [rows, h]",
                                 (long long)ex->ndim);
-        const int64_t rows = active == 0 ? total : emu_min64(total, active);
+        const int64_t rows = fwd_rows(total, active);
         if (ex->shape[0] != rows)
             return tiling_error("dim 0 of expandedXOut is %lld: it must be %s = %lld",
                                 (long long)ex->shape[0],
-                                active == 0 ? "numRows * k" : "min(activeNum, numRows * k)",
+                                active == 0   ? "numRows * k"
+                                : active < 0 ? "max(numRows * k + activeNum, 0)"
+                                              : "min(activeNum, numRows * k)",
                                 (long long)rows);
         if (ex->shape[1] != h)
             return tiling_error("dim 1 of expandedXOut is %lld: it must be h (dim 1 of x) = %lld",
@@ -212,7 +224,7 @@ static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
     a->n = n;
     a->k = k;
     a->h = h;
-    a->ex_rows = mode == 1 ? 0 : active == 0 ? total : emu_min64(total, active);
+    a->ex_rows = mode == 1 ? 0 : fwd_rows(total, active);
     a->capacity = cap;
     a->expert_num = num;
     a->drop_pad_mode = mode;
@@ -223,15 +235,19 @@ static int check_tiling(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
     return 0;
 }
 
-/* The tiling's workspace (its GetWorkspaceSize, for SoCs other than 310P and Ascend 950):
- * six floats a slot for the sort, two int32 a slot for the scatter, two int32 flags a vector
- * core, and a fixed 16 MiB. Returns 0, or 161002 when it does not fit in 64 bits. */
-static int tiling_workspace(int64_t total, uint64_t *ws) {
+/* The tiling's workspace (its GetWorkspaceSize, for SoCs other than 310P): six floats a slot
+ * for the sort, two int32 a slot for the scatter, two int32 flags a vector core (the SoC's),
+ * on the Ascend 950 an int32 an expert more (tiling:627-630), and a fixed 16 MiB. Returns 0,
+ * or 161002 when it does not fit in 64 bits. */
+static int tiling_workspace(int64_t total, int64_t expert_num, uint64_t *ws) {
     uint64_t sort = 0, scatter = 0, sum = 0;
+    const uint64_t cores = (uint64_t)emu_soc_vector_cores(aclrtGetSocName());
+    const uint64_t experts = arch35() ? (uint64_t)expert_num * sizeof(int32_t) : 0;
     int bad = __builtin_mul_overflow((uint64_t)total, (uint64_t)(sizeof(float) * 2 * 3), &sort) ||
               __builtin_mul_overflow((uint64_t)total, (uint64_t)(sizeof(int32_t) * 2), &scatter) ||
               __builtin_add_overflow(sort, scatter, &sum) ||
-              __builtin_add_overflow(sum, (uint64_t)FWD_AIV_CORES * 2 * sizeof(int32_t), &sum) ||
+              __builtin_add_overflow(sum, cores * 2 * sizeof(int32_t), &sum) ||
+              __builtin_add_overflow(sum, experts, &sum) ||
               __builtin_add_overflow(sum, FWD_FIXED_WORKSPACE, &sum);
     if (bad) return invalid("the workspace for %lld slots does not fit in 64 bits", (long long)total);
     *ws = sum;
@@ -266,7 +282,8 @@ static int check_kernel_binary(const fwd_op *op) {
     int st = kernel_format(API, x, "x");
     if (!st) st = kernel_format(API, &op->d[T_IDX], "expertIdx");
     if (!st) st = kernel_dtype(API, x, "x", emu_is_float(x->dtype));
-    if (!st) st = kernel_dtype(API, &op->d[T_IDX], "expertIdx", op->d[T_IDX].dtype == ACL_INT32);
+    if (!st) st = kernel_dtype(API, &op->d[T_IDX], "expertIdx", op->d[T_IDX].dtype == ACL_INT32 ||
+                                                                (op->d[T_IDX].dtype == ACL_INT64 && arch35()));
     if (!st) st = kernel_dtype(API, &op->d[T_EX], "expandedXOut", op->d[T_EX].dtype == x->dtype);
     for (int i = T_RI; i < T_COUNT && !st; i++)
         if (op->present[i]) st = kernel_dtype(API, &op->d[i], NAMES[i], op->d[i].dtype == ACL_INT32);
@@ -332,7 +349,7 @@ static int check_shapes(fwd_op *op, int64_t active, int64_t cap, int64_t num, in
         }
         if (!st) st = check_extent(API, &op->d[T_X], "x");
         if (!st) st = check_extent(API, &op->d[T_IDX], "expertIdx");
-        if (!st) st = tiling_workspace(op->args.n * op->args.k, workspace);
+        if (!st) st = tiling_workspace(op->args.n * op->args.k, op->args.expert_num, workspace);
         if (!st && emu_l0op_entry()) st = l0op_workspace(op, workspace);
     } else {
         for (int i = T_X; i <= T_IDX && !st; i++)

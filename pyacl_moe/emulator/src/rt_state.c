@@ -230,6 +230,17 @@ int config_locked(void) {
         config_fail("PYACL_MOE_EMU_SOC", soc,
                     "use a SoC name of 1 to 63 letters, digits, '_', '-' or '.', e.g. Ascend910B3");
         soc = NULL;
+    } else if (soc && !emu_soc_family(soc)) {
+        config_fail("PYACL_MOE_EMU_SOC", soc,
+                    "use a SoC name CANN's platform files give a family the op is built for: "
+                    "Ascend910B1 to Ascend910B4 (Atlas A2), Ascend910_9362 to Ascend910_9392 "
+                    "(Atlas A3), Ascend950PR_* or Ascend950DT_* (arch35), e.g. Ascend950PR_9599");
+        soc = NULL;
+    } else if (soc && emu_soc_family(soc) == EMU_CHIP_950 && aclemuRelease() < 90000) {
+        config_fail("PYACL_MOE_EMU_SOC", soc,
+                    "the emulator models the Ascend 950 from release 9.0 (8.5 named it Ascend910_95 "
+                    "and summed another way): use PYACL_MOE_EMU_RELEASE=9.0.0 or 9.1.0");
+        soc = NULL;
     }
     snprintf(g_soc, sizeof g_soc, "%s", soc ? soc : "Ascend910B3");
     static const char *const mutations[] = {"none", "skip-last-k", "fp16-accumulate",
