@@ -387,7 +387,7 @@ def test_help_states_each_default_once(prog, parser):
             assert shown.count("(default") <= 1, f"{prog} {action.option_strings}: {shown}"
 
 
-@pytest.mark.parametrize("command, names", [([], "{info,run,conformance,bench,emulator}"),
+@pytest.mark.parametrize("command, names", [([], "{info,run,conformance,merge,bench,emulator}"),
                                             (["emulator"], "{build,path}")])
 def test_a_missing_subcommand_is_named_by_its_choices(main, command, names):
     code, out, err = refused(main, *command)
