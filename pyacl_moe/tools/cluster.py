@@ -203,8 +203,8 @@ def _compatible(first: tuple[str, dict[str, Any]], other: tuple[str, dict[str, A
         raise ClusterError(f"{wb}: judged with other tolerances (--rtol/--atol) than {wa}")
 
 
-_HOST_FIELDS = ("soc", "chip", "backend", "cann_version", "toolkit_version", "ops_version", "runtime_version", "acl_version",
-                "op_library", "pyacl_moe", "node_ip")
+_HOST_FIELDS = ("soc", "chip", "backend", "cann_version", "toolkit_version", "ops_version", "runtime_version",
+                "acl_version", "op_library", "pyacl_moe", "node_ip")
 
 
 def merge(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
