@@ -234,6 +234,22 @@ def test_an_unknown_emulated_release_is_refused_by_name():
     assert r.returncode == 2 and "PYACL_MOE_EMU_RELEASE='8.2.RC1'" in r.stderr and "9.1.0" in r.stderr
 
 
+@pytest.mark.parametrize("short, full", [("9.1", "9.1.0"), ("8.1", "8.1.RC1"), ("8.0", "8.0.0")])
+def test_the_short_names_the_readme_writes_are_the_emulated_releases_of_that_line(short, full):
+    """PYACL_MOE_EMU_RELEASE=9.1 was "malformed" though the README writes 9.1 (issue: papercuts, 7)."""
+    from pyacl_moe.emulator import _env, _releases
+
+    _env.check_environment({"PYACL_MOE_EMU_RELEASE": short})
+    assert _releases.selected({"PYACL_MOE_EMU_RELEASE": short}).release == full
+    r = _python(["-c", "import pyacl_moe.emulator as e; print(e.release())"], PYACL_MOE_EMU_RELEASE=short)
+    assert r.returncode == 0 and r.stdout.strip() == full, r.stderr
+    # Blanks stay refused, as for every variable; a line the emulator lacks lists the lines it has.
+    with pytest.raises(ValueError, match=r"or its line 8\.0, 8\.1, 8\.5, 9\.0, 9\.1"):
+        _env.check_environment({"PYACL_MOE_EMU_RELEASE": "9.2"})
+    with pytest.raises(ValueError, match="malformed"):
+        _env.check_environment({"PYACL_MOE_EMU_RELEASE": f" {short}"})
+
+
 # ---------------------------------------------------------------------------- homes that do not fit
 
 def _copy_home(homes: dict[str, str], name: str, tmp_path: Path) -> Path:

@@ -102,9 +102,11 @@ def path(release: str | None = None) -> str:
 
 def _profile(name: str | None) -> _releases.Profile:
     check_environment()
-    if name is not None and name not in _releases.PROFILES:
-        raise ValueError(f"release must be one of {RELEASES}, not {name!r}")
-    return _releases.PROFILES[name] if name else _releases.selected()
+    known = _releases.canonical(name) if name is not None else None
+    if name is not None and known is None:
+        raise ValueError(f"release must be one of {RELEASES} or its line "
+                         f"({', '.join(_releases.SHORT_NAMES)}), not {name!r}")
+    return _releases.PROFILES[known] if known else _releases.selected()
 
 
 def release() -> str:

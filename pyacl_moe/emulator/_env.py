@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 
 from .._contract import SOCS, family_of
 from ._errors import EmulatorBuildError
-from ._releases import DEFAULT, PROFILES, selected
+from ._releases import DEFAULT, PROFILES, SHORT_NAMES, canonical, selected
 
 PREFIX = "PYACL_MOE_EMU_"
 MAX_DEVICES = 64  # EMU_MAX_DEVICES in rt_internal.h
@@ -84,7 +84,8 @@ VARIABLES: dict[str, tuple[Callable[[str], bool], str]] = {
                               "(at most 16 are used)"),
     "PYACL_MOE_EMU_SANITIZE": (_sanitizers, "a comma-separated list of " + ", ".join(SANITIZERS)),
     "PYACL_MOE_EMU_BUILD_TIMEOUT": (_seconds, "a positive number of seconds, e.g. 300 or 0.5"),
-    "PYACL_MOE_EMU_RELEASE": (lambda v: v in PROFILES, "one of the emulated releases " + ", ".join(PROFILES)
+    "PYACL_MOE_EMU_RELEASE": (lambda v: canonical(v) is not None, "one of the emulated releases "
+                              + ", ".join(PROFILES) + " or its line " + ", ".join(SHORT_NAMES)
                               + f" (default {DEFAULT})"),
 }
 
@@ -101,7 +102,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
             problems.append(f"{name}={value!r} is malformed: use {forms}")
     soc = env.get("PYACL_MOE_EMU_SOC", "")
     release = env.get("PYACL_MOE_EMU_RELEASE", "").strip()
-    if family_of(soc) == "Ascend950" and soc in SOCS and (not release or release in PROFILES) and \
+    if family_of(soc) == "Ascend950" and soc in SOCS and (not release or canonical(release)) and \
             selected(dict(env)).code < 90000:
         problems.append(f"PYACL_MOE_EMU_SOC={soc!r} is refused: the emulator models the Ascend 950 from release 9.0 "
                         "(8.5 named it Ascend910_95 and summed another way): use PYACL_MOE_EMU_RELEASE=9.0.0 or 9.1.0")

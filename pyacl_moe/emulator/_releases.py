@@ -29,7 +29,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT", "PROFILES", "RELEASE_ENV", "LinkedLibrary", "Profile", "home", "lay_out", "libraries", "link",
+__all__ = ["DEFAULT", "PROFILES", "RELEASE_ENV", "SHORT_NAMES", "canonical", "LinkedLibrary", "Profile", "home", "lay_out", "libraries", "link",
            "make_folders", "selected"]
 
 RELEASE_ENV = "PYACL_MOE_EMU_RELEASE"
@@ -80,10 +80,22 @@ PROFILES: dict[str, Profile] = {p.release: p for p in (
 DEFAULT = "9.0.0"
 
 
+# The names the README and CANN's own notes give a release line ("9.1"): each is the one release
+# of that line the emulator stands for. (9.1.1 exists as a CANN release, and the binding knows
+# it, but the emulator's 9.1 is 9.1.0.)
+SHORT_NAMES: dict[str, str] = {".".join(name.split(".")[:2]): name for name in PROFILES}
+
+
+def canonical(name: str) -> str | None:
+    """The emulated release ``name`` stands for (a release of PROFILES, or its line as
+    SHORT_NAMES gives it: "9.1" is "9.1.0"); None for any other name."""
+    return name if name in PROFILES else SHORT_NAMES.get(name)
+
+
 def selected(environ: os._Environ[str] | dict[str, str] | None = None) -> Profile:
     """The profile ``PYACL_MOE_EMU_RELEASE`` names (checked by _env.check_environment)."""
     env = os.environ if environ is None else environ
-    return PROFILES[env.get(RELEASE_ENV, "").strip() or DEFAULT]
+    return PROFILES[canonical(env.get(RELEASE_ENV, "").strip()) or DEFAULT]
 
 
 def arch() -> str:
