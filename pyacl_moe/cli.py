@@ -173,6 +173,13 @@ def _conformance(args: argparse.Namespace) -> int:
     kit_cases = None
     if args.cases and devices and len(devices) > 1:
         raise UsageError("--cases runs on one device; give --device, not --devices", "--devices")
+    # A flag that would change nothing is refused, not ignored: the run would not be the one asked for.
+    if args.cases and (args.full or args.quick):
+        raise UsageError("picks a profile of the catalogue; --cases runs the case files' rows instead, every one "
+                         "(narrow them with --filter)", "--full" if args.full else "--quick")
+    if args.perf_threshold is not None and not (args.baseline and args.perf):
+        raise UsageError("compares device times with a baseline's: give it with --baseline OLD.json and --perf N",
+                         "--perf-threshold")
     if args.cases:
         from .tools import kitcases
 
@@ -247,7 +254,8 @@ def _conformance(args: argparse.Namespace) -> int:
     report = conformance.run(
         profile, args.filter, args.seed, progress=sys.stderr, cases=kit_cases, devices=devices, standard=standard,
         strict=args.strict, rtol=rtol, atol=atol, max_memory=max_memory, baseline=baseline,
-        baseline_path=args.baseline or "", perf=args.perf, perf_threshold=args.perf_threshold, part=args.shard,
+        baseline_path=args.baseline or "", perf=args.perf,
+        perf_threshold=1.2 if args.perf_threshold is None else args.perf_threshold, part=args.shard,
     )
     print(report.table())
     try:
@@ -482,9 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--perf", type=_integer(0), default=0, metavar="N",
                       help="run each passing case N more times, timed: the medians of the op call's host time "
                            "(api_us) and device time (device_us) go in the reports")
-    conf.add_argument("--perf-threshold", type=_ratio, default=1.2, metavar="RATIO",
-                      help="with --baseline: list the cases whose device_us grew beyond RATIO times the "
-                           "baseline's; listed, the exit status does not change")
+    conf.add_argument("--perf-threshold", type=_ratio, metavar="RATIO",
+                      help="with --baseline and --perf: list the cases whose device_us grew beyond RATIO times "
+                           "the baseline's; listed, the exit status does not change (default 1.2)")
     conf.add_argument("--seed", type=_integer(0), default=0, help="seed of the random inputs, >= 0")
     devs = conf.add_mutually_exclusive_group()
     devs.add_argument("--device", type=_integer(0), metavar="N", help="run on device N (default: device 0)")

@@ -181,3 +181,21 @@ def test_a_baseline_lists_the_cases_whose_device_time_grew(device, tmp_path):
     assert slow["name"] == "dropless-float32-small" and slow["ratio"] > 1.2
     assert slow["baseline_device_us"] == data["cases"][0]["device_us"]
     assert new.ok and "SLOWER dropless-float32-small" in new.table()  # listed; the exit status stays
+
+
+@pytest.mark.parametrize("flags, named, says", [
+    (["--full"], "--full", "picks a profile of the catalogue; --cases runs the case files' rows instead"),
+    (["--quick"], "--quick", "picks a profile of the catalogue"),
+    (["--perf-threshold", "2"], "--perf-threshold", "give it with --baseline OLD.json and --perf N"),
+])
+def test_a_flag_that_would_change_nothing_is_refused_not_ignored(main, monkeypatch, tmp_path, flags, named, says):
+    """conformance --cases f.csv --full took --full and ignored it (issue: papercuts, 13)."""
+    def refuse(*a, **k):
+        raise AssertionError("a case ran")
+
+    monkeypatch.setattr(conformance, "run", refuse)
+    path = _write(tmp_path / "k.csv", BACKWARD_ROWS[:1])
+    code, out, err = main("--emulator", "conformance", "--cases", path, *flags)
+    assert code == 2 and out == "", out + err
+    assert err.startswith(f"pyacl-moe conformance: error: argument {named}: ") and err.count("\n") == 1, err
+    assert says in err
