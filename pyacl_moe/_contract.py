@@ -132,6 +132,14 @@ def scenario(drop_pad_mode: int, active_num: int) -> str:
     return "active" if active_num > 0 else "dropless"
 
 
+def forward_scenario(drop_pad_mode: int, active_num: int) -> str:
+    """The forward's scenario for its attributes, named as the backward's: an active_num other
+    than 0 in dropless mode (the 950's negative one too) is 'active', whatever rows it keeps."""
+    if drop_pad_mode == 1:
+        return "drop-pad"
+    return "active" if active_num != 0 else "dropless"
+
+
 @dataclass(frozen=True)
 class Geometry:
     """What the attributes and shapes imply."""

@@ -199,3 +199,38 @@ def test_a_flag_that_would_change_nothing_is_refused_not_ignored(main, monkeypat
     assert code == 2 and out == "", out + err
     assert err.startswith(f"pyacl-moe conformance: error: argument {named}: ") and err.count("\n") == 1, err
     assert says in err
+
+
+FORWARD_ACTIVE_ROW = (
+    '''kit_fwd_active_fp32,aclnnMoeInitRoutingV2,"((53,16), (53, 7),(61, 16),(371,),(9,),(9,))",'''
+    '''"('float32', 'int32', 'float32', 'int32', 'int32', 'int32')",'''
+    '''"{'activeNumOptional': 61, 'expertCapacityOptional': 0, 'expertNumOptional': 9, 'dropPadModeOptional': 0, '''
+    '''\'expertTokensCountOrCumsumFlagOptional': 2, 'expertTokensBeforeCapacityFlagOptional': False}",'''
+    '''"((0.001, 0.001),)",0.0001,,"(2,3,4,5)"''')
+
+
+def test_a_forward_row_that_keeps_active_num_rows_is_active_as_the_backward_names_it(device, tmp_path):
+    """A forward row with activeNum 61 of 371 rows was labelled dropless (issue: papercuts, 6)."""
+    path = _write(tmp_path / "fwd.csv", [FORWARD_ACTIVE_ROW, FORWARD_ROWS[0]])
+    cases = kitcases.load([path])
+    assert [c.scenario for c in cases] == ["active", "dropless"]
+    report = conformance.run(cases=cases, progress=None)
+    assert report.ok, report.table()
+    assert [c.scenario for c in report.cases] == ["active", "dropless"]
+    assert "active  " in report.table().splitlines()[2]
+
+
+def test_the_table_and_summary_say_which_rows_ran_with_the_host_checks_off_and_what_judged_each(device, kit_files):
+    """The host checks were off only in the JSON; the summary said stat-rel-err where the column said
+    reference and the forward's rows were judged exact (issue: papercuts, 5)."""
+    report = conformance.run(cases=kitcases.load(kit_files), progress=None)
+    table = report.table()
+    rows = {line.split()[0]: line for line in table.splitlines()[2:8]}
+    assert all(" stat-rel-err * " in rows[r.split(",")[0]] for r in BACKWARD_ROWS), table
+    assert all(" exact " in rows[r.split(",")[0]] and "*" not in rows[r.split(",")[0]] for r in FORWARD_ROWS), table
+    assert "* run with the binding's host checks off" in table
+    summary = report.summary()
+    assert "judged by stat-rel-err (4 cases), exact (2 cases)" in summary, summary
+    assert "4 with the binding's host checks off (*)" in summary, summary
+    assert [c.host_checks for c in report.cases] == [False] * 4 + [True] * 2
+    assert all(c.as_dict()["host_checks"] is False for c in report.cases[:4])

@@ -76,6 +76,9 @@ class CaseResult:
     api_us: float | None = None
     device_us: float | None = None
     attributes: str = ""  # the case's attributes as given (a test-kit row's), for the CSV report
+    # False: the op was called with the binding's host checks off (a test-kit row of the
+    # backward, whose indices are drawn as the vendor's golden draws them, repeats allowed).
+    host_checks: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

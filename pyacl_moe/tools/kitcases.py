@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import reference
+from .._contract import forward_scenario
 from ..array import to_device
 from ..device import chip
 from ..op.moe_init_routing_v2 import moe_init_routing_v2
@@ -340,14 +341,18 @@ def _case(row: KitRow) -> Case:
         return Case(row.name, "positive", row.dtypes[0], _scenario(row), shape_text,
                     lambda ctx: _run_backward(ctx, row), source="op", nbytes=_nbytes(row), op="backward",
                     judged_by="reference")
-    return Case(row.name, "positive", row.dtypes[0], "dropless" if not row.attributes.get("dropPadModeOptional")
-                else "drop-pad", shape_text, lambda ctx: _run_forward(ctx, row), source="op", nbytes=_nbytes(row),
-                op="forward", judged_by="reference")
+    return Case(row.name, "positive", row.dtypes[0], _forward_scenario(row.attributes), shape_text,
+                lambda ctx: _run_forward(ctx, row), source="op", nbytes=_nbytes(row), op="forward",
+                judged_by="reference")
 
 
 def _scenario(row: KitRow) -> str:
     a = row.attributes
     return "drop-pad" if a.get("dropPadMode") == 1 else "active" if a.get("activeNum", 0) > 0 else "dropless"
+
+
+def _forward_scenario(a: dict[str, Any]) -> str:
+    return forward_scenario(int(a.get("dropPadModeOptional", 0)), int(a.get("activeNumOptional", 0)))
 
 
 def _nbytes(row: KitRow) -> int:
@@ -381,7 +386,8 @@ def _run_backward(ctx: Context, row: KitRow) -> CaseResult:
                       time.perf_counter() - t0, m["max_abs_error"], m["max_rel_error"],
                       round(m["mismatch_ratio"] * m["elements"]), m["elements"],
                       detail=note if j.passed else f"{j.standard}: {j.reason}; {note}", digest=digest(got),
-                      standard=j.standard, thresholds=j.thresholds, metrics=m, attributes=row.text["attributes"])
+                      standard=j.standard, thresholds=j.thresholds, metrics=m, attributes=row.text["attributes"],
+                      host_checks=False)
 
 
 def _backward_call(x: np.ndarray, idx: np.ndarray, k: int, mode: int, active: int, s: Any) -> np.ndarray:
@@ -423,7 +429,7 @@ def _run_forward(ctx: Context, row: KitRow) -> CaseResult:
     m = precision.judge("exact", got[0], want[0], row.dtypes[0]).metrics if got[0] is not None and \
         want[0] is not None and got[0].shape == want[0].shape else None
     note = _note(row)
-    return CaseResult(row.name, "positive", row.dtypes[0], "drop-pad" if attrs["drop_pad_mode"] else "dropless",
+    return CaseResult(row.name, "positive", row.dtypes[0], forward_scenario(attrs["drop_pad_mode"], attrs["active_num"]),
                       row.text["tensor_view_shapes"], not wrong, time.perf_counter() - t0,
                       m["max_abs_error"] if m else None, m["max_rel_error"] if m else None,
                       detail="; ".join([*wrong, note]), standard="exact", thresholds={}, metrics=m,
@@ -658,8 +664,7 @@ def _atk_case(row: KitRow) -> Case:
         return Case(row.name, "positive", row.dtypes[0], scen, row.text["tensor_view_shapes"],
                     lambda ctx: _run_atk(ctx, row), source="op", nbytes=3 * _nbytes(row), op="backward",
                     judged_by="reference")
-    return Case(row.name, "positive", row.dtypes[0], "drop-pad" if a.get("dropPadModeOptional") else "dropless",
-                row.text["tensor_view_shapes"], lambda ctx: _run_atk(ctx, row), source="op",
+    return Case(row.name, "positive", row.dtypes[0], _forward_scenario(a), row.text["tensor_view_shapes"], lambda ctx: _run_atk(ctx, row), source="op",
                 nbytes=3 * _nbytes(row), op="forward", judged_by="reference")
 
 
@@ -695,7 +700,7 @@ def _run_atk(ctx: Context, row: KitRow) -> CaseResult:
                 "expert_tokens_count_or_cumsum_flag": int(attrs.get("expertTokensCountOrCumsumFlagOptional", 0)),
                 "expert_tokens_before_capacity_flag": bool(attrs.get("expertTokensBeforeCapacityFlagOptional", False)),
             }
-            scen = "drop-pad" if kw["drop_pad_mode"] else "dropless"
+            scen = forward_scenario(kw["drop_pad_mode"], kw["active_num"])
             s = ctx.stream
             r = ctx.measured(moe_init_routing_v2, to_device(x, stream=s), to_device(ids, stream=s), **kw, stream=s)
             got = [None if o is None else o.to_host(s) for o in r]
@@ -704,7 +709,7 @@ def _run_atk(ctx: Context, row: KitRow) -> CaseResult:
         status = exc.status if isinstance(exc, AclError) else None
         return CaseResult(row.name, "positive", row.dtypes[0], scen, row.text["tensor_view_shapes"], False,
                           time.perf_counter() - t0, status=status, detail=f"{exc}; {note}", source="op",
-                          attributes=row.text["attributes"])
+                          attributes=row.text["attributes"], host_checks=row.api != BACKWARD_API)
     wrong, first = [], None
     for field_name, g, w in zip(("out", "expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
                                  "expert_tokens_before_capacity")[0 if row.api == BACKWARD_API else 1:], got, want):
@@ -727,4 +732,4 @@ def _run_atk(ctx: Context, row: KitRow) -> CaseResult:
                       digest=digest(np.concatenate([np.ascontiguousarray(o).view(np.uint8).reshape(-1)
                                                     for o in got if o is not None])),
                       standard=standard, thresholds=first.thresholds if first else {}, metrics=m,
-                      attributes=row.text["attributes"])
+                      attributes=row.text["attributes"], host_checks=row.api != BACKWARD_API)
