@@ -32,6 +32,8 @@ from torch import Tensor
 
 from . import _args, _contract
 from .array import from_torch
+from .device import chip as device_chip
+from .errors import InvalidArgument
 from .op.moe_init_routing_v2 import RoutingResult, output_shapes
 from .op.moe_init_routing_v2 import moe_init_routing_v2 as _routing
 from .op.moe_init_routing_v2_grad import moe_init_routing_v2_grad as _routing_grad
@@ -102,12 +104,33 @@ def _routing_outputs(x: Tensor, expert_idx: Tensor,
             for name, shape in zip(RoutingResult._fields, shapes)], shapes
 
 
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _ids_the_op_takes(expert_idx: Tensor) -> Tensor:
+    """``expert_idx`` as the chip's op takes it: int64 ids (what ``torch.topk`` returns) as they
+    are where the forward takes int64 (the Ascend950), else checked to fit int32 and converted,
+    once; anything else as it is, for the op's own checks to name. Inside the operator, on real
+    tensors: the range check reads their values, which a traced (fake) tensor has not."""
+    if expert_idx.dtype != torch.int64 or device_chip().forward_relaxed:
+        return expert_idx
+    if expert_idx.numel():
+        low, high = int(expert_idx.min()), int(expert_idx.max())
+        if low < _INT32[0] or high > _INT32[1]:
+            c = device_chip()
+            bad = high if high > _INT32[1] else low
+            raise InvalidArgument("expert_idx", f"int64 ids must fit in int32 on {c.soc} ({c.family}), whose op "
+                                                f"takes int32 (they are converted once), got {bad}")
+    return expert_idx.to(torch.int32)
+
+
 @torch.library.custom_op("pyacl_moe::moe_init_routing_v2", mutates_args=())
 def _forward_op(x: Tensor, expert_idx: Tensor, active_num: int, expert_capacity: int, expert_num: int,
                 drop_pad_mode: int, expert_tokens_count_or_cumsum_flag: int,
                 expert_tokens_before_capacity_flag: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     attrs = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
              expert_tokens_before_capacity_flag)
+    expert_idx = _ids_the_op_takes(expert_idx)
     if _on_npu(x):
         outs, shapes = _routing_outputs(x, expert_idx, attrs)
         given = RoutingResult(*(None if shape is None else from_torch(o) for o, shape in zip(outs, shapes)))
@@ -218,7 +241,9 @@ def moe_init_routing_v2(x: Tensor, expert_idx: Tensor, active_num: int = 0, expe
     """:func:`pyacl_moe.moe_init_routing_v2` on torch tensors (CPU or torch_npu), the same
     parameters and result fields, differentiable in ``x``: the gradient of ``expanded_x``
     flows back to ``x`` through aclnnMoeInitRoutingV2Grad. The contract is checked as the
-    NumPy function checks it, and refused with :class:`pyacl_moe.InvalidArgument`."""
+    NumPy function checks it, and refused with :class:`pyacl_moe.InvalidArgument`, except
+    that int64 ``expert_idx`` (what ``torch.topk`` returns) is taken on every chip: where the
+    op takes only int32 the ids are checked to fit and converted, once."""
     _args.instance("x", x, Tensor, "a torch tensor")
     _args.instance("expert_idx", expert_idx, Tensor, "a torch tensor")
     attrs = (_args.int64("active_num", active_num), _args.int64("expert_capacity", expert_capacity),

@@ -5,6 +5,7 @@ model of the kernel, conformance --exact's), eager and under torch.compile(backe
 NPU tensors run on torch_npu's stream: tests marked cann.
 """
 
+import os
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 
 import pyacl_moe as pm
 
-torch = pytest.importorskip("torch", reason="torch (CPU build) is a test extra: pip install torch==2.13.0+cpu")
+torch = pytest.importorskip("torch", reason="torch (CPU build) is an extra: pip install -e '.[torch]' (README)")
 pmt = pytest.importorskip("pyacl_moe.torch")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -126,7 +127,10 @@ def test_the_backward_alone_is_an_operator_with_a_derivative(device, scenario):
 def test_bad_input_is_refused_by_parameter_name(device):
     x, ids = _inputs(torch.float32)
     with pytest.raises(pm.InvalidArgument, match="expert_idx: dtype must be int32"):
-        pmt.moe_init_routing_v2(x, ids.long(), expert_num=E)
+        pmt.moe_init_routing_v2(x, ids.to(torch.int16), expert_num=E)
+    with pytest.raises(pm.InvalidArgument, match="x: dtype must be float16, bfloat16 or float32, the dtypes the op "
+                                                 "computes in .*gradcheck"):
+        pmt.moe_init_routing_v2(x.double(), ids, expert_num=E)
     with pytest.raises(pm.InvalidArgument, match="x: must be a torch tensor"):
         pmt.moe_init_routing_v2(x.numpy(), ids, expert_num=E)
     with pytest.raises(pm.InvalidArgument, match="expert_tokens_before_capacity_flag: must be a bool"):
@@ -135,6 +139,49 @@ def test_bad_input_is_refused_by_parameter_name(device):
         pmt.moe_init_routing_v2_grad(x, ids.reshape(-1), 0)
     with pytest.raises(pm.InvalidArgument, match="expanded_row_idx: must be a torch tensor"):
         pmt.moe_init_routing_v2_grad(x, [1, 2], 1)
+
+
+def test_the_int64_ids_topk_returns_are_taken_checked_and_converted_once(device):
+    """torch users had to cast the ids topk returns: 'expert_idx: dtype must be int32, got int64'
+    (issue: papercuts, 11)."""
+    x, ids = _inputs(torch.float32)
+    top = torch.randn(N, E, generator=torch.Generator().manual_seed(1)).topk(K, dim=1).indices
+    assert top.dtype == torch.int64
+    for given in (ids.long(), top):
+        want = pmt.moe_init_routing_v2(x, given.to(torch.int32), expert_num=E, active_num=50)
+        xg = x.clone().requires_grad_()
+        got = pmt.moe_init_routing_v2(xg, given, expert_num=E, active_num=50)
+        assert all(_bits_equal(_np(a), _np(b)) for a, b in zip(got[:2], want[:2]))
+        got.expanded_x.sum().backward()  # the gradient goes through the converted ids
+        assert xg.grad is not None and xg.grad.shape == x.shape
+    assert given.dtype == torch.int64  # the caller's tensor is left as it was
+    big = ids.long()
+    big[3, 1] = 2**31
+    with pytest.raises(pm.InvalidArgument, match=r"expert_idx: int64 ids must fit in int32 on Ascend910B3 "
+                                                 r"\(Ascend910B\), whose op takes int32 .*got 2147483648"):
+        pmt.moe_init_routing_v2(x, big, expert_num=E)
+
+
+def test_on_a_chip_whose_forward_takes_int64_the_ids_go_to_the_op_as_they_are():
+    code = """if True:
+        import numpy as np, torch, pyacl_moe as pm, pyacl_moe.torch as pmt
+        from pyacl_moe.op import moe_init_routing_v2 as m
+        seen = []
+        real = m.moe_init_routing_v2
+        def spy(x, ids, *a, **k):
+            seen.append(ids.dtype)
+            return real(x, ids, *a, **k)
+        pmt._routing = spy
+        x = torch.randn(8, 16)
+        ids = torch.randn(8, 4).topk(2, dim=1).indices
+        r = pmt.moe_init_routing_v2(x, ids, expert_num=4)
+        assert seen == [torch.int64], seen
+        print(pm.device.chip().family)
+    """
+    env = {**os.environ, "PYACL_MOE_EMULATOR": "1", "PYACL_MOE_EMU_SOC": "Ascend950PR_9599",
+           "PYACL_MOE_EMU_RELEASE": "9.1.0"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "Ascend950", r.stdout + r.stderr
 
 
 def test_importing_the_package_imports_no_torch_and_pm_torch_is_the_module():
