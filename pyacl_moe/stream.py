@@ -275,7 +275,7 @@ class StreamState:
             done = self._advance(self.point) if self.live() and _idle(self) else self.poll()
             cached, ws = list(self.executors.values()), self._set_workspace(None)
             self.executors = collections.OrderedDict()
-            self.events = _release_spare(self.events, self.spare)
+            self.events = _release_idle(self.events, self.fences)
             self.spare = []
         _destroy(cached)
         del done, ws
@@ -347,11 +347,14 @@ def _idle(state: StreamState) -> bool:
     return acl.query_stream(state.handle)
 
 
-def _release_spare(events: list[acl.EventHandle], spare: list[acl.EventHandle]) -> list[acl.EventHandle]:
+def _release_idle(events: list[acl.EventHandle],
+                  fences: collections.deque[tuple[int, acl.EventHandle]]) -> list[acl.EventHandle]:
     # (the stream's lock held; a loop under a lock is a function of its own) The fence events
-    # not pending: destroyed (they are only a cache); what is left.
-    ids = {id(h) for h in spare}
-    return [h for h in events if id(h) not in ids or h.release()]
+    # not pending: destroyed (they are only a cache); what is left. Pending is what the fences
+    # hold, not what the spares lack: an interrupt between a fence's pop and its return to the
+    # spares (or between an event's creation and its first use) leaves one in neither.
+    pending = {id(h) for _, h in fences}
+    return [h for h in events if id(h) in pending or h.release()]
 
 
 def _release_all(handles: list[acl.EventHandle]) -> list[acl.EventHandle]:

@@ -349,9 +349,10 @@ def test_a_chip_the_emulator_cannot_be_is_refused_by_name():
 SOCS = ("Ascend950PR_9599", "Ascend910_9391", "Ascend910B3")
 
 
+# The 950's quick runs are left out: its full runs below (every standard) hold the quick cases.
 @pytest.mark.slow
 @pytest.mark.parametrize("standard", STANDARDS)
-@pytest.mark.parametrize("soc", SOCS)
+@pytest.mark.parametrize("soc", SOCS[1:])
 def test_quick_conformance_passes_on_each_chip_under_each_standard(soc, standard):
     r = _cli("conformance", "--quick", "--standard", standard, env={"PYACL_MOE_EMU_SOC": soc,
                                                                      "PYACL_MOE_EMU_RELEASE": "9.1.0"})

@@ -289,3 +289,30 @@ def test_zeros_and_empty_default_to_float32(device):
     z = pm.zeros((2, 3))
     assert z.dtype == np.float32 and pm.empty((4,)).dtype == np.float32
     np.testing.assert_array_equal(z.to_host(), np.zeros((2, 3), np.float32))
+
+
+def test_empty_cache_frees_a_fence_event_an_interrupt_left_out_of_the_spares(device):
+    """An interrupt between a completed fence's pop and its return to the spares (StreamState.poll)
+    left its event in neither list: empty_cache kept it for the stream's life, so the forward's
+    interrupt soak read one live event too many (CI, under ASan)."""
+    from pyacl_moe.stream import StreamState
+
+    case = make_case(4, 2, 8, "float32", "dropless", seed=0)
+    x, idx = pm.to_device(case.grad_expanded_x), pm.to_device(case.expanded_row_idx)
+    default = StreamState.FENCE_EVERY
+    StreamState.FENCE_EVERY = 2
+    try:
+        before = settle()
+        with closing(pm.Stream(device)) as s:  # (made now: its fences come every 2 launches)
+            for _ in range(6):
+                pm.moe_init_routing_v2_grad(x, idx, 2, stream=s)
+            s.synchronize()
+            state = s.state
+            with state.lock:
+                state.poll()
+                assert state.spare, "no fence completed: the test needs one"
+                state.spare.pop()  # what the interrupt did: the event is in neither spares nor fences
+            after = settle()  # the stream still open: only empty_cache could free it
+            assert after["events"] == before["events"], (before["events"], after["events"])
+    finally:
+        StreamState.FENCE_EVERY = default

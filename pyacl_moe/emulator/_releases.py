@@ -29,8 +29,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT", "PROFILES", "RELEASE_ENV", "SHORT_NAMES", "canonical", "LinkedLibrary", "Profile", "home", "lay_out", "libraries", "link",
-           "make_folders", "selected"]
+__all__ = ["DEFAULT", "PROFILES", "RELEASE_ENV", "SHORT_NAMES", "LinkedLibrary", "Profile", "canonical", "home",
+           "lay_out", "libraries", "link", "make_folders", "selected"]
 
 RELEASE_ENV = "PYACL_MOE_EMU_RELEASE"
 

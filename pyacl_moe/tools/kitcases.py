@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import reference
-from .._contract import forward_scenario
+from .._contract import forward_scenario, scenario
 from ..array import to_device
 from ..device import chip
 from ..op.moe_init_routing_v2 import moe_init_routing_v2
@@ -348,7 +348,7 @@ def _case(row: KitRow) -> Case:
 
 def _scenario(row: KitRow) -> str:
     a = row.attributes
-    return "drop-pad" if a.get("dropPadMode") == 1 else "active" if a.get("activeNum", 0) > 0 else "dropless"
+    return scenario(int(a.get("dropPadMode", 0)), int(a.get("activeNum", 0)))
 
 
 def _forward_scenario(a: dict[str, Any]) -> str:
@@ -429,7 +429,8 @@ def _run_forward(ctx: Context, row: KitRow) -> CaseResult:
     m = precision.judge("exact", got[0], want[0], row.dtypes[0]).metrics if got[0] is not None and \
         want[0] is not None and got[0].shape == want[0].shape else None
     note = _note(row)
-    return CaseResult(row.name, "positive", row.dtypes[0], forward_scenario(attrs["drop_pad_mode"], attrs["active_num"]),
+    scen = forward_scenario(attrs["drop_pad_mode"], attrs["active_num"])
+    return CaseResult(row.name, "positive", row.dtypes[0], scen,
                       row.text["tensor_view_shapes"], not wrong, time.perf_counter() - t0,
                       m["max_abs_error"] if m else None, m["max_rel_error"] if m else None,
                       detail="; ".join([*wrong, note]), standard="exact", thresholds={}, metrics=m,
@@ -660,11 +661,11 @@ def _atk_tensor(rng: np.random.Generator, shape: tuple[int, ...], dtype: str,
 def _atk_case(row: KitRow) -> Case:
     a = row.attributes
     if row.api == BACKWARD_API:
-        scen = "drop-pad" if a.get("dropPadMode") == 1 else "active" if a.get("activeNum", 0) > 0 else "dropless"
-        return Case(row.name, "positive", row.dtypes[0], scen, row.text["tensor_view_shapes"],
+        return Case(row.name, "positive", row.dtypes[0], _scenario(row), row.text["tensor_view_shapes"],
                     lambda ctx: _run_atk(ctx, row), source="op", nbytes=3 * _nbytes(row), op="backward",
                     judged_by="reference")
-    return Case(row.name, "positive", row.dtypes[0], _forward_scenario(a), row.text["tensor_view_shapes"], lambda ctx: _run_atk(ctx, row), source="op",
+    return Case(row.name, "positive", row.dtypes[0], _forward_scenario(a), row.text["tensor_view_shapes"],
+                lambda ctx: _run_atk(ctx, row), source="op",
                 nbytes=3 * _nbytes(row), op="forward", judged_by="reference")
 
 
@@ -688,7 +689,7 @@ def _run_atk(ctx: Context, row: KitRow) -> CaseResult:
     try:
         if row.api == BACKWARD_API:
             k, mode, active = int(attrs["topK"]), int(attrs.get("dropPadMode", 0)), int(attrs.get("activeNum", 0))
-            scen = "drop-pad" if mode == 1 else "active" if active > 0 else "dropless"
+            scen = scenario(mode, active)
             got = [ctx.measured(_backward_call, x, ids, k, mode, active, ctx.stream)]
             want = [reference.moe_init_routing_v2_grad(x, ids, k, mode, active, validate=False, chip=chip())]
         else:
