@@ -355,6 +355,18 @@ def _forward_scenario(a: dict[str, Any]) -> str:
     return forward_scenario(int(a.get("dropPadModeOptional", 0)), int(a.get("activeNumOptional", 0)))
 
 
+def _forward_attrs(a: dict[str, Any]) -> dict[str, Any]:
+    """The forward's keyword arguments from a row's attributes (the kit's names, absent ones 0)."""
+    return {
+        "active_num": int(a.get("activeNumOptional", 0)),
+        "expert_capacity": int(a.get("expertCapacityOptional", 0)),
+        "expert_num": int(a.get("expertNumOptional", 0)),
+        "drop_pad_mode": int(a.get("dropPadModeOptional", 0)),
+        "expert_tokens_count_or_cumsum_flag": int(a.get("expertTokensCountOrCumsumFlagOptional", 0)),
+        "expert_tokens_before_capacity_flag": bool(a.get("expertTokensBeforeCapacityFlagOptional", False)),
+    }
+
+
 def _nbytes(row: KitRow) -> int:
     return sum(math.prod(s) * _cases.DTYPES.get(d, np.dtype(np.int32)).itemsize for s, d in zip(row.shapes, row.dtypes))
 
@@ -403,15 +415,7 @@ def _run_forward(ctx: Context, row: KitRow) -> CaseResult:
     expertNum is not positive). Its outputs only move data: judged bit for bit."""
     t0 = time.perf_counter()
     rng = ctx.rng(row.name)
-    a = row.attributes
-    attrs: dict[str, Any] = {
-        "active_num": int(a.get("activeNumOptional", 0)),
-        "expert_capacity": int(a.get("expertCapacityOptional", 0)),
-        "expert_num": int(a.get("expertNumOptional", 0)),
-        "drop_pad_mode": int(a.get("dropPadModeOptional", 0)),
-        "expert_tokens_count_or_cumsum_flag": int(a.get("expertTokensCountOrCumsumFlagOptional", 0)),
-        "expert_tokens_before_capacity_flag": bool(a.get("expertTokensBeforeCapacityFlagOptional", False)),
-    }
+    attrs = _forward_attrs(row.attributes)
     x = _uniform(rng, row.shapes[0], row.dtypes[0], row.ranges[0] if row.ranges else _DEFAULT_RANGE)
     experts = attrs["expert_num"] if attrs["expert_num"] > 0 else 100
     ids = rng.integers(0, experts, row.shapes[1], dtype=np.int32)
@@ -693,14 +697,7 @@ def _run_atk(ctx: Context, row: KitRow) -> CaseResult:
             got = [ctx.measured(_backward_call, x, ids, k, mode, active, ctx.stream)]
             want = [reference.moe_init_routing_v2_grad(x, ids, k, mode, active, validate=False, chip=chip())]
         else:
-            kw: dict[str, Any] = {
-                "active_num": int(attrs.get("activeNumOptional", 0)),
-                "expert_capacity": int(attrs.get("expertCapacityOptional", 0)),
-                "expert_num": int(attrs.get("expertNumOptional", 0)),
-                "drop_pad_mode": int(attrs.get("dropPadModeOptional", 0)),
-                "expert_tokens_count_or_cumsum_flag": int(attrs.get("expertTokensCountOrCumsumFlagOptional", 0)),
-                "expert_tokens_before_capacity_flag": bool(attrs.get("expertTokensBeforeCapacityFlagOptional", False)),
-            }
+            kw = _forward_attrs(attrs)
             scen = forward_scenario(kw["drop_pad_mode"], kw["active_num"])
             s = ctx.stream
             r = ctx.measured(moe_init_routing_v2, to_device(x, stream=s), to_device(ids, stream=s), **kw, stream=s)
