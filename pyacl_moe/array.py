@@ -130,23 +130,17 @@ class DeviceArray:
     _layout: tuple[tuple[int, ...], np.dtype, tuple[int, ...]]  # shape, dtype, element strides
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
-                 offset: int, known: tuple[Any, ...] | None = None) -> None:
-        # ``known``: a new contiguous array's contiguous_layout (shape, dtype and strides are
-        # its own): the view is all of ``alloc``, nothing is looked up again.
+                 offset: int) -> None:
         #: the Allocation the view is of (None once closed); :meth:`allocation` checks it
         self.alloc: Allocation | None = alloc
         self._offset = offset
         self._desc: aclnn.TensorDesc | None = None
-        if known is None:
-            self._layout = (shape, dtype, strides)
-            self._acl_dtype = acl_data_type(dtype)
-            #: (first, last) device byte addresses the view touches (last < first when empty)
-            self.span = _span(alloc.ptr, shape, strides, offset, dtype.itemsize)
-            #: a small int naming :attr:`layout` in this process: a cheap key for caches
-            self.layout_id = _layout_id(self._layout)
-        else:
-            self._layout, n, self.layout_id, self._acl_dtype = known
-            self.span = (alloc.ptr, alloc.ptr + n - 1)
+        self._layout = (shape, dtype, strides)
+        self._acl_dtype = acl_data_type(dtype)
+        #: (first, last) device byte addresses the view touches (last < first when empty)
+        self.span = _span(alloc.ptr, shape, strides, offset, dtype.itemsize)
+        #: a small int naming :attr:`layout` in this process: a cheap key for caches
+        self.layout_id = _layout_id(self._layout)
 
     # -- for pyacl_moe's own layers
 
@@ -568,15 +562,18 @@ def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...
     return (layout, n, _layout_id(layout), acl_data_type(dtype))
 
 
-def empty_from(made: Sequence[tuple[Any, ...]], device: Device, home: StreamState | None) -> list[DeviceArray]:
+def empty_from(made: Sequence[tuple[Any, ...]], sizes: Sequence[int], device: Device,
+               home: StreamState | None) -> list[DeviceArray]:
     """New contiguous DeviceArrays of :func:`contiguous_layout` s (one call's outputs: nothing is
-    computed again), their memory taken at once for work on stream ``home``."""
-    sizes, out = [], []
-    for m in made:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
-        sizes.append(m[1])
+    computed again) and their ``sizes`` in bytes (kept by the caller too), their memory taken
+    at once for work on stream ``home``."""
+    out, new = [], object.__new__
     for a, m in zip(device.allocate(sizes, home), made):
-        layout = m[0]
-        out.append(DeviceArray(a, layout[0], layout[1], layout[2], 0, m))
+        # (DeviceArray.__init__ inline, nothing looked up again: a one call makes three)
+        d = new(DeviceArray)
+        d.alloc, d._offset, d._desc, d._layout, d.layout_id, d._acl_dtype = a, 0, None, m[0], m[2], m[3]
+        d.span = (a.ptr, a.ptr + m[1] - 1)
+        out.append(d)
     return out
 
 
@@ -589,7 +586,8 @@ def empty(shape: Any, dtype: Any = np.float32, device: Device | int | None = Non
     _args.nbytes("shape", shp, dt.itemsize)
     dev = resolve_device(device) if device is not None or stream is None else stream.device
     collect()
-    return empty_from([contiguous_layout(shp, dt)], dev, _given(stream, dev) or dev.default_stream.state)[0]
+    m = contiguous_layout(shp, dt)
+    return empty_from((m,), (m[1],), dev, _given(stream, dev) or dev.default_stream.state)[0]
 
 
 def zeros(shape: Any, dtype: Any = np.float32, device: Device | int | None = None,

@@ -62,13 +62,15 @@ class _Memo:
         # (entry number, first addresses) of the last call whose given outputs were checked apart
         self.apart: tuple[Any, ...] = ()
 
-    def put(self, key: tuple[Any, ...], made: tuple[Any, ...], given: bool) -> tuple[Any, ...]:
-        """Record a call that passed: (made outputs, its number, whether it makes any, whether
-        it was given one)."""
+    def put(self, key: tuple[Any, ...], made: tuple[Any, ...], n_in: int, given: bool) -> tuple[Any, ...]:
+        """Record a call that passed: (the positions of the outputs it makes, its number, their
+        layouts, their sizes in bytes, whether it was given one)."""
+        at = tuple(i for i, m in enumerate(made, n_in) if m is not None)
         makes = tuple(m for m in made if m is not None)
+        sizes = tuple(m[1] for m in makes)
         with self.lock:
             new = dict(self.checked) if len(self.checked) < self.SIZE else {}
-            entry = new[key] = (made, next(_entry_numbers), makes, given)
+            entry = new[key] = (at, next(_entry_numbers), makes, sizes, given)
             self.checked = new
             return entry
 
@@ -221,29 +223,30 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     if not validate:
         return _run_unchecked(op, arrays, values, stream, workspace)
     # The values with their types: the key tells True from 1, and a NumPy integer from an int.
-    key.append(values)
-    key.append(tuple(map(type, values)))
+    key.extend(values)
+    key.extend(map(type, values))
     memo = op.memo
     try:
         entry = memo.checked.get(tuple(key))
     except TypeError:  # a value that cannot be a key (a list, an array): the checks name it
         op.attrs(*values)
         raise
+    n_in = len(spec.inputs)
     if entry is None:
-        entry = memo.put(tuple(key), _checked(op, arrays, values), any(arrays[i] is not None
-                                                                        for i in spec.output_positions))
-    made, number, makes, given = entry
+        entry = memo.put(tuple(key), _checked(op, arrays, values), n_in,
+                         any(arrays[i] is not None for i in spec.output_positions))
+    at, number, makes, sizes, given = entry
     held = allocs  # what the launch keeps alive: not the outputs it makes, homed on its stream
     if makes:
         held = allocs[:]
-        _made(made, empty_from(makes, dev, state), arrays, allocs, firsts, len(spec.inputs))
+        for i, new in zip(at, empty_from(makes, sizes, dev, state)):
+            arrays[i], allocs[i], firsts[i] = new, new.alloc, new.span[0]
     if given and memo.apart != (number, firsts):
         # A given output must share no memory with another tensor. The outcome depends only on
         # the layouts and the addresses, so the last pair that passed is not checked again.
         _check_outputs_apart(spec, arrays)
         with memo.lock:
             memo.apart = (number, firsts)
-    n_in = len(spec.inputs)
     ws = None if workspace is None else _given_workspace(spec, arrays, workspace, dev)
     while True:
         done: list[Any] | None = None
@@ -320,16 +323,6 @@ def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: t
 
 
 _NONE: list[Any] = []
-
-
-def _made(made: tuple[Any, ...], news: list[DeviceArray], arrays: list[DeviceArray | None],
-          allocs: list[Allocation | None], firsts: list[int], n_in: int) -> None:
-    """Put the outputs made for the call in their places."""
-    it = iter(news)
-    for i, want in enumerate(made, n_in):
-        if want is not None:
-            new = arrays[i] = next(it)
-            allocs[i], firsts[i] = new.alloc, new.span[0]
 
 
 def _check_outputs_apart(spec: OpSpec, arrays: list[DeviceArray | None]) -> None:
@@ -413,7 +406,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
         raise
     if entry is None:
         entry = op.memo.put_host(tuple(key), _host_checked(op, raw, given, values, validate))
-    attrs, layouts, outs = entry
+    attrs, layouts, sizes, outs = entry
     views = []
     for name, v in zip(spec.inputs, raw):
         views.append(v if v.flags.c_contiguous and v.dtype.isnative else host_array(v, name))
@@ -423,7 +416,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     state = resolve_stream(stream, dev)
     # Device memory for the inputs and the outputs at once; the copies in, the launch and the
     # copies out queued on the stream, then one wait: the blocks are idle again after it.
-    arrays = empty_from(layouts, dev, state)
+    arrays = empty_from(layouts, sizes, dev, state)
     n_in = len(spec.inputs)
     state.enqueue(views, _copies(arrays, views, True))
     it = iter(arrays[n_in:])
@@ -453,7 +446,7 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
                   validate: bool) -> tuple[Any, ...]:
     """A host memo miss: the attributes, the contract (or, without ``validate``, the sizes the
     attributes give), the given outputs fitted to it; the device layouts of the inputs and the
-    outputs to write, and each output's (shape, dtype) or None."""
+    outputs to write and their sizes in bytes, and each output's (shape, dtype) or None."""
     spec = op.spec
     attrs = op.attrs(*values)
     natives = [np.empty((0,), v.dtype.newbyteorder("=")) for v in raw]  # (only their dtypes are read)
@@ -471,7 +464,8 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
         host_array(d, name)  # a dtype CANN has no type for is refused here
     outs = [wanted[n] for n in spec.outputs]
     layouts = [contiguous_layout(v.shape, d.dtype) for v, d in zip(raw, natives)]
-    return attrs, layouts + [contiguous_layout(*w) for w in outs if w is not None], outs
+    layouts += [contiguous_layout(*w) for w in outs if w is not None]
+    return attrs, layouts, [m[1] for m in layouts], outs
 
 
 class _Shape:
