@@ -10,6 +10,8 @@ from __future__ import annotations
 import operator
 from typing import Any, TypeVar
 
+import numpy as np
+
 from .errors import InvalidArgument
 
 INT32 = (-(2**31), 2**31 - 1)
@@ -62,6 +64,14 @@ def instance(name: str, value: Any, cls: type[T], what: str | None = None) -> T:
     if not isinstance(value, cls):
         raise InvalidArgument(name, f"must be {what or 'a ' + cls.__name__}, got {type(value).__name__}")
     return value
+
+
+def dtype(name: str, value: Any) -> np.dtype:
+    """A NumPy dtype from anything ``np.dtype`` takes."""
+    try:
+        return np.dtype(value)  # type: ignore[no-any-return]  # np.dtype() of Any is typed Any
+    except TypeError:
+        raise InvalidArgument(name, f"{value!r} is not a numpy dtype") from None
 
 
 def shape(name: str, value: Any) -> tuple[int, ...]:

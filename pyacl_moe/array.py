@@ -49,10 +49,7 @@ _ACL_NAMES: dict[np.dtype, str] = {
 
 def acl_data_type(dtype: Any) -> int:
     """The aclDataType code of a numpy dtype; InvalidArgument if CANN has none."""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
+    dt = _args.dtype("dtype", dtype)
     name = _ACL_NAMES.get(dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt)
     if name is None:
         supported = ", ".join(sorted(str(d) for d in _ACL_NAMES))
@@ -544,12 +541,9 @@ def host_array(array: np.ndarray, name: str) -> np.ndarray:
 
 
 def _dtype(dtype: Any) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
+    dt = _args.dtype("dtype", dtype)
     acl_data_type(dt)
-    return dt  # type: ignore[no-any-return]  # np.dtype() of Any is typed Any
+    return dt
 
 
 def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...]:

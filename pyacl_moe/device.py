@@ -272,16 +272,14 @@ class Device:
         return error_for(status, api, f"{message}\n  (device {self._id} is faulted since {where} learned of it: "
                                       "every launch, copy, wait and read on it raises this until Device.reset())")
 
-    def activate(self) -> None:  # (set_current returns the device)
-        """Make this device current on the calling thread."""
+    def set_current(self) -> Device:
+        """Make this device the calling thread's current device; returns self."""
         self.check_open()
         acl.use_context(self.context)
         _tls.device = self
-
-    def set_current(self) -> Device:
-        """Make this device the calling thread's current device; returns self."""
-        self.activate()
         return self
+
+    activate = set_current
 
     @property
     def default_stream(self) -> Any:
@@ -845,11 +843,7 @@ def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> 
     """A NumPy array in pinned (page-locked) host memory, aclrtMallocHost: copies between it
     and the device are asynchronous. Its block goes back to the device's cache when the array
     is gone."""
-    shp = _args.shape("shape", shape)
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise InvalidArgument("dtype", f"{dtype!r} is not a numpy dtype") from None
+    shp, dt = _args.shape("shape", shape), _args.dtype("dtype", dtype)
     nbytes = _args.nbytes("shape", shp, dt.itemsize)
     out: np.ndarray = pinned_block(resolve_device(device), nbytes)[:nbytes].view(dt).reshape(shp)
     return out
