@@ -60,7 +60,7 @@ class _Memo:
         self.checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.host: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # the NumPy call's: by shapes, dtypes and values
         # (entry number, first addresses) of the last call whose given outputs were checked apart
-        self.apart: tuple[Any, ...] = ()
+        self.apart: tuple[int, list[int] | None] = (-1, None)
 
     def put(self, key: tuple[Any, ...], made: tuple[Any, ...], n_in: int, given: bool) -> tuple[Any, ...]:
         """Record a call that passed: (the positions of the outputs it makes, its number, their
@@ -241,12 +241,14 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         held = allocs[:]
         for i, new in zip(at, empty_from(makes, sizes, dev, state)):
             arrays[i], allocs[i], firsts[i] = new, new.alloc, new.span[0]
-    if given and memo.apart != (number, firsts):
+    if given:
         # A given output must share no memory with another tensor. The outcome depends only on
         # the layouts and the addresses, so the last pair that passed is not checked again.
-        _check_outputs_apart(spec, arrays)
-        with memo.lock:
-            memo.apart = (number, firsts)
+        apart = memo.apart
+        if apart[0] != number or apart[1] != firsts:
+            _check_outputs_apart(spec, arrays)
+            with memo.lock:
+                memo.apart = (number, firsts)
     ws = None if workspace is None else _given_workspace(spec, arrays, workspace, dev)
     while True:
         done: list[Any] | None = None
