@@ -94,16 +94,10 @@ def candidate_homes(ascend_home: str | os.PathLike[str] | None = None) -> list[t
         ("non-root default (8.5 and later)", str(user / "cann"), False),
         ("non-root default (up to 8.3)", str(user / "ascend-toolkit" / "latest"), False),
     ]
-    seen: set[str] = set()
-    out: list[tuple[str, str | None, bool]] = []
+    kept: dict[str, tuple[str, str | None, bool]] = {}  # (an unset one keyed by its label: never a path)
     for label, home, named in listed:
-        real = os.path.realpath(home) if home else None
-        if real is not None and real in seen:
-            continue
-        if real is not None:
-            seen.add(real)
-        out.append((label, home, named))
-    return out
+        kept.setdefault(os.path.realpath(home) if home else label, (label, home, named))
+    return list(kept.values())
 
 
 def home_problem(home: str, named: bool) -> str | None:
@@ -118,21 +112,13 @@ def home_problem(home: str, named: bool) -> str | None:
         else None
 
 
-def library_folders(home: str | None, library: str | None = None) -> list[str]:
+def library_folders(home: str, library: str) -> list[str]:
     """Where a library's dependencies are looked for, to load them by path: its own folder,
     the home's lib64 and op_api folder, then the driver's (those that are trusted)."""
-    folders: list[str] = []
-    if library:
-        folders.append(os.path.dirname(os.path.realpath(library)))
-        folders.append(os.path.dirname(library))
-    if home:
-        folders += [os.path.join(home, "lib64"), os.path.join(home, OP_API_FOLDER.format(arch=arch()))]
+    folders = [os.path.dirname(os.path.realpath(library)), os.path.dirname(library), os.path.join(home, "lib64"),
+               os.path.join(home, OP_API_FOLDER.format(arch=arch()))]
     folders += [d for d in DRIVER_FOLDERS if os.path.isdir(d) and untrusted_above(d) is None]
-    unique: list[str] = []
-    for f in folders:
-        if f not in unique:
-            unique.append(f)
-    return unique
+    return list(dict.fromkeys(folders))
 
 
 def loader_path() -> tuple[list[str], list[str]]:
@@ -306,13 +292,10 @@ def dependency_order(path: str, folders: list[str], present: Callable[[str], boo
             if where is not None:
                 visit(where)
                 deps.order.append(where)
-            elif find(name, absolute) is not None:
-                deps.left.append(find(name, absolute))  # type: ignore[arg-type]
+            elif (left := find(name, absolute)) is not None:
+                deps.left.append(left)
             elif _UNVERSIONED.fullmatch(name):
                 deps.missing.append((name, os.path.basename(lib)))
 
     visit(path)
     return deps
-
-
-# ---------------------------------------------------------------------------- versions
