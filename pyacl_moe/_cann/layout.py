@@ -59,14 +59,15 @@ RUNTIME_LIBRARIES = ("lib64/libascendcl.so", "lib64/libnnopbase.so")
 
 OP_API_FOLDER = "opp/built-in/op_impl/ai_core/tbe/op_api/lib/linux/{arch}"
 
-# (path in a home, what it is), in the order they are tried.
-OP_LIBRARIES: tuple[tuple[str, str], ...] = (
-    ("lib64/libopapi_transformer.so", "ops-transformer's library (8.5 and later)"),
-    (f"{OP_API_FOLDER}/libopapi_transformer.so", "ops-transformer's library, in its package's op_api folder"),
-    ("lib64/libopapi.so", "the all-in-one op library (up to 8.3; deprecated in 9.1)"),
-    ("lib64/libaclnn_ops_train.so", "the split op library of 8.2 and 8.3 (training ops)"),
-    ("lib64/libaclnn_ops_infer.so", "the split op library of 8.2 and 8.3 (inference ops: 8.1.RC1's umbrella "
-                                    "header aclnn_ops_infer.h holds the MoE ops)"),
+# Paths in a home, in the order they are tried.
+OP_LIBRARIES: tuple[str, ...] = (
+    "lib64/libopapi_transformer.so",  # ops-transformer's library (8.5 and later)
+    f"{OP_API_FOLDER}/libopapi_transformer.so",  # ops-transformer's library, in its package's op_api folder
+    "lib64/libopapi.so",  # the all-in-one op library (up to 8.3; deprecated in 9.1)
+    "lib64/libaclnn_ops_train.so",  # the split op library of 8.2 and 8.3 (training ops)
+    # the split op library of 8.2 and 8.3 (inference ops: 8.1.RC1's umbrella header
+    # aclnn_ops_infer.h holds the MoE ops)
+    "lib64/libaclnn_ops_infer.so",
 )
 
 # What set_env.sh (8.5) adds to LD_LIBRARY_PATH for the driver.
@@ -197,14 +198,14 @@ class _Elf:
         return out
 
 
-def _elf(path: str, use: Callable[[_Elf], _T]) -> _T | str:
-    """``use`` of the library at ``path``, or why it cannot be read as one."""
+def _elf(path: str, use: Callable[[_Elf], _T]) -> tuple[_T | None, str | None]:
+    """(``use`` of the library at ``path``, None), or (None, why it cannot be read as one)."""
     try:
         with open(path, "rb") as f:
             elf = _Elf(f)
-            return elf.problem or use(elf)
+            return (None, elf.problem) if elf.problem else (use(elf), None)
     except (OSError, struct.error) as exc:
-        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+        return None, f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
 
 
 def elf_problem(path: str) -> str | None:
@@ -213,7 +214,7 @@ def elf_problem(path: str) -> str | None:
     hold every byte its program headers, segments and section table say it has (a file cut
     short is mapped by the dynamic loader all the same, and touching the missing pages kills
     the process with SIGBUS)."""
-    return _elf(path, lambda elf: None)
+    return _elf(path, lambda elf: None)[1]
 
 
 def _string(strtab: bytes, at: int) -> bytes:
@@ -233,8 +234,7 @@ def needed(path: str) -> tuple[str, ...] | None:
                     names.append(_string(strtab, value).decode("utf-8", "replace"))
         return tuple(names)
 
-    got = _elf(path, entries)
-    return None if isinstance(got, str) else got
+    return _elf(path, entries)[0]
 
 
 def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
@@ -251,8 +251,7 @@ def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
                     found.add(_string(strtab, name).decode())
         return found
 
-    got = _elf(path, defined)
-    return None if isinstance(got, str) else got
+    return _elf(path, defined)[0]
 
 
 _UNVERSIONED = re.compile(r"lib[^/]*\.so")

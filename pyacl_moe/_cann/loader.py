@@ -175,7 +175,7 @@ def _plan(home: str) -> tuple[dict[str, str], list[str], list[str]]:
     picked: dict[str, str] = {}
     arch = layout.arch()
     tries = [("acl", [layout.RUNTIME_LIBRARIES[0]]), ("nn", [layout.RUNTIME_LIBRARIES[1]]),
-             ("op", [rel.format(arch=arch) for rel, _what in layout.OP_LIBRARIES])]
+             ("op", [rel.format(arch=arch) for rel in layout.OP_LIBRARIES])]
     for part, candidates in tries:
         wanted = [f for f in _declared(part) if f not in OPTIONAL] if part != "op" else list(ENTRY_POINTS)
         passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
@@ -244,7 +244,7 @@ def _from_loader_path() -> Libraries:
         return name
 
     problems: list[str] = []
-    for op in dict.fromkeys(os.path.basename(rel) for rel, _ in layout.OP_LIBRARIES):
+    for op in dict.fromkeys(os.path.basename(rel) for rel in layout.OP_LIBRARIES):
         names = ("libascendcl.so", "libnnopbase.so", op)
         info = LibraryInfo("cann", None, {n[3:-3]: n for n in names}, op)
         try:  # (all three each time: a failed try leaves nothing mapped)
@@ -334,11 +334,10 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
             got = _load_plan(home, provider)
             if isinstance(got, str):
                 raise errors.CannNotFoundError([f"provider {provider!r} = {home}: {got}"])
-            libs, _selected = got, provider
+            _libs, _selected = got, provider
         else:
-            libs = _search(home_arg)
-        _libs = libs
-        return libs.info
+            _libs = _search(home_arg)
+        return _libs.info
 
 
 def libs() -> Libraries:
