@@ -44,9 +44,8 @@ import re
 import struct
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, NamedTuple, TypeVar
 
 from .._paths import untrusted_above
 
@@ -191,11 +190,9 @@ class _Elf:
 
     def tables(self, kind: int) -> list[tuple[bytes, bytes]]:
         """(entries, string table) of each section of ``kind`` (its link is the strings)."""
-        out = []
-        for t, offset, size, link in self.sections:
-            if t == kind and link < len(self.sections) and max(size, self.sections[link][2]) <= _MAX_TABLE:
-                out.append((self.read(offset, size), self.read(*self.sections[link][1:3])))
-        return out
+        return [(self.read(offset, size), self.read(*self.sections[link][1:3]))
+                for t, offset, size, link in self.sections
+                if t == kind and link < len(self.sections) and max(size, self.sections[link][2]) <= _MAX_TABLE]
 
 
 def _elf(path: str, use: Callable[[_Elf], _T]) -> tuple[_T | None, str | None]:
@@ -257,15 +254,14 @@ def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
 _UNVERSIONED = re.compile(r"lib[^/]*\.so")
 
 
-@dataclass
-class Dependencies:
+class Dependencies(NamedTuple):
     """A library's dependency closure: ``order`` the paths to load first (dependencies before
     what needs them), ``missing`` (name, needed by) for CANN-style names found nowhere, ``left``
     those found only through ``$LD_LIBRARY_PATH`` (the dynamic loader's to load)."""
 
-    order: list[str] = field(default_factory=list)
-    missing: list[tuple[str, str]] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)
+    order: list[str]
+    missing: list[tuple[str, str]]
+    left: list[str]
 
 
 def find(name: str, folders: list[str]) -> str | None:
@@ -273,18 +269,17 @@ def find(name: str, folders: list[str]) -> str | None:
     return next((os.path.join(d, name) for d in folders if os.path.isfile(os.path.join(d, name))), None)
 
 
-def dependency_order(path: str, folders: list[str], present: Callable[[str], bool] = lambda name: False
-                     ) -> Dependencies:
+def dependency_order(path: str, folders: list[str], loaded: set[str]) -> Dependencies:
     """Every dependency of ``path`` found in ``folders``, transitively, in load order.
-    ``present(name)`` says whether a library of that name is already loaded by us (then it is
-    not looked for again). A library whose ELF cannot be read is left for dlopen to judge."""
-    deps = Dependencies()
-    seen: set[str] = set()
+    ``loaded`` are the names of the libraries already loaded by us (they are not looked for
+    again). A library whose ELF cannot be read is left for dlopen to judge."""
+    deps = Dependencies([], [], [])
+    seen = set(loaded)
     absolute = loader_path()[0]
 
     def visit(lib: str) -> None:
         for name in needed(lib) or ():
-            if name in seen or present(name):
+            if name in seen:
                 continue
             seen.add(name)
             where = find(name, folders)

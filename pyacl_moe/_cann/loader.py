@@ -148,7 +148,7 @@ def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> tuple[lis
     if not os.path.isfile(path):
         return [], f"{rel}: not found"
     folders = layout.library_folders(home, path)
-    deps = layout.dependency_order(path, folders, lambda n: n in loaded)
+    deps = layout.dependency_order(path, folders, loaded)
     if deps.missing:
         names = ", ".join(sorted({f"{name} (needed by {by})" for name, by in deps.missing}))
         return [], f"{rel}: a dependency is missing: {names}, in none of {', '.join(folders[:3])} (nor the " \
@@ -173,9 +173,8 @@ def _plan(home: str) -> tuple[dict[str, str], list[str], list[str]]:
     problems: list[str] = []
     order: list[str] = []
     picked: dict[str, str] = {}
-    arch = layout.arch()
     tries = [("acl", [layout.RUNTIME_LIBRARIES[0]]), ("nn", [layout.RUNTIME_LIBRARIES[1]]),
-             ("op", [rel.format(arch=arch) for rel in layout.OP_LIBRARIES])]
+             ("op", [rel.format(arch=layout.arch()) for rel in layout.OP_LIBRARIES])]
     for part, candidates in tries:
         wanted = [f for f in _declared(part) if f not in OPTIONAL] if part != "op" else list(ENTRY_POINTS)
         passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
