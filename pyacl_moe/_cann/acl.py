@@ -21,11 +21,10 @@ from .errcheck import check, recent_message
 __all__ = [
     "BorrowedStreamHandle", "Context", "DeviceMemory", "EventHandle", "Handle", "HostMemory", "StreamHandle",
     "call_probe", "create_event", "create_stream", "device_count", "event_elapsed_ms", "finalize", "forked",
-    "interrupts_deferred",
-    "get_mem_info", "get_version", "has_version_str", "init", "malloc", "malloc_host", "memcpy_async", "raw",
-    "memset_async", "open_device", "query_event", "query_stream", "record_event", "reset_device", "soc_name",
-    "stream_wait_event", "synchronize_device", "synchronize_event", "synchronize_stream", "thread_state",
-    "use_context", "version_str", "void",
+    "get_mem_info", "get_version", "has_version_str", "init", "interrupts_deferred", "malloc", "malloc_host",
+    "memcpy_async", "memset_async", "open_device", "query_event", "query_stream", "raw", "record_event",
+    "reset_device", "soc_name", "stream_wait_event", "synchronize_device", "synchronize_event",
+    "synchronize_stream", "thread_state", "use_context", "version_str", "void",
 ]
 
 _ffi = declare.ffi

@@ -23,10 +23,6 @@ def _acl() -> Any:
     return libs.acl
 
 
-def _text(p: Any) -> str:
-    return declare.text(p)
-
-
 def stats() -> dict[str, int]:
     acl = _acl()
     s = declare.ffi.new(declare.ctype(STATS_TYPE))
@@ -49,7 +45,7 @@ def set_mutation(name: str) -> None:
 
 
 def mutation() -> str:
-    return _text(_acl().aclemuGetMutation())
+    return declare.text(_acl().aclemuGetMutation())
 
 
 def set_stream_mode(mode: str) -> None:
@@ -58,7 +54,7 @@ def set_stream_mode(mode: str) -> None:
 
 
 def stream_mode() -> str:
-    return _text(_acl().aclemuGetStreamMode())
+    return declare.text(_acl().aclemuGetStreamMode())
 
 
 def check_guards() -> int:
@@ -71,4 +67,4 @@ def corrupt_guard(address: int) -> None:
 
 
 def version() -> str:
-    return _text(_acl().aclemuVersion())
+    return declare.text(_acl().aclemuVersion())

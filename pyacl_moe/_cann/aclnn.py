@@ -55,7 +55,6 @@ def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> Non
 # aclGet<what>: the C type it fills (None: an int64 array CANN allocates, the caller frees).
 _GETTERS = {"ViewShape": None, "ViewStrides": None, "StorageShape": None, "ViewOffset": "int64_t *",
             "DataType": "aclDataType *", "Format": "aclFormat *", "RawTensorAddr": "void **"}
-_libc: list[Any] = []  # the process's own C library (free), opened at the first use
 
 
 def tensor_query(h: TensorHandle, what: str) -> Any:
@@ -71,9 +70,7 @@ def tensor_query(h: TensorHandle, what: str) -> Any:
     try:
         return tuple(int(arr[0][i]) for i in range(n[0]))
     finally:
-        if not _libc:
-            _libc.append(_ffi.dlopen(None))
-        _libc[0].free(arr[0])  # CANN hands the array to the caller; the C library's free releases it
+        declare.process().free(arr[0])  # CANN hands the array to the caller; the C library's free releases it
 
 
 # ---------------------------------------------------------------------------- executors

@@ -22,7 +22,7 @@ import cffi
 from .._paths import HEADER_FILES, headers_dir
 
 __all__ = ["HEADER_FILES", "NULL", "add_declarations", "const", "ctype", "declare", "extra_functions", "ffi",
-           "functions_in", "headers_dir"]
+           "functions_in", "headers_dir", "process"]
 
 ffi = cffi.FFI()
 NULL = ffi.NULL
@@ -44,8 +44,7 @@ _types: dict[str, Any] = {}
 def _cdef_locked(text: str, type_names: tuple[str, ...]) -> None:
     ffi.cdef(text)
     _texts.append(text)
-    for name in type_names:
-        _types[name] = ffi.typeof(name)
+    _types.update({name: ffi.typeof(name) for name in type_names})
 
 
 def declare() -> None:
@@ -62,8 +61,7 @@ def _declare_locked() -> None:
             _cdef_locked((headers_dir() / name).read_text(), ())
         _cdef_locked("void free(void *);", _TYPE_NAMES)
     while _pending:
-        text, type_names = _pending.pop(0)
-        _cdef_locked(text, type_names)
+        _cdef_locked(*_pending.pop(0))
 
 
 def add_declarations(text: str, type_names: tuple[str, ...] = ()) -> None:
@@ -81,28 +79,31 @@ def text(p: Any) -> str:
 
 def ctype(name: str) -> Any:
     """A pre-parsed C type (one of those declared up front)."""
-    t = _types.get(name)
-    if t is None:
+    if name not in _types:
         declare()
-        t = _types[name]
-    return t
+    return _types[name]
 
 
 _consts: dict[str, int] = {}
-_values: list[Any] = []  # a library object to read declared constants from (the process itself)
+# The process itself as a library object, opened at the first use (two first uses at once each
+# open it, and either is the process: no lock).
+_process: list[Any] = []
+
+
+def process() -> Any:
+    """The process's own symbol table as a cffi library (loading nothing): cffi exposes the
+    values the declarations give on any library object, and the C library's ``free`` is there."""
+    if not _process:
+        _process.append(ffi.dlopen(None))
+    return _process[0]
 
 
 def const(name: str) -> int:
     """The value of an enum item, ``#define`` or ``static const int`` of the headers."""
-    value = _consts.get(name)
-    if value is None:
+    if name not in _consts:
         declare()
-        if not _values:
-            # cffi exposes the values the declarations give on any library object; the
-            # process's own symbol table loads nothing.
-            _values.append(ffi.dlopen(None))
-        value = _consts[name] = int(getattr(_values[0], name))
-    return value
+        _consts[name] = int(getattr(process(), name))
+    return _consts[name]
 
 
 _FUNCTION = re.compile(r"\b(acl\w+)\s*\(")

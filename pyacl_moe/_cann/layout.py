@@ -44,9 +44,8 @@ import re
 import struct
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, NamedTuple, TypeVar
 
 from .._paths import untrusted_above
 
@@ -59,14 +58,15 @@ RUNTIME_LIBRARIES = ("lib64/libascendcl.so", "lib64/libnnopbase.so")
 
 OP_API_FOLDER = "opp/built-in/op_impl/ai_core/tbe/op_api/lib/linux/{arch}"
 
-# (path in a home, what it is), in the order they are tried.
-OP_LIBRARIES: tuple[tuple[str, str], ...] = (
-    ("lib64/libopapi_transformer.so", "ops-transformer's library (8.5 and later)"),
-    (f"{OP_API_FOLDER}/libopapi_transformer.so", "ops-transformer's library, in its package's op_api folder"),
-    ("lib64/libopapi.so", "the all-in-one op library (up to 8.3; deprecated in 9.1)"),
-    ("lib64/libaclnn_ops_train.so", "the split op library of 8.2 and 8.3 (training ops)"),
-    ("lib64/libaclnn_ops_infer.so", "the split op library of 8.2 and 8.3 (inference ops: 8.1.RC1's umbrella "
-                                    "header aclnn_ops_infer.h holds the MoE ops)"),
+# Paths in a home, in the order they are tried.
+OP_LIBRARIES: tuple[str, ...] = (
+    "lib64/libopapi_transformer.so",  # ops-transformer's library (8.5 and later)
+    f"{OP_API_FOLDER}/libopapi_transformer.so",  # ops-transformer's library, in its package's op_api folder
+    "lib64/libopapi.so",  # the all-in-one op library (up to 8.3; deprecated in 9.1)
+    "lib64/libaclnn_ops_train.so",  # the split op library of 8.2 and 8.3 (training ops)
+    # the split op library of 8.2 and 8.3 (inference ops: 8.1.RC1's umbrella header
+    # aclnn_ops_infer.h holds the MoE ops)
+    "lib64/libaclnn_ops_infer.so",
 )
 
 # What set_env.sh (8.5) adds to LD_LIBRARY_PATH for the driver.
@@ -94,16 +94,10 @@ def candidate_homes(ascend_home: str | os.PathLike[str] | None = None) -> list[t
         ("non-root default (8.5 and later)", str(user / "cann"), False),
         ("non-root default (up to 8.3)", str(user / "ascend-toolkit" / "latest"), False),
     ]
-    seen: set[str] = set()
-    out: list[tuple[str, str | None, bool]] = []
+    kept: dict[str, tuple[str, str | None, bool]] = {}  # (an unset one keyed by its label: never a path)
     for label, home, named in listed:
-        real = os.path.realpath(home) if home else None
-        if real is not None and real in seen:
-            continue
-        if real is not None:
-            seen.add(real)
-        out.append((label, home, named))
-    return out
+        kept.setdefault(os.path.realpath(home) if home else label, (label, home, named))
+    return list(kept.values())
 
 
 def home_problem(home: str, named: bool) -> str | None:
@@ -118,21 +112,13 @@ def home_problem(home: str, named: bool) -> str | None:
         else None
 
 
-def library_folders(home: str | None, library: str | None = None) -> list[str]:
+def library_folders(home: str, library: str) -> list[str]:
     """Where a library's dependencies are looked for, to load them by path: its own folder,
     the home's lib64 and op_api folder, then the driver's (those that are trusted)."""
-    folders: list[str] = []
-    if library:
-        folders.append(os.path.dirname(os.path.realpath(library)))
-        folders.append(os.path.dirname(library))
-    if home:
-        folders += [os.path.join(home, "lib64"), os.path.join(home, OP_API_FOLDER.format(arch=arch()))]
+    folders = [os.path.dirname(os.path.realpath(library)), os.path.dirname(library), os.path.join(home, "lib64"),
+               os.path.join(home, OP_API_FOLDER.format(arch=arch()))]
     folders += [d for d in DRIVER_FOLDERS if os.path.isdir(d) and untrusted_above(d) is None]
-    unique: list[str] = []
-    for f in folders:
-        if f not in unique:
-            unique.append(f)
-    return unique
+    return list(dict.fromkeys(folders))
 
 
 def loader_path() -> tuple[list[str], list[str]]:
@@ -204,21 +190,19 @@ class _Elf:
 
     def tables(self, kind: int) -> list[tuple[bytes, bytes]]:
         """(entries, string table) of each section of ``kind`` (its link is the strings)."""
-        out = []
-        for t, offset, size, link in self.sections:
-            if t == kind and link < len(self.sections) and max(size, self.sections[link][2]) <= _MAX_TABLE:
-                out.append((self.read(offset, size), self.read(*self.sections[link][1:3])))
-        return out
+        return [(self.read(offset, size), self.read(*self.sections[link][1:3]))
+                for t, offset, size, link in self.sections
+                if t == kind and link < len(self.sections) and max(size, self.sections[link][2]) <= _MAX_TABLE]
 
 
-def _elf(path: str, use: Callable[[_Elf], _T]) -> _T | str:
-    """``use`` of the library at ``path``, or why it cannot be read as one."""
+def _elf(path: str, use: Callable[[_Elf], _T]) -> tuple[_T | None, str | None]:
+    """(``use`` of the library at ``path``, None), or (None, why it cannot be read as one)."""
     try:
         with open(path, "rb") as f:
             elf = _Elf(f)
-            return elf.problem or use(elf)
+            return (None, elf.problem) if elf.problem else (use(elf), None)
     except (OSError, struct.error) as exc:
-        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+        return None, f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
 
 
 def elf_problem(path: str) -> str | None:
@@ -227,7 +211,7 @@ def elf_problem(path: str) -> str | None:
     hold every byte its program headers, segments and section table say it has (a file cut
     short is mapped by the dynamic loader all the same, and touching the missing pages kills
     the process with SIGBUS)."""
-    return _elf(path, lambda elf: None)
+    return _elf(path, lambda elf: None)[1]
 
 
 def _string(strtab: bytes, at: int) -> bytes:
@@ -247,8 +231,7 @@ def needed(path: str) -> tuple[str, ...] | None:
                     names.append(_string(strtab, value).decode("utf-8", "replace"))
         return tuple(names)
 
-    got = _elf(path, entries)
-    return None if isinstance(got, str) else got
+    return _elf(path, entries)[0]
 
 
 def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
@@ -265,22 +248,20 @@ def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
                     found.add(_string(strtab, name).decode())
         return found
 
-    got = _elf(path, defined)
-    return None if isinstance(got, str) else got
+    return _elf(path, defined)[0]
 
 
 _UNVERSIONED = re.compile(r"lib[^/]*\.so")
 
 
-@dataclass
-class Dependencies:
+class Dependencies(NamedTuple):
     """A library's dependency closure: ``order`` the paths to load first (dependencies before
     what needs them), ``missing`` (name, needed by) for CANN-style names found nowhere, ``left``
     those found only through ``$LD_LIBRARY_PATH`` (the dynamic loader's to load)."""
 
-    order: list[str] = field(default_factory=list)
-    missing: list[tuple[str, str]] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)
+    order: list[str]
+    missing: list[tuple[str, str]]
+    left: list[str]
 
 
 def find(name: str, folders: list[str]) -> str | None:
@@ -288,31 +269,27 @@ def find(name: str, folders: list[str]) -> str | None:
     return next((os.path.join(d, name) for d in folders if os.path.isfile(os.path.join(d, name))), None)
 
 
-def dependency_order(path: str, folders: list[str], present: Callable[[str], bool] = lambda name: False
-                     ) -> Dependencies:
+def dependency_order(path: str, folders: list[str], loaded: set[str]) -> Dependencies:
     """Every dependency of ``path`` found in ``folders``, transitively, in load order.
-    ``present(name)`` says whether a library of that name is already loaded by us (then it is
-    not looked for again). A library whose ELF cannot be read is left for dlopen to judge."""
-    deps = Dependencies()
-    seen: set[str] = set()
+    ``loaded`` are the names of the libraries already loaded by us (they are not looked for
+    again). A library whose ELF cannot be read is left for dlopen to judge."""
+    deps = Dependencies([], [], [])
+    seen = set(loaded)
     absolute = loader_path()[0]
 
     def visit(lib: str) -> None:
         for name in needed(lib) or ():
-            if name in seen or present(name):
+            if name in seen:
                 continue
             seen.add(name)
             where = find(name, folders)
             if where is not None:
                 visit(where)
                 deps.order.append(where)
-            elif find(name, absolute) is not None:
-                deps.left.append(find(name, absolute))  # type: ignore[arg-type]
+            elif (left := find(name, absolute)) is not None:
+                deps.left.append(left)
             elif _UNVERSIONED.fullmatch(name):
                 deps.missing.append((name, os.path.basename(lib)))
 
     visit(path)
     return deps
-
-
-# ---------------------------------------------------------------------------- versions

@@ -136,8 +136,9 @@ def select_provider(name: str) -> None:
 
 # ---------------------------------------------------------------------------- judging a home
 
-def _required(part: str) -> list[str]:
-    return [f for h in _HEADERS[part] for f in declare.functions_in(h) if f not in OPTIONAL]
+def _declared(part: str) -> list[str]:
+    """The functions headers/ declares for one library ("acl", "nn", "op")."""
+    return [f for h in _HEADERS[part] for f in declare.functions_in(h)]
 
 
 def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> tuple[list[str], str | None]:
@@ -147,7 +148,7 @@ def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> tuple[lis
     if not os.path.isfile(path):
         return [], f"{rel}: not found"
     folders = layout.library_folders(home, path)
-    deps = layout.dependency_order(path, folders, lambda n: n in loaded)
+    deps = layout.dependency_order(path, folders, loaded)
     if deps.missing:
         names = ", ".join(sorted({f"{name} (needed by {by})" for name, by in deps.missing}))
         return [], f"{rel}: a dependency is missing: {names}, in none of {', '.join(folders[:3])} (nor the " \
@@ -172,14 +173,13 @@ def _plan(home: str) -> tuple[dict[str, str], list[str], list[str]]:
     problems: list[str] = []
     order: list[str] = []
     picked: dict[str, str] = {}
-    arch = layout.arch()
     tries = [("acl", [layout.RUNTIME_LIBRARIES[0]]), ("nn", [layout.RUNTIME_LIBRARIES[1]]),
-             ("op", [rel.format(arch=arch) for rel, _what in layout.OP_LIBRARIES])]
+             ("op", [rel.format(arch=layout.arch()) for rel in layout.OP_LIBRARIES])]
     for part, candidates in tries:
+        wanted = [f for f in _declared(part) if f not in OPTIONAL] if part != "op" else list(ENTRY_POINTS)
         passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
         for rel in candidates:
-            got, why = _fits(home, rel, _required(part) if part != "op" else list(ENTRY_POINTS),
-                             {os.path.basename(p) for p in order})
+            got, why = _fits(home, rel, wanted, {os.path.basename(p) for p in order})
             if why is None:
                 picked[part] = os.path.join(home, rel)
                 order += [p for p in got if p not in order]
@@ -192,11 +192,12 @@ def _plan(home: str) -> tuple[dict[str, str], list[str], list[str]]:
     return picked, order, problems
 
 
-def _opened(names: list[str], then: Callable[[dict[str, Any]], Libraries]) -> Libraries:
-    """dlopen each of ``names`` in order (each finds what it needs already loaded), then
-    ``then(handles)``. All or nothing: when one cannot be loaded, or ``then`` refuses what was
-    loaded, everything opened here is closed again (last first), so that no library of a
-    rejected home stays mapped for a later load to bind to by soname."""
+def _opened(names: list[str], three: tuple[str, str, str], info: LibraryInfo) -> Libraries:
+    """dlopen each of ``names`` in order (each finds what it needs already loaded), then bind
+    the libraries ``three`` name (acl, nn, op; the others are kept loaded) and resolve them.
+    All or nothing: when one cannot be loaded, or the resolution refuses what was loaded,
+    everything opened here is closed again (last first), so that no library of a rejected home
+    stays mapped for a later load to bind to by soname."""
     handles: dict[str, Any] = {}
     try:
         for name in names:
@@ -204,30 +205,23 @@ def _opened(names: list[str], then: Callable[[dict[str, Any]], Libraries]) -> Li
                 handles[name] = declare.ffi.dlopen(name)
             except OSError as exc:
                 raise errors.CannNotFoundError([f"{name}: cannot be loaded: {exc}"]) from None
-        return then(handles)
+        acl, nn, op = (handles[n] for n in three)
+        return _resolved(Libraries(acl, nn, op, info, tuple(h for n, h in handles.items() if n not in three)))
     except BaseException:
         for h in reversed(list(handles.values())):
             declare.ffi.dlclose(h)
         raise
 
 
-def _load_plan(home: str, picked: dict[str, str], order: list[str], backend: str) -> Libraries:
-    three = (picked["acl"], picked["nn"], picked["op"])
-
-    def bound(handles: dict[str, Any]) -> Libraries:
-        info = LibraryInfo(backend, str(Path(home)), {os.path.basename(p)[3:-3]: p for p in three},
-                           os.path.realpath(picked["op"]), tuple(p for p in order if p not in three))
-        return _resolved(Libraries(handles[three[0]], handles[three[1]], handles[three[2]], info,
-                                   tuple(h for p, h in handles.items() if p not in three)))
-
-    return _opened(order, bound)
-
-
-def _load_home(label: str, home: str, backend: str) -> Libraries:
+def _load_plan(home: str, backend: str) -> Libraries | str:
+    """The libraries of ``home`` loaded (as :func:`_plan` says), or what they lacked."""
     picked, order, problems = _plan(home)
     if problems:
-        raise errors.CannNotFoundError([f"{label} = {home}: {'; '.join(problems)}"])
-    return _load_plan(home, picked, order, backend)
+        return "; ".join(problems)
+    three = (picked["acl"], picked["nn"], picked["op"])
+    info = LibraryInfo(backend, str(Path(home)), {os.path.basename(p)[3:-3]: p for p in three},
+                       os.path.realpath(picked["op"]), tuple(p for p in order if p not in three))
+    return _opened(order, three, info)
 
 
 def _from_loader_path() -> Libraries:
@@ -249,41 +243,29 @@ def _from_loader_path() -> Libraries:
         return name
 
     problems: list[str] = []
-    for op in dict.fromkeys(os.path.basename(rel) for rel, _ in layout.OP_LIBRARIES):
-        names = ["libascendcl.so", "libnnopbase.so", op]
+    for op in dict.fromkeys(os.path.basename(rel) for rel in layout.OP_LIBRARIES):
+        names = ("libascendcl.so", "libnnopbase.so", op)
         info = LibraryInfo("cann", None, {n[3:-3]: n for n in names}, op)
-
-        def bound(h: dict[str, Any], names: list[str] = names, info: LibraryInfo = info) -> Libraries:
-            return _resolved(Libraries(h[names[0]], h[names[1]], h[names[2]], info))
-
         try:  # (all three each time: a failed try leaves nothing mapped)
-            return _opened([checked(n) for n in names], bound)
+            return _opened([checked(n) for n in names], names, info)
         except (OSError, errors.CannNotFoundError) as exc:
             problems += exc.tried if isinstance(exc, errors.CannNotFoundError) else [str(exc)]
     raise OSError("; ".join(dict.fromkeys(problems)))
 
 
-def _has(lib: Any, name: str) -> bool:
-    try:
-        getattr(lib, name)
-        return True
-    except AttributeError:
-        return False
-
-
 def _search(ascend_home: str | None) -> Libraries:
     tried = []
     for label, home, named in layout.candidate_homes(ascend_home):
-        why = "not set" if not home else "no such folder" if not os.path.isdir(home) else \
-            layout.home_problem(home, named)
-        if why:
-            tried.append(f"{label}: {why}" if not home else f"{label} = {home}: "
-                         + (why if why == "no such folder" else f"refused: {why}"))
-            continue
-        picked, order, problems = _plan(home)  # type: ignore[arg-type]
-        if not problems:
-            return _load_plan(home, picked, order, "cann")  # type: ignore[arg-type]
-        tried.append(f"{label} = {home}: {'; '.join(problems)}")
+        if not home:
+            tried.append(f"{label}: not set")
+        elif not os.path.isdir(home):
+            tried.append(f"{label} = {home}: no such folder")
+        elif why := layout.home_problem(home, named):
+            tried.append(f"{label} = {home}: refused: {why}")
+        elif isinstance(libs := _load_plan(home, "cann"), Libraries):
+            return libs
+        else:
+            tried.append(f"{label} = {home}: {libs}")
     if ascend_home is not None:
         raise errors.CannNotFoundError(tried)
     try:
@@ -297,16 +279,13 @@ def _resolved(libs: Libraries) -> Libraries:
     """Resolve every declared function now, each in its own library: cffi resolves a function
     on first use under its internal lock (see declare's docstring for why that must not happen
     in a finalizer), and a function the library lacks is an install that cannot work."""
-    missing = []
     where = {"acl": libs.info.paths.get("ascendcl"), "nn": libs.info.paths.get("nnopbase"),
              "op": libs.info.op_library}
-    for part, lib in (("acl", libs.acl), ("nn", libs.nn), ("op", libs.op)):
-        for name in (f for h in _HEADERS[part] for f in declare.functions_in(h)):
-            if not _has(lib, name) and name not in OPTIONAL:
-                missing.append(f"{where[part]} lacks {name}")
-    for name in declare.extra_functions():
-        if not _has(libs.acl, name) and libs.info.backend != "cann":
-            missing.append(f"{where['acl']} lacks {name}")
+    # (hasattr first: it is what resolves a function, an optional one too)
+    missing = [f"{where[part]} lacks {name}" for part, lib in (("acl", libs.acl), ("nn", libs.nn), ("op", libs.op))
+               for name in _declared(part) if not hasattr(lib, name) and name not in OPTIONAL]
+    missing += [f"{where['acl']} lacks {name}" for name in declare.extra_functions()
+                if not hasattr(libs.acl, name) and libs.info.backend != "cann"]
     if missing:
         raise errors.CannNotFoundError(missing)
     return libs
@@ -350,21 +329,21 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
             p = _providers.get(provider)
             if p is None:
                 raise RuntimeError(f"no provider named {provider!r} is registered")
-            libs = _load_home(f"provider {provider!r}", p.home(), provider)
-            _selected = provider
+            home = p.home()
+            got = _load_plan(home, provider)
+            if isinstance(got, str):
+                raise errors.CannNotFoundError([f"provider {provider!r} = {home}: {got}"])
+            _libs, _selected = got, provider
         else:
-            libs = _search(home_arg)
-        _libs = libs
-        return libs.info
+            _libs = _search(home_arg)
+        return _libs.info
 
 
 def libs() -> Libraries:
     """The loaded libraries, loading them if needed."""
-    lib = _libs
-    if lib is None:
+    if _libs is None:
         load()
-        lib = _libs
-    return lib  # type: ignore[return-value]
+    return _libs  # type: ignore[return-value]
 
 
 def loaded_libraries() -> Libraries | None:
@@ -379,5 +358,4 @@ def library_info() -> LibraryInfo:
 
 def loaded_info() -> LibraryInfo | None:
     """Which libraries are loaded, or None if nothing is loaded yet (loads nothing)."""
-    lib = _libs
-    return lib.info if lib is not None else None
+    return _libs.info if _libs is not None else None
