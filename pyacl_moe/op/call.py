@@ -249,7 +249,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             _check_outputs_apart(spec, arrays)
             with memo.lock:
                 memo.apart = (number, firsts)
-    ws = None if workspace is None else _given_workspace(spec, arrays, workspace, dev)
+    ws = None if workspace is None else _Workspace(spec, arrays, workspace, dev)
     while True:
         done: list[Any] | None = None
         if ctx.open and dev.fault is None:  # type: ignore[union-attr]
@@ -278,20 +278,17 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
 
 
 class _Workspace:
-    """A caller's workspace for one launch: its allocation (held), its address as passed and its
-    bytes (the checks of one too small or of another device are made on a miss)."""
+    """A caller's workspace for one launch, checked apart from the call's arrays: its
+    allocation (held), its address as passed and its bytes (the checks of one too small or of
+    another device are made on a miss)."""
 
     __slots__ = ("alloc", "arg", "size")
 
-    def __init__(self, workspace: DeviceArray, device: Device) -> None:
+    def __init__(self, spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray,
+                 device: Device) -> None:
+        check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
         self.alloc, self.arg = workspace.allocation("workspace"), acl.void(workspace.address)
         self.size = workspace.nbytes if workspace.is_contiguous and self.alloc.device is device else -1
-
-
-def _given_workspace(spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray,
-                     device: Device) -> _Workspace:
-    check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
-    return _Workspace(workspace, device)
 
 
 def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
@@ -458,7 +455,9 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
             if host is not None:
                 fits(name, wanted[name], host.shape, host.dtype)
     else:
-        wanted = op.sizes({n: _Shape(v.shape, d.dtype) for n, v, d in zip(spec.inputs, raw, natives)}, attrs)
+        # (arrays of the inputs' shapes and native dtypes that hold no memory: what sizes reads)
+        shaped = {n: np.broadcast_to(np.empty((), d.dtype), v.shape) for n, v, d in zip(spec.inputs, raw, natives)}
+        wanted = op.sizes(shaped, attrs)
         for name, want in wanted.items():
             if want is not None:
                 _args.nbytes(name, want[0], want[1].itemsize)
@@ -468,15 +467,6 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
     layouts = [contiguous_layout(v.shape, d.dtype) for v, d in zip(raw, natives)]
     layouts += [contiguous_layout(*w) for w in outs if w is not None]
     return attrs, layouts, [m[1] for m in layouts], outs
-
-
-class _Shape:
-    """What :attr:`OneCall.sizes` reads of an array: its shape, rank and dtype."""
-
-    __slots__ = ("shape", "ndim", "dtype")
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        self.shape, self.ndim, self.dtype = shape, len(shape), dtype
 
 
 def _copies(arrays: list[DeviceArray], hosts: list[np.ndarray], inward: bool) -> list[tuple[Any, tuple[Any, ...]]]:
