@@ -566,8 +566,9 @@ class Event(Owner):
         collect()
         core = _EventCore(dev)
         dev.own(core.holder, core)
-        with calling(dev, dev.context):
-            acl.use_context(dev.context)
+        ctx = dev.context
+        with calling(dev, ctx):
+            acl.use_context(ctx)
             acl.create_event(core.holder.handle)  # type: ignore[arg-type]
         self._device = dev
         self._core: _EventCore | None = core

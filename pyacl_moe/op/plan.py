@@ -248,11 +248,9 @@ class Plan:
         state = resolve_stream(stream, c.device)
         c.device.check()
         size = c.executor.workspace_size
-        ws_alloc = None
-        if workspace is not None:
-            ws_alloc = checked_workspace(workspace, size, c.device, "plan")
-            if self._validate:
-                check_workspace_apart(workspace, c.arrays)
+        ws_alloc = None if workspace is None else checked_workspace(workspace, size, c.device, "plan")
+        if workspace is not None and self._validate:
+            check_workspace_apart(workspace, c.arrays)
         while True:
             if size and ws_alloc is None:
                 state.ensure_workspace(size)
