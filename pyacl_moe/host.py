@@ -51,12 +51,10 @@ class _DLTensor(ctypes.Structure):
     ]
 
 
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_capsule_valid = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_valid.restype = ctypes.c_int
-_capsule_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
 
 _CODES = {
     (_DL_INT, 8): np.int8, (_DL_INT, 16): np.int16, (_DL_INT, 32): np.int32, (_DL_INT, 64): np.int64,
@@ -89,11 +87,9 @@ def _from_capsule(capsule: Any, name: str) -> np.ndarray:
         raise InvalidArgument(name, f"has a DLPack dtype (code {t.dtype.code}, {t.dtype.bits} bits, "
                                     f"{t.dtype.lanes} lanes) that CANN's tensors do not take")
     dtype = np.dtype(_CODES[t.dtype.code, t.dtype.bits])
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    if t.strides:
-        strides: tuple[int, ...] | None = tuple(t.strides[i] * dtype.itemsize for i in range(t.ndim))
-    else:
-        strides = None  # compact row-major, as DLPack says for NULL strides
+    shape = tuple(t.shape[:t.ndim])
+    # NULL strides: compact row-major, as DLPack says.
+    strides = tuple(s * dtype.itemsize for s in t.strides[:t.ndim]) if t.strides else None
     # The array interface cannot name bfloat16: view its bits as uint16, then reinterpret.
     carrier = np.dtype(np.uint16) if dtype == _BF16 else dtype
     interface = {
@@ -108,10 +104,6 @@ def _from_capsule(capsule: Any, name: str) -> np.ndarray:
     return view.view(_BF16) if dtype == _BF16 else view
 
 
-def _is_torch(obj: Any) -> bool:
-    return type(obj).__module__.partition(".")[0] == "torch" and "torch" in sys.modules
-
-
 # Where an input came from, so that the result goes back the same way.
 Family = str
 NUMPY: Family = "numpy"
@@ -124,7 +116,7 @@ def host_view(obj: Any, name: str) -> tuple[np.ndarray, Family]:
         return obj, NUMPY
     if type(obj).__name__ == "PyCapsule":
         return _from_capsule(obj, name), NUMPY
-    if _is_torch(obj):
+    if type(obj).__module__.partition(".")[0] == "torch" and "torch" in sys.modules:
         device = getattr(obj, "device", None)
         if getattr(device, "type", "cpu") != "cpu":
             raise InvalidArgument(name, f"is a torch tensor on {device}: wrap NPU memory with pm.from_torch(tensor) "
@@ -133,9 +125,8 @@ def host_view(obj: Any, name: str) -> tuple[np.ndarray, Family]:
         if layout != "torch.strided":  # sparse and mkldnn tensors have no strided memory to read
             raise InvalidArgument(name, f"is a torch tensor of layout {layout}, which has no dense memory to read: "
                                         "pass tensor.to_dense()")
-        t = obj.detach()
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
+        # (a lazily conjugated or negated view is materialized; any other comes back as it is)
+        t = obj.detach().resolve_conj().resolve_neg()
         return _from_capsule(_export(t, name), name), TORCH
     if hasattr(obj, "__dlpack__") and not hasattr(obj, "__array_interface__") and not hasattr(obj, "__array__"):
         dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else (_DL_CPU, 0)

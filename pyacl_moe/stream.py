@@ -20,8 +20,9 @@ device current); it closes nothing. Closing a stream waits for it; a stream drop
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import _args
@@ -105,6 +106,14 @@ class StreamState:
                               f"its device {self.device.device_id} was closed or reset"
                               + (" (or this is a fork() child)" if acl.forked() else ""))
 
+    def check_usable(self) -> None:
+        """check_open under the lock, or before it once the device is closed (in a fork()
+        child a parent thread may hold it)."""
+        if not self.ctx.open:
+            self.check_open()
+        with self.lock:
+            self.check_open()
+
     def __repr__(self) -> str:
         return "the default stream" if self.handle is None else f"stream {self.handle.address:#x}"
 
@@ -156,7 +165,7 @@ class StreamState:
         what is held to the next fence or wait."""
         if not self.holds or len(self.fences) >= self.MAX_FENCES or (self.fences and self.fences[-1][0] == self.point):
             return
-        try:
+        with contextlib.suppress(AclError):
             acl.use_context(self.ctx)
             if not self.spare:
                 h = acl.EventHandle(self.ctx)
@@ -165,8 +174,6 @@ class StreamState:
                 self.spare.append(h)
             acl.record_event(self.spare[-1], self.handle)
             self.fences.append((self.point, self.spare.pop()))
-        except AclError:
-            return
 
     def poll(self) -> list[Any]:
         """What the fences that ran release (never waits)."""
@@ -243,13 +250,12 @@ class StreamState:
     def ensure_workspace(self, nbytes: int) -> None:
         """A workspace of at least ``nbytes`` (no lock held): the stream's block, grown here.
         The block it replaces is homed here: this stream's later work runs after what used it."""
-        with self.lock:
-            if self.workspace is not None and self.workspace.nbytes >= nbytes:
-                return
+        if self.workspace_size() >= nbytes:
+            return
         new: Allocation | None = self.device.allocate((nbytes,), self, counts="workspace_takes")[0]
         with self.lock:
             self.check_open()
-            if self.workspace is None or self.workspace.nbytes < nbytes:  # (else another thread got there first)
+            if self.ws_size < nbytes:  # (else another thread got there first)
                 new = self._set_workspace(new)
         del new  # (outside the lock: the block it replaced goes back)
 
@@ -264,7 +270,7 @@ class StreamState:
 
     def workspace_size(self) -> int:
         with self.lock:
-            return self.workspace.nbytes if self.workspace is not None else 0
+            return self.ws_size
 
     def empty(self) -> None:
         """empty_cache(): give up the cached executors and the workspace (freed once the work
@@ -307,7 +313,7 @@ class StreamState:
             done, ws, cached = self._advance(self.point), self._set_workspace(None), list(self.executors.values())
             self.executors = collections.OrderedDict()
             status = self.handle.release() if self.handle is not None else 0
-            self.events = _release_all(self.events) if not status else self.events
+            self.events = _release_idle(self.events, ()) if not status else self.events
             self.spare, self.fences = [], collections.deque()
         _destroy(cached)
         del done, ws
@@ -348,18 +354,14 @@ def _idle(state: StreamState) -> bool:
 
 
 def _release_idle(events: list[acl.EventHandle],
-                  fences: collections.deque[tuple[int, acl.EventHandle]]) -> list[acl.EventHandle]:
+                  fences: Iterable[tuple[int, acl.EventHandle]]) -> list[acl.EventHandle]:
     # (the stream's lock held; a loop under a lock is a function of its own) The fence events
-    # not pending: destroyed (they are only a cache); what is left. Pending is what the fences
-    # hold, not what the spares lack: an interrupt between a fence's pop and its return to the
-    # spares (or between an event's creation and its first use) leaves one in neither.
+    # not pending: destroyed (they are only a cache); what is left, which is what CANN refused
+    # when no fence is pending (a stream destroyed). Pending is what the fences hold, not what
+    # the spares lack: an interrupt between a fence's pop and its return to the spares (or
+    # between an event's creation and its first use) leaves one in neither.
     pending = {id(h) for _, h in fences}
     return [h for h in events if id(h) in pending or h.release()]
-
-
-def _release_all(handles: list[acl.EventHandle]) -> list[acl.EventHandle]:
-    # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-    return [h for h in handles if h.release()]
 
 
 def _destroy(cached: list[Any]) -> None:
@@ -378,14 +380,13 @@ class Stream:
     another thread is using makes that thread's call complete or raise ClosedError.
     """
 
-    __slots__ = ("state", "_is_default", "__weakref__")
+    __slots__ = ("state", "__weakref__")
     state: StreamState  #: the stream's internals, for pyacl_moe's own layers
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
         collect()
         self.state = s = StreamState(dev, acl.StreamHandle(dev.context))
-        self._is_default = False
         dev.own(s, self)  # owned before it exists; released once this object is gone
         with calling(dev, s.ctx):
             acl.use_context(s.ctx)
@@ -404,18 +405,19 @@ class Stream:
         if address == 0:
             return dev.default_stream  # type: ignore[no-any-return]
         collect()
-        return cls._made(StreamState(dev, acl.BorrowedStreamHandle(dev.context, address), owner), False)
+        return cls._made(StreamState(dev, acl.BorrowedStreamHandle(dev.context, address), owner))
 
     @classmethod
     def default(cls, device: Device) -> Stream:
         """The default stream of a device being opened (Device calls it)."""
-        return cls._made(StreamState(device, None), True)
+        return cls._made(StreamState(device, None))
 
     @classmethod
-    def _made(cls, state: StreamState, is_default: bool) -> Stream:
+    def _made(cls, state: StreamState) -> Stream:
+        # A default stream (no handle: CANN's NULL stream) lives as long as its device: no owner.
         s = cls.__new__(cls)
-        s.state, s._is_default = state, is_default
-        state.device.own(state, None if is_default else s)
+        s.state = state
+        state.device.own(state, None if state.handle is None else s)
         return s
 
     @property
@@ -428,17 +430,13 @@ class Stream:
         """The aclrtStream as an integer (0 for a default stream: CANN's NULL stream).
         ClosedError once the stream or its device was closed, as a handle CANN no longer knows
         would be."""
-        s = self.state
-        if not s.ctx.open:
-            s.check_open()
-        with s.lock:
-            s.check_open()
-        return s.handle.address if s.handle is not None else 0
+        self.state.check_usable()
+        return self.state.handle.address if self.state.handle is not None else 0
 
     @property
     def is_default(self) -> bool:
         """True for a device's default stream."""
-        return self._is_default
+        return self.state.handle is None
 
     @property
     def closed(self) -> bool:
@@ -450,7 +448,7 @@ class Stream:
             return s.closing
 
     def __repr__(self) -> str:
-        kind = "default stream" if self._is_default else f"stream {self.state.handle.address:#x}"  # type: ignore[union-attr]
+        kind = "default stream" if self.state.handle is None else f"stream {self.state.handle.address:#x}"
         return f"<Stream {kind} on device {self.device.device_id}{' closed' if self.closed else ''}>"
 
     def synchronize(self, timeout_ms: int | None = None) -> None:
@@ -488,15 +486,14 @@ class Stream:
         """Record ``event`` (a new one if None) on this stream and return it."""
         ev = Event(self.state.device) if event is None else _args.instance("event", event, Event,
                                                                            "an Event or None")
-        ev.record(self)
-        return ev
+        return ev.record(self)
 
     def close(self) -> None:
         """Wait for the stream, then destroy it (a borrowed one is only waited for). Safe twice.
         Refused on a default stream (InvalidArgument): CANN's NULL stream lives as long as its
         device. Raises a device fault its own wait learned of, after releasing the stream."""
         s = self.state
-        if self._is_default:
+        if s.handle is None:
             raise InvalidArgument("stream", "is the device's default stream, which lives as long as the device: "
                                             "synchronize() waits for it, Device.close() releases it")
         if not s.ctx.open:
@@ -509,11 +506,7 @@ class Stream:
             raise s.device.fault_error()
 
     def __enter__(self) -> Stream:
-        if self.state.ctx.open:  # (else raised without the lock: a fork() child's may be held)
-            with self.state.lock:
-                self.state.check_open()
-        else:
-            self.state.check_open()
+        self.state.check_usable()
         self.state.device.__enter__()
         thread_current.saved.append(thread_current.stream)
         thread_current.stream = self

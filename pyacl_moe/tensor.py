@@ -60,8 +60,7 @@ class AclTensor(Owner):
         code = declare.const("ACL_FORMAT_ND") if fmt is None else _args.int32("fmt", fmt)
         collect()
         self._array = array
-        self._core: TensorCore | None = None
-        self._core = TensorCore(array, code)
+        self._core: TensorCore | None = TensorCore(array, code)
 
     def core(self, what: str = "tensor") -> TensorCore:
         """The handle's owner, checked open (for pyacl_moe's own layers)."""

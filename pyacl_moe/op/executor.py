@@ -23,12 +23,12 @@ from ..array import DeviceArray
 from ..device import EXECUTORS, Allocation, Device, Holder, Owner, calling, collect, current_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
-from ..stream import Stream, StreamState, resolve_stream, written
+from ..stream import Stream, StreamState, resolve_stream
 from ..tensor import AclTensor, TensorCore
 from .spec import OpSpec
 
 __all__ = ["Executor", "ExecutorCore", "build", "check_output_layout", "checked_workspace", "device_of", "execute",
-           "first_phase", "fits", "launch", "written"]  # (written: the stream's, for the launches here)
+           "first_phase", "fits", "launch"]
 
 
 class ExecutorCore:

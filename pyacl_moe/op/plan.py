@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from .. import _args
@@ -39,15 +39,11 @@ _keys = itertools.count(1)  # a plan's key in its streams' ``plans`` (next() on 
 def check_no_overlap(spec: OpSpec, arrays: Mapping[str, DeviceArray | None]) -> None:
     """Refuse an output that shares memory with another tensor of the launch: the kernel would
     read what it is overwriting."""
-    for out_name in spec.outputs:
-        out = arrays.get(out_name)
-        if out is None:
-            continue
-        for name in spec.tensors:
-            other = arrays.get(name)
-            if name != out_name and other is not None and may_overlap(out, other):
-                raise InvalidArgument(out_name, f"shares device memory with {name}: the kernel would overwrite what "
-                                                "it reads (use a separate output array)")
+    for out_name, name in itertools.product(spec.outputs, spec.tensors):
+        out, other = arrays.get(out_name), arrays.get(name)
+        if name != out_name and out is not None and other is not None and may_overlap(out, other):
+            raise InvalidArgument(out_name, f"shares device memory with {name}: the kernel would overwrite what "
+                                            "it reads (use a separate output array)")
 
 
 def check_workspace_apart(workspace: DeviceArray, arrays: Mapping[str, DeviceArray | None]) -> None:
@@ -146,6 +142,8 @@ class Plan:
 
     _op: Any  # the op's OneCall: its spec and contract
     _c: _PlanCore
+    # What a launch returns, from the plan's arrays (each subclass's staticmethod).
+    _result_of: Callable[[Mapping[str, DeviceArray]], Any]
 
     def _build(self, given: list[Any], values: tuple[Any, ...], repeatable: Any, validate: Any) -> None:
         """The plan on ``given`` (the op's tensors in order: the inputs, then the outputs, None
@@ -173,16 +171,12 @@ class Plan:
                 arrays[name] = empty(want[0], want[1], dev)
         if validate:
             check_no_overlap(spec, arrays)
-        self._prepare(dev, arrays, attrs, repeatable)
-
-    def _prepare(self, device: Device, arrays: Mapping[str, DeviceArray], attrs: Mapping[str, Any],
-                 repeatable: bool) -> None:
         collect()
         self._repeatable = repeatable
         # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
         self._view_offsets = {n: a.offset for n, a in arrays.items()}
-        self._c = _PlanCore(self._spec, device, arrays, attrs, repeatable, type(self)._result_of)
-        device.own(self._c, self)
+        self._c = _PlanCore(spec, dev, arrays, attrs, repeatable, type(self)._result_of)
+        dev.own(self._c, self)
 
     # -- properties
 
@@ -207,11 +201,6 @@ class Plan:
     def device(self) -> Device:
         """The device the plan launches on."""
         return self._c.device
-
-    @staticmethod
-    def _result_of(arrays: Mapping[str, DeviceArray]) -> Any:  # pragma: no cover - overridden
-        """What a launch returns, from the plan's arrays."""
-        raise NotImplementedError
 
     # -- launching
 
@@ -259,28 +248,21 @@ class Plan:
         state = resolve_stream(stream, c.device)
         c.device.check()
         size = c.executor.workspace_size
-        if workspace is not None or not self._repeatable:
-            ws_alloc = None
-            if workspace is not None:
-                ws_alloc = checked_workspace(workspace, size, c.device, "plan")
-                if self._validate:
-                    check_workspace_apart(workspace, c.arrays)
-            elif size:
-                state.ensure_workspace(size)
-            with c.lock:
-                self._usable()
-                c.finish_rebind()
-                ws = ws_alloc or state.workspace
-                c.spent = not self._repeatable
-                launch(c.executor, state, ws.ptr if ws is not None else 0, size, (ws, tuple(c.allocs.values())),
-                       c.outs)
-                return c.result
+        ws_alloc = None if workspace is None else checked_workspace(workspace, size, c.device, "plan")
+        if workspace is not None and self._validate:
+            check_workspace_apart(workspace, c.arrays)
         while True:
-            if size:
+            if size and ws_alloc is None:
                 state.ensure_workspace(size)
             with c.lock:
                 self._usable()
                 c.finish_rebind()
+                if ws_alloc is not None or not self._repeatable:  # a launch of its own, not bound to the stream
+                    ws = ws_alloc or state.workspace
+                    c.spent = not self._repeatable
+                    launch(c.executor, state, ws.ptr if ws is not None else 0, size, (ws, tuple(c.allocs.values())),
+                           c.outs)
+                    return c.result
                 if self._bound_launch(c, state, size):
                     c.last = state
                     return c.result
