@@ -16,7 +16,9 @@ whole device.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,14 +105,8 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    if not all(shape):
-        return True  # no elements: nothing is laid out
-    expect = 1
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n != 1 and s != expect:
-            return False
-        expect *= n
-    return True
+    # (no elements: nothing is laid out; an axis of one has no stride that matters)
+    return not all(shape) or all(n == 1 or s == c for n, s, c in zip(shape, strides, _contiguous_strides(shape)))
 
 
 class DeviceArray:
@@ -331,9 +327,7 @@ class DeviceArray:
     def _to_host_into(self, alloc: Allocation, out: Any, stream: Stream | None) -> np.ndarray:
         if not isinstance(out, np.ndarray):
             raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
-        if out.shape != self.shape or out.dtype != self.dtype:
-            raise InvalidArgument("out", f"must have shape {self.shape} and dtype {self.dtype}, got "
-                                         f"{out.shape} {out.dtype}")
+        self._check_like("out", out)
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgument("out", "must be C-contiguous and writable")
         if not self.is_contiguous:
@@ -342,6 +336,11 @@ class DeviceArray:
         if n:
             _queued(alloc, stream, (out, alloc), (out.ctypes.data, n, self.address, n, _D2H), read=True)
         return out
+
+    def _check_like(self, name: str, host: np.ndarray) -> None:
+        if host.shape != self.shape or host.dtype != self.dtype:
+            raise InvalidArgument(name, f"must have shape {self.shape} and dtype {self.dtype}, got "
+                                        f"{host.shape} {host.dtype}")
 
     def numpy(self, stream: Stream | None = None) -> np.ndarray:
         """Same as :meth:`to_host`."""
@@ -419,9 +418,7 @@ class DeviceArray:
         if not self.is_contiguous:
             raise InvalidArgument("array", "copy_from_host needs a contiguous DeviceArray")
         host = host_array(host_view(array, "array")[0], "array")
-        if host.shape != self.shape or host.dtype != self.dtype:
-            raise InvalidArgument("array", f"must have shape {self.shape} and dtype {self.dtype}, got "
-                                           f"{host.shape} {host.dtype}")
+        self._check_like("array", host)
         _copy_in(alloc, self.address, host, stream)
 
     def close(self) -> None:
@@ -518,16 +515,10 @@ def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
     return bool(np.shares_memory(_address_view(a), _address_view(b)))
 
 
-class _AddressOnly:
-    """An __array_interface__ describing a view by address, never dereferenced."""
-
-    def __init__(self, a: DeviceArray) -> None:
-        self.__array_interface__ = {"data": (a.address, True), "shape": a.shape, "strides": a.strides,
-                                    "typestr": f"|V{a.itemsize}", "version": 3}
-
-
 def _address_view(a: DeviceArray) -> np.ndarray:
-    return np.asarray(_AddressOnly(a))
+    # (an __array_interface__ describing the view by address, never dereferenced)
+    return np.asarray(types.SimpleNamespace(__array_interface__={
+        "data": (a.address, True), "shape": a.shape, "strides": a.strides, "typestr": f"|V{a.itemsize}", "version": 3}))
 
 
 def host_array(array: np.ndarray, name: str) -> np.ndarray:
@@ -549,11 +540,8 @@ def _dtype(dtype: Any) -> np.dtype:
 def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...]:
     """Everything a contiguous DeviceArray of ``shape`` and ``dtype`` (both checked) is made of
     but its memory, for :func:`empty_from`: a caller making many keeps it."""
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
     layout = (shape, dtype, _contiguous_strides(shape))
-    return (layout, n, _layout_id(layout), acl_data_type(dtype))
+    return (layout, math.prod(shape, start=dtype.itemsize), _layout_id(layout), acl_data_type(dtype))
 
 
 def empty_from(made: Sequence[tuple[Any, ...]], sizes: Sequence[int], device: Device,

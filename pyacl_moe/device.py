@@ -64,9 +64,7 @@ class Holder:
         with self.lock:
             return self.handle.release()
 
-    def dropped(self) -> int:
-        """Its owner is gone (a safe point): release it."""
-        return self.release()
+    dropped = release  # its owner is gone (a safe point): release it
 
 
 class Owner:
@@ -223,7 +221,8 @@ class Device:
         # thread-safe), the allocator takes them under ``lock``, peeking before it pops.
         self.dead_blocks: collections.deque[_lifetime.Token] = collections.deque()
         self._idle: dict[tuple[bool, int], list[Block]] = {}  # (pinned, size) -> idle blocks, newest last
-        self._counts = {"hits": 0, "misses": 0, "pinned_hits": 0, "pinned_misses": 0, "workspace_takes": 0}
+        # memory_stats' counts, by its names
+        self._counts = dict.fromkeys(("array_hits", "array_misses", "pinned_hits", "pinned_misses", "workspace_takes"), 0)
         self.context = ctx
         self._default: Any = Device.stream_class.default(self)
         _tls.device = self
@@ -304,10 +303,11 @@ class Device:
             self.check_open()
             self._owned[holder] = token
 
-    def release(self, holder: Any) -> int:
-        """Release ``holder`` now (its own lock makes that once); CANN's status. One CANN
-        refuses stays in the inventory: the device's close tries it again."""
-        status: int = holder.release()
+    def release(self, holder: Any, dropped: bool = False) -> int:
+        """Release ``holder`` now (its own lock makes that once; ``dropped``: its owner is gone,
+        at a safe point); CANN's status. One CANN refuses stays in the inventory: the device's
+        close tries it again."""
+        status: int = holder.dropped() if dropped else holder.release()
         if not status:
             with self.lock:
                 self._owned.pop(holder, None)
@@ -335,11 +335,8 @@ class Device:
         with self.lock:
             holders = _owned_by(self._owned, tokens)
         for token in holders:
-            status = token.what.dropped()
-            if not status:
-                with self.lock:
-                    self._owned.pop(token.what, None)
-            elif status == NOT_YET or token.tries < 3:  # a refusal is tried at three more safe points
+            status = self.release(token.what, dropped=True)
+            if status and (status == NOT_YET or token.tries < 3):  # a refusal is tried at three more safe points
                 token.tries += status != NOT_YET
                 _lifetime.retry(token)
 
@@ -402,7 +399,7 @@ class Device:
             tokens[i].what = block
             block.token, block.home = tokens[i], home
             a.block, a.ptr = block, block.ptr
-        self._counts["pinned_hits" if pinned else "hits"] += len(allocs) - len(missing)
+        self._counts["pinned_hits" if pinned else "array_hits"] += len(allocs) - len(missing)
         return missing
 
     def _reap(self) -> None:
@@ -434,7 +431,7 @@ class Device:
             with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
                 self.check_open()
                 self._blocks[block] = None
-                self._counts["pinned_misses" if pinned else "misses"] += 1
+                self._counts["pinned_misses" if pinned else "array_misses"] += 1
             with calling(self, ctx):
                 acl.use_context(ctx)
                 try:
@@ -458,17 +455,26 @@ class Device:
         with self.lock:
             _give(arrays)
 
-    def trim(self) -> list[BaseException]:
-        """Free the idle blocks (and strays an interrupt left); the errors CANN reported."""
+    def trim(self, every: bool = False) -> list[BaseException]:
+        """Free the idle blocks and the strays an interrupt left (``every``: every block, for
+        the teardown); the errors CANN reported."""
         with self.free_lock:
             with self.lock:
-                blocks = self._unused()
-            return _freed(blocks, self)
+                blocks = list(self._blocks) if every else self._unused()
+            return self._free(blocks)
 
-    def forget_block(self, block: Block) -> None:
-        """A block was freed."""
-        with self.lock:
-            self._blocks.pop(block, None)
+    def _free(self, blocks: list[Block]) -> list[BaseException]:
+        # (free_lock held, so each handle is released once; a loop under a lock is a function
+        # of its own: ARCHITECTURE.md) The errors CANN reported.
+        errors: list[BaseException] = []
+        for block in blocks:
+            status = block.handle.release()
+            if status:
+                _noting(errors, check, status, block.handle.API)
+            else:
+                with self.lock:
+                    self._blocks.pop(block, None)
+        return errors
 
     def _unused(self) -> list[Block]:
         # (lock held; a loop under a lock is a function of its own) The idle blocks no queued
@@ -501,9 +507,7 @@ class Device:
 
     def _figures(self) -> dict[str, int]:
         # (lock held; a loop under a lock is a function of its own)
-        c = self._counts
-        out = {"workspace_takes": c["workspace_takes"], "array_hits": c["hits"], "array_misses": c["misses"],
-               "pinned_hits": c["pinned_hits"], "pinned_misses": c["pinned_misses"]}
+        out = dict(self._counts)
         for prefix, pinned in (("array_", False), ("pinned_", True)):
             idle = [b.size for b in self._blocks if b.pinned is pinned and b.token is None and b in b.shelf]
             used = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None]
@@ -589,10 +593,7 @@ class Device:
         # (plans, executors and tensors are host objects: they go with their owners)
         for holder in self.holders(STREAMS) + self.holders(EVENTS):
             _noting(errors, lambda h: check(self.release(h), h.API), holder)
-        with self.free_lock:
-            with self.lock:
-                blocks = list(self._blocks)
-            errors += _freed(blocks, self)
+        errors += self.trim(every=True)
         if ctx.alive:
             _noting(errors, acl.reset_device, ctx)
         with self.lock:
@@ -671,19 +672,6 @@ def _noting(errors: list[BaseException], fn: Any, *args: Any) -> None:
         fn(*args)
     except AclError as exc:
         errors.append(exc)
-
-
-def _freed(blocks: list[Block], device: Device) -> list[BaseException]:
-    # (the device's free_lock held, so each handle is released once; a loop under a lock is a
-    # function of its own: ARCHITECTURE.md) The errors CANN reported.
-    errors: list[BaseException] = []
-    for block in blocks:
-        status = block.handle.release()
-        if status:
-            _noting(errors, check, status, block.handle.API)
-        else:
-            device.forget_block(block)
-    return errors
 
 
 @contextlib.contextmanager
@@ -873,16 +861,12 @@ def _close_all_at_exit() -> None:
             try:
                 dev.close()
             except Exception as exc:  # nobody is left to catch it: said once on stderr
-                try:
+                with contextlib.suppress(Exception):
                     sys.stderr.write(f"pyacl_moe: at exit, closing device {dev.device_id} reported: {exc}\n")
-                except Exception:
-                    pass
         if _Process.owns_init:
             _Process.owns_init = False
-            try:
+            with contextlib.suppress(Exception):
                 acl.finalize()
-            except Exception:
-                pass
 
 
 atexit.register(_close_all_at_exit)
