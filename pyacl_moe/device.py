@@ -421,15 +421,14 @@ class Device:
 
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
         ctx = self.context
-        size = _rounded(alloc.nbytes)
-        with self.lock:
-            shelf = self._idle.setdefault((pinned, size), [])
-        block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, shelf)
+        size = max(_ROUND, -(-alloc.nbytes // _ROUND) * _ROUND)  # (as _take rounds)
+        block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, [])
         block.token, block.home, token.what = token, home, block
         fill = acl.malloc_host if pinned else acl.malloc
         try:
             with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
                 self.check_open()
+                block.shelf = self._idle.setdefault((pinned, size), [])
                 self._blocks[block] = None
                 self._counts["pinned_misses" if pinned else "array_misses"] += 1
             with calling(self, ctx):
@@ -685,10 +684,6 @@ def calling(device: Device, ctx: acl.Context) -> Iterator[None]:
         if ctx.open:
             raise
         raise ClosedError(f"device {device.device_id}", _closed_reason()) from None
-
-
-def _rounded(nbytes: int) -> int:
-    return max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
 
 
 def _closed_reason() -> str:

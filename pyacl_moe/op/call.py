@@ -46,12 +46,12 @@ Outputs = dict[str, "tuple[tuple[int, ...], np.dtype] | None"]
 
 class _Memo:
     """Calls that passed the contract, by the layouts of their arrays (a given output's too)
-    and their attribute values: what to make of each output (its contiguous_layout; None when
-    given or not written), and a number naming the entry, never reused: the key of the
-    streams' executor caches. A call that passed once passes again. Bounded (it starts over
-    when full). ``checked`` is published whole: readers take it without a lock and see a
-    complete dict; a writer copies it under ``lock`` (a miss, rare), adds, and publishes the
-    copy. ``apart`` likewise (a stale read only checks again)."""
+    and their attribute values: the outputs to make (their contiguous_layouts), and a number
+    naming the entry, never reused: the key of the streams' executor caches (see
+    :func:`_checked`). A call that passed once passes again. Bounded (it starts over when
+    full). ``checked`` and ``host`` are published whole: readers take them without a lock and
+    see a complete dict; a writer copies one under ``lock`` (a miss, rare), adds, and publishes
+    the copy. ``apart`` likewise (a stale read only checks again)."""
 
     SIZE = 256
 
@@ -62,24 +62,13 @@ class _Memo:
         # (entry number, first addresses) of the last call whose given outputs were checked apart
         self.apart: tuple[int, list[int] | None] = (-1, None)
 
-    def put(self, key: tuple[Any, ...], made: tuple[Any, ...], n_in: int, given: bool) -> tuple[Any, ...]:
-        """Record a call that passed: (the positions of the outputs it makes, its number, their
-        layouts, their sizes in bytes, whether it was given one)."""
-        at = tuple(i for i, m in enumerate(made, n_in) if m is not None)
-        makes = tuple(m for m in made if m is not None)
-        sizes = tuple(m[1] for m in makes)
+    def put(self, table: str, key: tuple[Any, ...], entry: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Record a call that passed in ``table`` (``checked`` or ``host``), published whole."""
         with self.lock:
-            new = dict(self.checked) if len(self.checked) < self.SIZE else {}
-            entry = new[key] = (at, next(_entry_numbers), makes, sizes, given)
-            self.checked = new
-            return entry
-
-    def put_host(self, key: tuple[Any, ...], entry: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Record a NumPy call that passed (published whole, as ``checked``)."""
-        with self.lock:
-            new = dict(self.host) if len(self.host) < self.SIZE else {}
+            old = getattr(self, table)
+            new = dict(old) if len(old) < self.SIZE else {}
             new[key] = entry
-            self.host = new
+            setattr(self, table, new)
         return entry
 
 
@@ -142,22 +131,26 @@ class _Cached:
 
 
 def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A memo miss: the contract on the inputs and attributes, given outputs fit it; what to
-    make of each output."""
+    """A memo miss: the contract on the inputs and attributes, given outputs fit it. The memo
+    entry: the positions of the outputs to make, a number naming the entry, their layouts and
+    sizes in bytes, whether an output was given."""
     spec = op.spec
     attrs = op.attrs(*values)
     layouts = {name: (a.shape, a.dtype) for name, a in zip(spec.inputs, arrays) if a is not None}
     wanted = op.check(layouts, attrs)
-    made = []
-    for name, a in zip(spec.outputs, arrays[len(spec.inputs):]):
-        if a is None:
-            want = wanted[name]
-            made.append(None if want is None else contiguous_layout(*want))
-        else:
-            fits(name, wanted[name], a.shape, a.dtype)
+    at, makes, given = [], [], False
+    for i, name in enumerate(spec.outputs, len(spec.inputs)):
+        a, want = arrays[i], wanted[name]
+        if a is not None:
+            fits(name, want, a.shape, a.dtype)
             check_output_layout(name, a)
-            made.append(None)
-    return tuple(made)
+            given = True
+        elif want is not None:
+            at.append(i)
+            makes.append(contiguous_layout(*want))
+    with op.memo.lock:
+        number = next(_entry_numbers)
+    return tuple(at), number, tuple(makes), tuple(m[1] for m in makes), given
 
 
 def one_call(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], names: list[str],
@@ -233,8 +226,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         raise
     n_in = len(spec.inputs)
     if entry is None:
-        entry = memo.put(tuple(key), _checked(op, arrays, values), n_in,
-                         any(arrays[i] is not None for i in spec.output_positions))
+        entry = memo.put("checked", tuple(key), _checked(op, arrays, values))
     at, number, makes, sizes, given = entry
     held = allocs  # what the launch keeps alive: not the outputs it makes, homed on its stream
     if makes:
@@ -404,7 +396,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
         op.attrs(*values)
         raise
     if entry is None:
-        entry = op.memo.put_host(tuple(key), _host_checked(op, raw, given, values, validate))
+        entry = op.memo.put("host", tuple(key), _host_checked(op, raw, given, values, validate))
     attrs, layouts, sizes, outs = entry
     views = []
     for name, v in zip(spec.inputs, raw):
