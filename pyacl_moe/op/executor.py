@@ -20,7 +20,7 @@ import numpy as np
 from .. import _args, _contract
 from .._cann import aclnn
 from ..array import DeviceArray
-from ..device import EXECUTORS, Allocation, Device, Holder, Owner, calling, collect, current_device
+from ..device import EXECUTORS, Allocation, Device, Holder, Owner, calling, collect, current_device, resolve_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
 from ..stream import Stream, StreamState, resolve_stream
@@ -88,19 +88,22 @@ def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None]
     return core
 
 
-def first_phase(spec: OpSpec, given: Mapping[str, AclTensor | DeviceArray | None], attrs: Mapping[str, Any],
-                device: Device | None) -> tuple[int, Executor]:
-    """An op's ``get_workspace_size`` on what the caller gave (AclTensors, DeviceArrays wrapped
-    in aclTensors the executor keeps, or None for a null pointer): (workspace bytes,
+def first_phase(spec: OpSpec, given: Sequence[AclTensor | DeviceArray | None], values: Sequence[Any],
+                device: Device | int | None) -> tuple[int, Executor]:
+    """An op's ``get_workspace_size`` on what the caller gave (its tensors in ``spec.tensors``
+    order: AclTensors, DeviceArrays wrapped in aclTensors the executor keeps, or None for a null
+    pointer) and its attribute ``values`` (checked for their C types): (workspace bytes,
     executor). The device is ``device``, else the first tensor's, else the current one."""
+    attrs = spec.attr_values(*values)
+    asked = resolve_device(device) if device is not None else None
     tensors: dict[str, AclTensor | None] = {}
-    for name, value in given.items():
+    for name, value in zip(spec.tensors, given):
         if isinstance(value, DeviceArray):
             value = AclTensor(value)
         elif value is not None and not isinstance(value, AclTensor):
             raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
         tensors[name] = value
-    dev = device_of({n: t.array for n, t in tensors.items() if t is not None}, device)
+    dev = device_of({n: t.array for n, t in tensors.items() if t is not None}, asked)
     collect()
     core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
     return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .. import _args
@@ -296,18 +296,21 @@ class Plan:
 
     # -- rebinding and release
 
-    def _checked_changes(self, given: Mapping[str, Any]) -> dict[str, DeviceArray]:
-        """The arrays a rebind was given (None: unchanged), each checked to have the layout
-        the plan was built for and to be on its device."""
+    def _checked_changes(self, given: Sequence[Any]) -> dict[str, tuple[DeviceArray, Allocation, int]]:
+        """The arrays a rebind was given (the op's tensors in order, None: unchanged), each
+        checked to have the layout the plan was built for and to be on its device, with its
+        allocation and the base to set: CANN keeps the tensor's view offset, so the base puts
+        the first element where the new array has it."""
         if not self._repeatable and not self._c.closed:
             raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
         self._usable()
-        changes: dict[str, DeviceArray] = {}
-        for name, new in given.items():
+        c = self._c
+        changes: dict[str, tuple[DeviceArray, Allocation, int]] = {}
+        for name, new in zip(self._spec.tensors, given):
             if new is None:
                 continue
             _args.instance(name, new, DeviceArray, "a DeviceArray or None")
-            old = self._c.arrays.get(name)
+            old = c.arrays.get(name)
             if old is None:
                 raise InvalidArgument(name, "was not part of the plan (built as a null pointer): build a new plan "
                                             "to add it")
@@ -315,29 +318,25 @@ class Plan:
                 raise InvalidArgument(
                     name, f"has shape {new.shape}, dtype {new.dtype}, strides {new.strides} but the plan was built "
                           f"for {old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout")
-            if new.allocation(name).device is not self._c.device:
-                raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on "
-                                            f"{self._c.device.device_id}")
-            changes[name] = new
+            alloc = new.allocation(name)
+            if alloc.device is not c.device:
+                raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on {c.device.device_id}")
+            changes[name] = (new, alloc, new.address - self._view_offsets[name] * new.itemsize)
         return changes
 
-    def _rebind(self, given: Mapping[str, Any]) -> None:
-        """Point the executor at the arrays ``given`` (None: unchanged), each checked for its
-        layout and device (for overlap under the lock). Launches already queued keep theirs."""
-        changes = self._checked_changes(given)
-        # CANN keeps the tensor's view offset: the base puts the first element where the new
-        # array has it.
-        todo: dict[str, tuple[DeviceArray, Allocation, int]] = {
-            name: (new, new.allocation(name), new.address - self._view_offsets[name] * new.itemsize)
-            for name, new in changes.items()}
+    def _rebind(self, given: Sequence[Any]) -> None:
+        """Point the executor at the arrays ``given`` (the op's tensors in order, None:
+        unchanged), each checked for its layout and device (for overlap under the lock).
+        Launches already queued keep theirs."""
+        todo = self._checked_changes(given)
         c = self._c
         with c.lock:
             if c.closed:
                 raise ClosedError("plan", "it was closed")
+            pending = {**c.rebinding, **todo}
             if self._validate and todo:
-                bound = {**c.arrays, **{n: v[0] for n, v in c.rebinding.items()}}
-                check_no_overlap(self._spec, {**bound, **changes})
-            c.rebinding = {**c.rebinding, **todo}
+                check_no_overlap(self._spec, {**c.arrays, **{n: v[0] for n, v in pending.items()}})
+            c.rebinding = pending
             c.finish_rebind()
 
     def close(self) -> None:
