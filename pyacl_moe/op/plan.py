@@ -16,13 +16,13 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from .. import _args
 from .._cann import acl, aclnn
 from .._cann.errcheck import check
 from ..array import DeviceArray, empty, may_overlap
-from ..device import PLANS, Allocation, Device, collect
+from ..device import PLANS, Allocation, Device, Owner, collect
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import AclTensor
@@ -31,7 +31,6 @@ from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "check_workspace_apart"]
 
-_P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
 _keys = itertools.count(1)  # a plan's key in its streams' ``plans`` (next() on a count is one C call)
 
@@ -132,7 +131,7 @@ def _unbind(state: StreamState, core: _PlanCore) -> None:
     del done
 
 
-class Plan:
+class Plan(Owner):
     """A prepared launch of an operator on fixed DeviceArrays (see the module docstring).
 
     Subclasses (one per operator) name their op's one call (``_op``: its contract) and call
@@ -152,7 +151,7 @@ class Plan:
         op = self._op
         spec = self._spec = op.spec
         self._validate = validate = _args.boolean("validate", validate)
-        repeatable = _args.boolean("repeatable", repeatable)
+        self._repeatable = repeatable = _args.boolean("repeatable", repeatable)
         n_in = len(spec.inputs)
         arrays = {name: _args.instance(name, a, DeviceArray, "a DeviceArray" if i < n_in else "a DeviceArray or None")
                   for i, (name, a) in enumerate(zip(spec.tensors, given)) if a is not None or i < n_in}
@@ -172,7 +171,6 @@ class Plan:
         if validate:
             check_no_overlap(spec, arrays)
         collect()
-        self._repeatable = repeatable
         # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
         self._view_offsets = {n: a.offset for n, a in arrays.items()}
         self._c = _PlanCore(spec, dev, arrays, attrs, repeatable, type(self)._result_of)
@@ -263,24 +261,19 @@ class Plan:
                     launch(c.executor, state, ws.ptr if ws is not None else 0, size, (ws, tuple(c.allocs.values())),
                            c.outs)
                     return c.result
-                if self._bound_launch(c, state, size):
-                    c.last = state
-                    return c.result
-
-    def _bound_launch(self, c: _PlanCore, state: StreamState, size: int) -> bool:
-        """(the plan's lock held) Bind the plan to the stream and launch; False when the
-        stream's workspace went meanwhile (try again)."""
-        with c.executor.holder.lock, state.lock:
-            state.check_open()
-            c.executor.check_live()
-            if state.ws_size < size:
-                return False
-            state.plans.add(c.key)
-            c.streams[state] = None
-            acl.use_context(state.ctx)
-            check(c.fn(state.ws_arg, c.size, c.ex, state.arg), self._spec.api)
-            written(c.outs, state)
-        return True
+                # Bind the plan to the stream and launch, unless the stream's workspace went
+                # meanwhile (then try again).
+                with c.executor.holder.lock, state.lock:
+                    state.check_open()
+                    c.executor.check_live()
+                    if state.ws_size >= size:
+                        state.plans.add(c.key)
+                        c.streams[state] = None
+                        acl.use_context(state.ctx)
+                        check(c.fn(state.ws_arg, c.size, c.ex, state.arg), self._spec.api)
+                        written(c.outs, state)
+                        c.last = state
+                        return c.result
 
     def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
         """The second phase's function and the arguments a launch on ``stream`` passes it, for
@@ -354,9 +347,3 @@ class Plan:
         arrays = "" if c is None else "".join(f" {n}={a.shape}" for n, a in c.arrays.items())
         state = "closed" if self.closed else "repeatable" if self._repeatable else "one-shot"
         return f"<{type(self).__name__}{arrays} {state}>"
-
-    def __enter__(self: _P) -> _P:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
