@@ -96,7 +96,6 @@ def _from_capsule(capsule: Any, name: str) -> np.ndarray:
         "version": 3,
         "shape": shape,
         "typestr": carrier.str,
-        "descr": carrier.descr,
         "data": ((t.data or 0) + t.byte_offset, False),
         "strides": strides,
     }

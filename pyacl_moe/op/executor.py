@@ -65,9 +65,9 @@ class ExecutorCore:
         status. Launches already queued are unaffected."""
         return self.device.release(self.holder)
 
-    def set_address(self, name: str, tensor: TensorCore, address: int) -> None:
-        """Point the executor's tensor ``name`` at ``address`` (the storage base CANN keeps)."""
-        kind, index = self.spec.slot(name)
+    def set_address(self, kind: str, index: int, tensor: TensorCore, address: int) -> None:
+        """Point the executor's ``kind`` ("input" or "output") tensor ``index`` at ``address``
+        (the storage base CANN keeps)."""
         setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
         with self.holder.lock:
             self.check_live()
@@ -241,7 +241,7 @@ class Executor(Owner):
             raise InvalidArgument("index", f"{kind} {i} ({names[i]}) was passed as a null pointer to the first "
                                            "phase: it has no address to set")
         t = _args.instance("tensor", tensor, AclTensor, "an AclTensor")
-        core.set_address(names[i], t.core(), _args.integer("address", address, 0, 2**64 - 1))
+        core.set_address(kind, i, t.core(), _args.integer("address", address, 0, 2**64 - 1))
 
     def set_input_addr(self, index: int, tensor: AclTensor, address: int) -> None:
         """aclSetInputTensorAddr: the storage base of input ``index`` (the operator's order)."""

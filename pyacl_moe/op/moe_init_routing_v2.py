@@ -29,8 +29,7 @@ from ..errors import InvalidArgument
 from ..stream import Stream
 from ..tensor import AclTensor
 from .call import OneCall, Outputs, one_call, run_device
-from .executor import Executor, first_phase
-from .executor import execute as execute
+from .executor import Executor, execute, first_phase
 from .plan import Plan
 from .spec import OpSpec, Param
 
@@ -77,8 +76,7 @@ def get_workspace_size(x: AclTensor | DeviceArray | None, expert_idx: AclTensor 
 
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
-    (xs, xd), (ixs, ixd) = layouts["x"], layouts["expert_idx"]
-    return _contract.check_routing_call(xs, xd, ixs, ixd, tuple(attrs.values()), chip())
+    return _contract.check_routing_call(*layouts["x"], *layouts["expert_idx"], tuple(attrs.values()), chip())
 
 
 def _shaped(x_shape: Any, idx_shape: Any, dtype: Any, attrs: Mapping[str, Any]) -> Outputs:

@@ -23,8 +23,7 @@ from ..device import Device, chip
 from ..stream import Stream
 from ..tensor import AclTensor
 from .call import OneCall, Outputs, one_call, run_device
-from .executor import Executor, first_phase
-from .executor import execute as execute
+from .executor import Executor, execute, first_phase
 from .plan import Plan
 from .spec import OpSpec, Param
 

@@ -115,7 +115,7 @@ class _PlanCore:
         self.let_go()
         for name, (new, alloc, base) in self.rebinding.items():
             tensor = self.tensors[name]
-            self.executor.set_address(name, tensor.core(), base)
+            self.executor.set_address(*self.spec.slot(name), tensor.core(), base)
             tensor.rebound(new)
             self.arrays[name], self.allocs[name] = new, alloc
         self.outs = tuple(self.allocs[n] for n in self.spec.outputs if n in self.allocs)

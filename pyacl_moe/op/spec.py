@@ -40,9 +40,8 @@ class OpSpec:
     output_positions: tuple[int, ...] = field(init=False)  # positions of the outputs in ``tensors``
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "inputs", tuple(p.name for p in self.params if p.kind == "input"))
-        object.__setattr__(self, "outputs", tuple(p.name for p in self.params if p.kind == "output"))
-        object.__setattr__(self, "attrs", tuple(p.name for p in self.params if p.kind == "attr"))
+        for kind in ("input", "output", "attr"):  # the fields inputs, outputs and attrs
+            object.__setattr__(self, kind + "s", tuple(p.name for p in self.params if p.kind == kind))
         object.__setattr__(self, "tensors", self.inputs + self.outputs)
         object.__setattr__(self, "output_positions", tuple(range(len(self.inputs), len(self.tensors))))
 
