@@ -245,20 +245,19 @@ class Plan(Owner):
         c = self._c
         state = resolve_stream(stream, c.device)
         c.device.check()
-        size = c.executor.workspace_size
-        ws_alloc = None if workspace is None else checked_workspace(workspace, size, c.device, "plan")
+        ws_alloc = None if workspace is None else checked_workspace(workspace, c.size, c.device, "plan")
         if workspace is not None and self._validate:
             check_workspace_apart(workspace, c.arrays)
         while True:
-            if size and ws_alloc is None:
-                state.ensure_workspace(size)
+            if c.size and ws_alloc is None:
+                state.ensure_workspace(c.size)
             with c.lock:
                 self._usable()
                 c.finish_rebind()
                 if ws_alloc is not None or not self._repeatable:  # a launch of its own, not bound to the stream
                     ws = ws_alloc or state.workspace
                     c.spent = not self._repeatable
-                    launch(c.executor, state, ws.ptr if ws is not None else 0, size, (ws, tuple(c.allocs.values())),
+                    launch(c.executor, state, ws.ptr if ws is not None else 0, c.size, (ws, tuple(c.allocs.values())),
                            c.outs)
                     return c.result
                 # Bind the plan to the stream and launch, unless the stream's workspace went
@@ -266,7 +265,7 @@ class Plan(Owner):
                 with c.executor.holder.lock, state.lock:
                     state.check_open()
                     c.executor.check_live()
-                    if state.ws_size >= size:
+                    if state.ws_size >= c.size:
                         state.plans.add(c.key)
                         c.streams[state] = None
                         acl.use_context(state.ctx)
