@@ -39,7 +39,7 @@ class ExecutorCore:
 
     __slots__ = ("spec", "device", "holder", "tensors", "workspace_size", "repeatable", "__weakref__")
 
-    def __init__(self, spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None]) -> None:
+    def __init__(self, spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore]) -> None:
         self.spec, self.device, self.tensors = spec, device, dict(tensors)
         self.workspace_size, self.repeatable = 0, False
         self.holder = Holder(aclnn.ExecutorHandle(), EXECUTORS)
@@ -74,10 +74,9 @@ class ExecutorCore:
             setter(self.handle, index, tensor.handle, address)
 
 
-def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None],
-          attrs: Mapping[str, Any]) -> ExecutorCore:
-    """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (None or absent: a null
-    pointer) and ``attrs``, which the caller has checked for their C types."""
+def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore], attrs: Mapping[str, Any]) -> ExecutorCore:
+    """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (absent: a null pointer)
+    and ``attrs``, which the caller has checked for their C types."""
     ctx = device.context
     device.activate()
     core = ExecutorCore(spec, device, tensors)
@@ -96,17 +95,16 @@ def first_phase(spec: OpSpec, given: Sequence[AclTensor | DeviceArray | None], v
     executor). The device is ``device``, else the first tensor's, else the current one."""
     attrs = spec.attr_values(*values)
     asked = resolve_device(device) if device is not None else None
-    tensors: dict[str, AclTensor | None] = {}
+    tensors: dict[str, AclTensor] = {}  # (a null pointer: absent)
     for name, value in zip(spec.tensors, given):
-        if isinstance(value, DeviceArray):
-            value = AclTensor(value)
-        elif value is not None and not isinstance(value, AclTensor):
+        if value is not None and not isinstance(value, (AclTensor, DeviceArray)):
             raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
-        tensors[name] = value
-    dev = device_of({n: t.array for n, t in tensors.items() if t is not None}, asked)
+        if value is not None:
+            tensors[name] = AclTensor(value) if isinstance(value, DeviceArray) else value
+    dev = device_of({n: t.array for n, t in tensors.items()}, asked)
     collect()
-    core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
-    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
+    core = build(spec, dev, {n: t.core(n) for n, t in tensors.items()}, attrs)
+    return core.workspace_size, Executor(core, tuple(tensors.values()))
 
 
 def device_of(arrays: Mapping[str, DeviceArray], device: Device | None = None) -> Device:
@@ -286,6 +284,6 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
     if size and not ws:
         raise InvalidArgument("workspace", f"is missing but workspace_size is {size}: pass device memory of that size")
     state = resolve_stream(stream, core.device)
-    allocs = tuple(t.alloc for t in core.tensors.values() if t is not None)
-    outs = [t.alloc for n, t in core.tensors.items() if t is not None and n in core.spec.outputs]
+    allocs = tuple(t.alloc for t in core.tensors.values())
+    outs = [t.alloc for n, t in core.tensors.items() if n in core.spec.outputs]
     launch(core, state, ws, size, (ws_alloc, allocs), outs)
