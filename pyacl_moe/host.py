@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import types
 from typing import Any
 
 import ml_dtypes
@@ -65,15 +66,6 @@ _CODES = {
 }
 
 
-class _Keeper:
-    """The base of a NumPy view over a DLPack tensor: owns the capsule, whose destructor
-    releases the producer's memory once the view (and every view of it) is gone."""
-
-    def __init__(self, capsule: Any, interface: dict[str, Any]) -> None:
-        self.capsule = capsule
-        self.__array_interface__ = interface
-
-
 def _from_capsule(capsule: Any, name: str) -> np.ndarray:
     """A NumPy view of an unconsumed ``dltensor`` capsule's host memory."""
     if not _capsule_valid(capsule, b"dltensor"):
@@ -96,11 +88,12 @@ def _from_capsule(capsule: Any, name: str) -> np.ndarray:
         "version": 3,
         "shape": shape,
         "typestr": carrier.str,
-        "descr": carrier.descr,
         "data": ((t.data or 0) + t.byte_offset, False),
         "strides": strides,
     }
-    view = np.asarray(_Keeper(capsule, interface))
+    # The view's base owns the capsule, whose destructor releases the producer's memory once the
+    # view (and every view of it) is gone.
+    view = np.asarray(types.SimpleNamespace(capsule=capsule, __array_interface__=interface))
     return view.view(_BF16) if dtype == _BF16 else view
 
 

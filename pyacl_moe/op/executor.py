@@ -20,7 +20,7 @@ import numpy as np
 from .. import _args, _contract
 from .._cann import aclnn
 from ..array import DeviceArray
-from ..device import EXECUTORS, Allocation, Device, Holder, Owner, calling, collect, current_device
+from ..device import EXECUTORS, Allocation, Device, Holder, Owner, calling, collect, current_device, resolve_device
 from ..errors import ClosedError, InvalidArgument
 from ..release import cann_version
 from ..stream import Stream, StreamState, resolve_stream
@@ -39,7 +39,7 @@ class ExecutorCore:
 
     __slots__ = ("spec", "device", "holder", "tensors", "workspace_size", "repeatable", "__weakref__")
 
-    def __init__(self, spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None]) -> None:
+    def __init__(self, spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore]) -> None:
         self.spec, self.device, self.tensors = spec, device, dict(tensors)
         self.workspace_size, self.repeatable = 0, False
         self.holder = Holder(aclnn.ExecutorHandle(), EXECUTORS)
@@ -65,19 +65,18 @@ class ExecutorCore:
         status. Launches already queued are unaffected."""
         return self.device.release(self.holder)
 
-    def set_address(self, name: str, tensor: TensorCore, address: int) -> None:
-        """Point the executor's tensor ``name`` at ``address`` (the storage base CANN keeps)."""
-        kind, index = self.spec.slot(name)
+    def set_address(self, kind: str, index: int, tensor: TensorCore, address: int) -> None:
+        """Point the executor's ``kind`` ("input" or "output") tensor ``index`` at ``address``
+        (the storage base CANN keeps)."""
         setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
         with self.holder.lock:
             self.check_live()
             setter(self.handle, index, tensor.handle, address)
 
 
-def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None],
-          attrs: Mapping[str, Any]) -> ExecutorCore:
-    """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (None or absent: a null
-    pointer) and ``attrs``, which the caller has checked for their C types."""
+def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore], attrs: Mapping[str, Any]) -> ExecutorCore:
+    """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (absent: a null pointer)
+    and ``attrs``, which the caller has checked for their C types."""
     ctx = device.context
     device.activate()
     core = ExecutorCore(spec, device, tensors)
@@ -88,22 +87,24 @@ def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore | None]
     return core
 
 
-def first_phase(spec: OpSpec, given: Mapping[str, AclTensor | DeviceArray | None], attrs: Mapping[str, Any],
-                device: Device | None) -> tuple[int, Executor]:
-    """An op's ``get_workspace_size`` on what the caller gave (AclTensors, DeviceArrays wrapped
-    in aclTensors the executor keeps, or None for a null pointer): (workspace bytes,
+def first_phase(spec: OpSpec, given: Sequence[AclTensor | DeviceArray | None], values: Sequence[Any],
+                device: Device | int | None) -> tuple[int, Executor]:
+    """An op's ``get_workspace_size`` on what the caller gave (its tensors in ``spec.tensors``
+    order: AclTensors, DeviceArrays wrapped in aclTensors the executor keeps, or None for a null
+    pointer) and its attribute ``values`` (checked for their C types): (workspace bytes,
     executor). The device is ``device``, else the first tensor's, else the current one."""
-    tensors: dict[str, AclTensor | None] = {}
-    for name, value in given.items():
-        if isinstance(value, DeviceArray):
-            value = AclTensor(value)
-        elif value is not None and not isinstance(value, AclTensor):
+    attrs = spec.attr_values(*values)
+    asked = resolve_device(device) if device is not None else None
+    tensors: dict[str, AclTensor] = {}  # (a null pointer: absent)
+    for name, value in zip(spec.tensors, given):
+        if value is not None and not isinstance(value, (AclTensor, DeviceArray)):
             raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
-        tensors[name] = value
-    dev = device_of({n: t.array for n, t in tensors.items() if t is not None}, device)
+        if value is not None:
+            tensors[name] = AclTensor(value) if isinstance(value, DeviceArray) else value
+    dev = device_of({n: t.array for n, t in tensors.items()}, asked)
     collect()
-    core = build(spec, dev, {n: (t.core(n) if t is not None else None) for n, t in tensors.items()}, attrs)
-    return core.workspace_size, Executor(core, tuple(t for t in tensors.values() if t is not None))
+    core = build(spec, dev, {n: t.core(n) for n, t in tensors.items()}, attrs)
+    return core.workspace_size, Executor(core, tuple(tensors.values()))
 
 
 def device_of(arrays: Mapping[str, DeviceArray], device: Device | None = None) -> Device:
@@ -238,7 +239,7 @@ class Executor(Owner):
             raise InvalidArgument("index", f"{kind} {i} ({names[i]}) was passed as a null pointer to the first "
                                            "phase: it has no address to set")
         t = _args.instance("tensor", tensor, AclTensor, "an AclTensor")
-        core.set_address(names[i], t.core(), _args.integer("address", address, 0, 2**64 - 1))
+        core.set_address(kind, i, t.core(), _args.integer("address", address, 0, 2**64 - 1))
 
     def set_input_addr(self, index: int, tensor: AclTensor, address: int) -> None:
         """aclSetInputTensorAddr: the storage base of input ``index`` (the operator's order)."""
@@ -283,6 +284,6 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
     if size and not ws:
         raise InvalidArgument("workspace", f"is missing but workspace_size is {size}: pass device memory of that size")
     state = resolve_stream(stream, core.device)
-    allocs = tuple(t.alloc for t in core.tensors.values() if t is not None)
-    outs = [t.alloc for n, t in core.tensors.items() if t is not None and n in core.spec.outputs]
+    allocs = tuple(t.alloc for t in core.tensors.values())
+    outs = [t.alloc for n, t in core.tensors.items() if n in core.spec.outputs]
     launch(core, state, ws, size, (ws_alloc, allocs), outs)

@@ -24,13 +24,12 @@ import numpy as np
 
 from .. import _args, _contract
 from ..array import DeviceArray
-from ..device import Device, chip, resolve_device
+from ..device import Device, chip
 from ..errors import InvalidArgument
 from ..stream import Stream
 from ..tensor import AclTensor
 from .call import OneCall, Outputs, one_call, run_device
-from .executor import Executor, first_phase
-from .executor import execute as execute
+from .executor import Executor, execute, first_phase
 from .plan import Plan
 from .spec import OpSpec, Param
 
@@ -42,7 +41,7 @@ SPEC = OpSpec("aclnnMoeInitRoutingV2", (
     Param("active_num", "attr", "activeNumOptional"), Param("expert_capacity", "attr", "expertCapacityOptional"),
     Param("expert_num", "attr", "expertNumOptional"), Param("drop_pad_mode", "attr", "dropPadModeOptional"),
     Param("expert_tokens_count_or_cumsum_flag", "attr", "expertTokensCountOrCumsumFlagOptional"),
-    Param("expert_tokens_before_capacity_flag", "attr", "expertTokensBeforeCapacityFlagOptional"),
+    Param("expert_tokens_before_capacity_flag", "attr", "expertTokensBeforeCapacityFlagOptional", _args.boolean),
     Param("expanded_x", "output", "expandedXOut"), Param("expanded_row_idx", "output", "expandedRowIdxOut"),
     Param("expert_tokens_count_or_cumsum", "output", "expertTokensCountOrCumsumOutOptional"),
     Param("expert_tokens_before_capacity", "output", "expertTokensBeforeCapacityOutOptional")))
@@ -59,15 +58,6 @@ class RoutingResult(NamedTuple):
     expert_tokens_before_capacity: Any
 
 
-def _attrs(active_num: Any, expert_capacity: Any, expert_num: Any, drop_pad_mode: Any, count_flag: Any,
-           before_flag: Any) -> dict[str, Any]:
-    i64 = _args.int64
-    return {"active_num": i64("active_num", active_num), "expert_capacity": i64("expert_capacity", expert_capacity),
-            "expert_num": i64("expert_num", expert_num), "drop_pad_mode": i64("drop_pad_mode", drop_pad_mode),
-            "expert_tokens_count_or_cumsum_flag": i64("expert_tokens_count_or_cumsum_flag", count_flag),
-            "expert_tokens_before_capacity_flag": _args.boolean("expert_tokens_before_capacity_flag", before_flag)}
-
-
 def get_workspace_size(x: AclTensor | DeviceArray | None, expert_idx: AclTensor | DeviceArray | None,
                        active_num: int = 0, expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
                        expert_tokens_count_or_cumsum_flag: int = 0, expert_tokens_before_capacity_flag: bool = False,
@@ -79,23 +69,26 @@ def get_workspace_size(x: AclTensor | DeviceArray | None, expert_idx: AclTensor 
     """Phase one, as CANN has it: (workspace bytes, executor). Nothing of the contract is
     checked on the host (the vendor validates; None passes a null pointer), only the
     attributes' C types."""
-    attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
-                   expert_tokens_before_capacity_flag)
-    given = dict(zip(SPEC.tensors, (x, expert_idx, expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum,
-                                    expert_tokens_before_capacity)))
-    return first_phase(SPEC, given, attrs, resolve_device(device) if device is not None else None)
+    return first_phase(SPEC, (x, expert_idx, expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum,
+                              expert_tokens_before_capacity),
+                       (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
+                        expert_tokens_before_capacity_flag), device)
 
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
-    (xs, xd), (ixs, ixd) = layouts["x"], layouts["expert_idx"]
-    return _contract.check_routing_call(xs, xd, ixs, ixd, tuple(attrs.values()), chip())
+    return _contract.check_routing_call(*layouts["x"], *layouts["expert_idx"], tuple(attrs.values()), chip())
+
+
+def _shaped(x_shape: Any, idx_shape: Any, dtype: Any, attrs: Mapping[str, Any]) -> Outputs:
+    # N, K and H as the shapes have them (0 where a rank is wrong).
+    n, h = (x_shape[0] if x_shape else 0), (x_shape[1] if len(x_shape) == 2 else 0)
+    k = _contract.top_k_of(tuple(idx_shape)) if idx_shape else 0
+    return _contract.routing_outputs(n, k, h, dtype, *attrs.values())
 
 
 def _sizes(arrays: Mapping[str, Any], attrs: Mapping[str, Any]) -> Outputs:
-    # validate=False: N, K and H as the arrays have them (0 where a rank is wrong).
-    x, idx = arrays["x"], arrays["expert_idx"]
-    return _contract.routing_outputs(x.shape[0] if x.ndim else 0, _contract.top_k_of(idx.shape) if idx.ndim else 0,
-                                     x.shape[1] if x.ndim == 2 else 0, x.dtype, *attrs.values())
+    # validate=False: as the arrays have them.
+    return _shaped(arrays["x"].shape, arrays["expert_idx"].shape, arrays["x"].dtype, attrs)
 
 
 def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> None:
@@ -103,7 +96,7 @@ def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> 
                                attrs["expert_tokens_count_or_cumsum_flag"])
 
 
-ONE_CALL = OneCall(SPEC, _attrs, _check, _sizes, _check_values)
+ONE_CALL = OneCall(SPEC, SPEC.attr_values, _check, _sizes, _check_values)
 
 
 def output_shapes(x_shape: tuple[int, ...], expert_idx_shape: tuple[int, ...], active_num: int = 0,
@@ -114,11 +107,9 @@ def output_shapes(x_shape: tuple[int, ...], expert_idx_shape: tuple[int, ...], a
     (None where the scenario writes none), as :func:`moe_init_routing_v2` allocates them:
     for callers that allocate the outputs themselves (an ``out=`` of their own, a framework's
     shape function)."""
-    attrs = _attrs(active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
-                   expert_tokens_before_capacity_flag)
-    n, h = (x_shape[0] if x_shape else 0), (x_shape[1] if len(x_shape) == 2 else 0)
-    k = _contract.top_k_of(tuple(expert_idx_shape)) if expert_idx_shape else 0
-    outs = _contract.routing_outputs(n, k, h, np.float32, *attrs.values())
+    attrs = SPEC.attr_values(active_num, expert_capacity, expert_num, drop_pad_mode,
+                             expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag)
+    outs = _shaped(x_shape, expert_idx_shape, np.float32, attrs)
     return RoutingResult(*(None if w is None else w[0] for w in outs.values()))
 
 
@@ -162,8 +153,8 @@ class MoeInitRoutingV2(Plan):
                expert_tokens_before_capacity: DeviceArray | None = None) -> None:
         """Point the executor at other arrays with the same shapes, dtypes and strides (the
         offset may differ). Launches already queued keep the arrays they were queued with."""
-        self._rebind(dict(zip(SPEC.tensors, (x, expert_idx, expanded_x, expanded_row_idx,
-                                             expert_tokens_count_or_cumsum, expert_tokens_before_capacity))))
+        self._rebind((x, expert_idx, expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum,
+                      expert_tokens_before_capacity))
 
 
 def moe_init_routing_v2(x: Any, expert_idx: Any, active_num: int = 0, expert_capacity: int = 0, expert_num: int = 0,

@@ -17,14 +17,13 @@ from typing import Any, overload
 
 import numpy as np
 
-from .. import _args, _contract
+from .. import _contract
 from ..array import DeviceArray
-from ..device import Device, chip, resolve_device
+from ..device import Device, chip
 from ..stream import Stream
 from ..tensor import AclTensor
 from .call import OneCall, Outputs, one_call, run_device
-from .executor import Executor, first_phase
-from .executor import execute as execute
+from .executor import Executor, execute, first_phase
 from .plan import Plan
 from .spec import OpSpec, Param
 
@@ -34,11 +33,6 @@ SPEC = OpSpec("aclnnMoeInitRoutingV2Grad", (
     Param("grad_expanded_x", "input", "gradExpandedX"), Param("expanded_row_idx", "input", "expandedRowIdx"),
     Param("top_k", "attr", "topK"), Param("drop_pad_mode", "attr", "dropPadMode"),
     Param("active_num", "attr", "activeNum"), Param("out", "output", "out")))
-
-
-def _attrs(top_k: Any, drop_pad_mode: Any, active_num: Any) -> dict[str, int]:
-    return {"top_k": _args.int64("top_k", top_k), "drop_pad_mode": _args.int64("drop_pad_mode", drop_pad_mode),
-            "active_num": _args.int64("active_num", active_num)}
 
 
 def get_workspace_size(grad_expanded_x: AclTensor | DeviceArray | None,
@@ -52,9 +46,7 @@ def get_workspace_size(grad_expanded_x: AclTensor | DeviceArray | None,
     pointer), only the attributes' C type (int64). DeviceArrays are wrapped in aclTensors the
     executor keeps.
     """
-    given = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx, "out": out}
-    return first_phase(SPEC, given, _attrs(top_k, drop_pad_mode, active_num),
-                       resolve_device(device) if device is not None else None)
+    return first_phase(SPEC, (grad_expanded_x, expanded_row_idx, out), (top_k, drop_pad_mode, active_num), device)
 
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
@@ -77,7 +69,7 @@ def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> 
     _contract.check_indices(idx, geo, k, active, chip())
 
 
-ONE_CALL = OneCall(SPEC, _attrs, _check, _sizes, _check_values)
+ONE_CALL = OneCall(SPEC, SPEC.attr_values, _check, _sizes, _check_values)
 
 
 class MoeInitRoutingV2Grad(Plan):
@@ -113,7 +105,7 @@ class MoeInitRoutingV2Grad(Plan):
         """Point the executor at other arrays with the same shape, dtype and strides (the
         offset may differ). Launches already queued keep the arrays they were queued with; a
         launch in flight on another thread completes first."""
-        self._rebind({"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx, "out": out})
+        self._rebind((grad_expanded_x, expanded_row_idx, out))
 
 
 @overload

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .. import _args
 from .._cann import acl, aclnn
 from .._cann.errcheck import check
 from ..array import DeviceArray, empty, may_overlap
-from ..device import PLANS, Allocation, Device, collect
+from ..device import PLANS, Allocation, Device, Owner, collect
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import AclTensor
@@ -31,7 +31,6 @@ from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "check_workspace_apart"]
 
-_P = TypeVar("_P", bound="Plan")  # a plan's `with` gives the subclass it was entered on
 _thread = acl.thread_state  # the calling thread's current context (read only)
 _keys = itertools.count(1)  # a plan's key in its streams' ``plans`` (next() on a count is one C call)
 
@@ -116,7 +115,7 @@ class _PlanCore:
         self.let_go()
         for name, (new, alloc, base) in self.rebinding.items():
             tensor = self.tensors[name]
-            self.executor.set_address(name, tensor.core(), base)
+            self.executor.set_address(*self.spec.slot(name), tensor.core(), base)
             tensor.rebound(new)
             self.arrays[name], self.allocs[name] = new, alloc
         self.outs = tuple(self.allocs[n] for n in self.spec.outputs if n in self.allocs)
@@ -132,7 +131,7 @@ def _unbind(state: StreamState, core: _PlanCore) -> None:
     del done
 
 
-class Plan:
+class Plan(Owner):
     """A prepared launch of an operator on fixed DeviceArrays (see the module docstring).
 
     Subclasses (one per operator) name their op's one call (``_op``: its contract) and call
@@ -152,7 +151,7 @@ class Plan:
         op = self._op
         spec = self._spec = op.spec
         self._validate = validate = _args.boolean("validate", validate)
-        repeatable = _args.boolean("repeatable", repeatable)
+        self._repeatable = repeatable = _args.boolean("repeatable", repeatable)
         n_in = len(spec.inputs)
         arrays = {name: _args.instance(name, a, DeviceArray, "a DeviceArray" if i < n_in else "a DeviceArray or None")
                   for i, (name, a) in enumerate(zip(spec.tensors, given)) if a is not None or i < n_in}
@@ -172,7 +171,6 @@ class Plan:
         if validate:
             check_no_overlap(spec, arrays)
         collect()
-        self._repeatable = repeatable
         # The aclTensors keep the view offsets they were built with, whatever they are rebound to.
         self._view_offsets = {n: a.offset for n, a in arrays.items()}
         self._c = _PlanCore(spec, dev, arrays, attrs, repeatable, type(self)._result_of)
@@ -247,40 +245,34 @@ class Plan:
         c = self._c
         state = resolve_stream(stream, c.device)
         c.device.check()
-        size = c.executor.workspace_size
-        ws_alloc = None if workspace is None else checked_workspace(workspace, size, c.device, "plan")
+        ws_alloc = None if workspace is None else checked_workspace(workspace, c.size, c.device, "plan")
         if workspace is not None and self._validate:
             check_workspace_apart(workspace, c.arrays)
         while True:
-            if size and ws_alloc is None:
-                state.ensure_workspace(size)
+            if c.size and ws_alloc is None:
+                state.ensure_workspace(c.size)
             with c.lock:
                 self._usable()
                 c.finish_rebind()
                 if ws_alloc is not None or not self._repeatable:  # a launch of its own, not bound to the stream
                     ws = ws_alloc or state.workspace
                     c.spent = not self._repeatable
-                    launch(c.executor, state, ws.ptr if ws is not None else 0, size, (ws, tuple(c.allocs.values())),
+                    launch(c.executor, state, ws.ptr if ws is not None else 0, c.size, (ws, tuple(c.allocs.values())),
                            c.outs)
                     return c.result
-                if self._bound_launch(c, state, size):
-                    c.last = state
-                    return c.result
-
-    def _bound_launch(self, c: _PlanCore, state: StreamState, size: int) -> bool:
-        """(the plan's lock held) Bind the plan to the stream and launch; False when the
-        stream's workspace went meanwhile (try again)."""
-        with c.executor.holder.lock, state.lock:
-            state.check_open()
-            c.executor.check_live()
-            if state.ws_size < size:
-                return False
-            state.plans.add(c.key)
-            c.streams[state] = None
-            acl.use_context(state.ctx)
-            check(c.fn(state.ws_arg, c.size, c.ex, state.arg), self._spec.api)
-            written(c.outs, state)
-        return True
+                # Bind the plan to the stream and launch, unless the stream's workspace went
+                # meanwhile (then try again).
+                with c.executor.holder.lock, state.lock:
+                    state.check_open()
+                    c.executor.check_live()
+                    if state.ws_size >= c.size:
+                        state.plans.add(c.key)
+                        c.streams[state] = None
+                        acl.use_context(state.ctx)
+                        check(c.fn(state.ws_arg, c.size, c.ex, state.arg), self._spec.api)
+                        written(c.outs, state)
+                        c.last = state
+                        return c.result
 
     def launch_probe(self, stream: Stream | None = None) -> tuple[Any, tuple[Any, ...]]:
         """The second phase's function and the arguments a launch on ``stream`` passes it, for
@@ -296,18 +288,21 @@ class Plan:
 
     # -- rebinding and release
 
-    def _checked_changes(self, given: Mapping[str, Any]) -> dict[str, DeviceArray]:
-        """The arrays a rebind was given (None: unchanged), each checked to have the layout
-        the plan was built for and to be on its device."""
+    def _checked_changes(self, given: Sequence[Any]) -> dict[str, tuple[DeviceArray, Allocation, int]]:
+        """The arrays a rebind was given (the op's tensors in order, None: unchanged), each
+        checked to have the layout the plan was built for and to be on its device, with its
+        allocation and the base to set: CANN keeps the tensor's view offset, so the base puts
+        the first element where the new array has it."""
         if not self._repeatable and not self._c.closed:
             raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
         self._usable()
-        changes: dict[str, DeviceArray] = {}
-        for name, new in given.items():
+        c = self._c
+        changes: dict[str, tuple[DeviceArray, Allocation, int]] = {}
+        for name, new in zip(self._spec.tensors, given):
             if new is None:
                 continue
             _args.instance(name, new, DeviceArray, "a DeviceArray or None")
-            old = self._c.arrays.get(name)
+            old = c.arrays.get(name)
             if old is None:
                 raise InvalidArgument(name, "was not part of the plan (built as a null pointer): build a new plan "
                                             "to add it")
@@ -315,29 +310,25 @@ class Plan:
                 raise InvalidArgument(
                     name, f"has shape {new.shape}, dtype {new.dtype}, strides {new.strides} but the plan was built "
                           f"for {old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout")
-            if new.allocation(name).device is not self._c.device:
-                raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on "
-                                            f"{self._c.device.device_id}")
-            changes[name] = new
+            alloc = new.allocation(name)
+            if alloc.device is not c.device:
+                raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on {c.device.device_id}")
+            changes[name] = (new, alloc, new.address - self._view_offsets[name] * new.itemsize)
         return changes
 
-    def _rebind(self, given: Mapping[str, Any]) -> None:
-        """Point the executor at the arrays ``given`` (None: unchanged), each checked for its
-        layout and device (for overlap under the lock). Launches already queued keep theirs."""
-        changes = self._checked_changes(given)
-        # CANN keeps the tensor's view offset: the base puts the first element where the new
-        # array has it.
-        todo: dict[str, tuple[DeviceArray, Allocation, int]] = {
-            name: (new, new.allocation(name), new.address - self._view_offsets[name] * new.itemsize)
-            for name, new in changes.items()}
+    def _rebind(self, given: Sequence[Any]) -> None:
+        """Point the executor at the arrays ``given`` (the op's tensors in order, None:
+        unchanged), each checked for its layout and device (for overlap under the lock).
+        Launches already queued keep theirs."""
+        todo = self._checked_changes(given)
         c = self._c
         with c.lock:
             if c.closed:
                 raise ClosedError("plan", "it was closed")
+            pending = {**c.rebinding, **todo}
             if self._validate and todo:
-                bound = {**c.arrays, **{n: v[0] for n, v in c.rebinding.items()}}
-                check_no_overlap(self._spec, {**bound, **changes})
-            c.rebinding = {**c.rebinding, **todo}
+                check_no_overlap(self._spec, {**c.arrays, **{n: v[0] for n, v in pending.items()}})
+            c.rebinding = pending
             c.finish_rebind()
 
     def close(self) -> None:
@@ -355,9 +346,3 @@ class Plan:
         arrays = "" if c is None else "".join(f" {n}={a.shape}" for n, a in c.arrays.items())
         state = "closed" if self.closed else "repeatable" if self._repeatable else "one-shot"
         return f"<{type(self).__name__}{arrays} {state}>"
-
-    def __enter__(self: _P) -> _P:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -6,7 +6,11 @@ indices, what a launch reads and writes, and the first phase's argument list all
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _args
 
 __all__ = ["OpSpec", "Param"]
 
@@ -14,11 +18,13 @@ __all__ = ["OpSpec", "Param"]
 @dataclass(frozen=True)
 class Param:
     """One parameter of the first phase: ``kind`` is "input", "output" or "attr"; ``c_name`` is
-    the vendor's name for it (used in messages)."""
+    the vendor's name for it (used in messages); ``convert`` an attribute's check of its C type
+    (``convert(name, value)``, raising InvalidArgument by name)."""
 
     name: str
     kind: str
     c_name: str
+    convert: Callable[[str, Any], Any] = _args.int64
 
 
 @dataclass(frozen=True)
@@ -34,11 +40,15 @@ class OpSpec:
     output_positions: tuple[int, ...] = field(init=False)  # positions of the outputs in ``tensors``
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "inputs", tuple(p.name for p in self.params if p.kind == "input"))
-        object.__setattr__(self, "outputs", tuple(p.name for p in self.params if p.kind == "output"))
-        object.__setattr__(self, "attrs", tuple(p.name for p in self.params if p.kind == "attr"))
+        for kind in ("input", "output", "attr"):  # the fields inputs, outputs and attrs
+            object.__setattr__(self, kind + "s", tuple(p.name for p in self.params if p.kind == kind))
         object.__setattr__(self, "tensors", self.inputs + self.outputs)
         object.__setattr__(self, "output_positions", tuple(range(len(self.inputs), len(self.tensors))))
+
+    def attr_values(self, *values: Any) -> dict[str, Any]:
+        """The attributes' ``values`` (in ``attrs`` order) in their C types, each refused by
+        name."""
+        return {p.name: p.convert(p.name, v) for p, v in zip([p for p in self.params if p.kind == "attr"], values)}
 
     def slot(self, name: str) -> tuple[str, int]:
         """("input" or "output", index) of a tensor parameter, as aclSet*TensorAddr take it: its
