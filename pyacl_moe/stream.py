@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import _args
@@ -149,42 +149,38 @@ class StreamState:
         if not self.live():
             return _NOTHING
         self.hold(what)
-        self.fence()
-        return self.poll()
+        return self.fence()
 
     def fenced(self) -> list[Any]:
         """After a held task: a fence every FENCE_EVERY points, and what the fences show done."""
         if self.point < self.next_fence:
             return _NOTHING
         self.next_fence = self.point + self.FENCE_EVERY
-        self.fence()
-        return self.poll()
+        return self.fence()
 
-    def fence(self) -> None:
-        """Record an event behind everything queued so far. One that cannot be recorded leaves
-        what is held to the next fence or wait."""
-        if not self.holds or len(self.fences) >= self.MAX_FENCES or (self.fences and self.fences[-1][0] == self.point):
-            return
-        with contextlib.suppress(AclError):
-            acl.use_context(self.ctx)
-            if not self.spare:
-                h = acl.EventHandle(self.ctx)
-                self.events.append(h)  # owned before it exists
-                acl.create_event(h)
-                self.spare.append(h)
-            acl.record_event(self.spare[-1], self.handle)
-            self.fences.append((self.point, self.spare.pop()))
+    def fence(self) -> list[Any]:
+        """Record an event behind everything queued so far (one that cannot be recorded leaves
+        what is held to the next fence or wait); then poll."""
+        if self.holds and len(self.fences) < self.MAX_FENCES and (not self.fences or self.fences[-1][0] < self.point):
+            with contextlib.suppress(AclError):
+                acl.use_context(self.ctx)
+                if not self.spare:
+                    h = acl.EventHandle(self.ctx)
+                    self.events.append(h)  # owned before it exists
+                    acl.create_event(h)
+                    self.spare.append(h)
+                acl.record_event(self.spare[-1], self.handle)
+                self.fences.append((self.point, self.spare.pop()))
+        return self.poll()
 
     def poll(self) -> list[Any]:
         """What the fences that ran release (never waits)."""
-        try:
+        with contextlib.suppress(AclError):
             if self.fences:
                 acl.use_context(self.ctx)
             while self.fences and acl.query_event(self.fences[0][1]):
                 self.done = max(self.done, self.fences[0][0])
                 self.spare.append(self.fences.popleft()[1])
-        except AclError:
-            pass
         return self._advance(self.done)
 
     def _advance(self, mark: int) -> list[Any]:
@@ -213,7 +209,6 @@ class StreamState:
         """aclrtSynchronizeStream(WithTimeout), under ``wait_lock``. A fault it is told of makes
         the device faulted; True when this wait learned it first. Other errors (a timeout) are
         raised. With ``closing``, a stream that refuses new work is waited for too."""
-        dev = self.device
         with self.wait_lock:
             with self.lock:
                 if not closing or not self.ctx.open:
@@ -227,9 +222,9 @@ class StreamState:
             except AclError as exc:
                 if not is_fault(exc):
                     raise
-                return dev.learn(exc, f"a synchronize of {self!r}")
-        if dev.sync_lock.locked():  # a device-wide wait may have been told of this stream's fault:
-            with dev.sync_lock:  # it has recorded it once it lets go
+                return self.device.learn(exc, f"a synchronize of {self!r}")
+        if self.device.sync_lock.locked():  # a device-wide wait may have been told of this stream's fault:
+            with self.device.sync_lock:  # it has recorded it once it lets go
                 pass
         self.completed(mark)
         return False
@@ -252,20 +247,16 @@ class StreamState:
         The block it replaces is homed here: this stream's later work runs after what used it."""
         if self.workspace_size() >= nbytes:
             return
-        new: Allocation | None = self.device.allocate((nbytes,), self, counts="workspace_takes")[0]
+        ws = self.device.allocate((nbytes,), self, counts="workspace_takes")[0]
         with self.lock:
             self.check_open()
             if self.ws_size < nbytes:  # (else another thread got there first)
-                new = self._set_workspace(new)
-        del new  # (outside the lock: the block it replaced goes back)
+                old, self.workspace, self.ws_arg, self.ws_size = self.workspace, ws, acl.void(ws.ptr), ws.nbytes
+        # (the block it replaced, or the one it did not take, goes back at the return: outside the lock)
 
-    def _set_workspace(self, ws: Allocation | None) -> Allocation | None:
-        # (lock held) The stream's workspace from now on (None unbinds the plans: they may not
-        # fit the next); the one it replaces.
-        old, self.workspace, self.ws_arg = self.workspace, ws, acl.void(ws.ptr if ws is not None else 0)
-        self.ws_size = ws.nbytes if ws is not None else 0
-        if ws is None:
-            self.plans = set()
+    def _drop_workspace(self) -> Allocation | None:
+        # (lock held) No workspace from now on, the plans unbound (they may not fit the next); the one it had.
+        old, self.workspace, self.ws_arg, self.ws_size, self.plans = self.workspace, None, acl.void(0), 0, set()
         return old
 
     def workspace_size(self) -> int:
@@ -279,10 +270,7 @@ class StreamState:
             return
         with self.lock:
             done = self._advance(self.point) if self.live() and _idle(self) else self.poll()
-            cached, ws = list(self.executors.values()), self._set_workspace(None)
-            self.executors = collections.OrderedDict()
-            self.events = _release_idle(self.events, self.fences)
-            self.spare = []
+            cached, ws = self._uncache(True)
         _destroy(cached)
         del done, ws
 
@@ -294,8 +282,21 @@ class StreamState:
         with self.lock:
             idle = not self.closing and _idle(self)
             done = self._advance(self.point) if idle else self.poll()
-            ws = self._set_workspace(None) if idle else None
+            ws = self._drop_workspace() if idle else None
         del done, ws
+
+    def _uncache(self, events: bool) -> tuple[list[Any], Allocation | None]:
+        # (lock held; a loop under a lock is a function of its own) Give up the cached executors
+        # (to destroy after the lock), the workspace (to drop after it) and, with ``events``,
+        # the fence events not pending: destroyed (they are only a cache); what is left is what
+        # CANN refused. Pending is what the fences hold, not what the spares lack: an interrupt
+        # between a fence's pop and its return to the spares (or between an event's creation and
+        # its first use) leaves one in neither.
+        if events:
+            pending = {id(h) for _, h in self.fences}
+            self.events = [h for h in self.events if id(h) in pending or h.release()]
+        cached, self.executors, self.spare = list(self.executors.values()), collections.OrderedDict(), []
+        return cached, self._drop_workspace()
 
     # -- release
 
@@ -310,11 +311,9 @@ class StreamState:
         any wait in progress, and drop what it held. Safe again."""
         with self.wait_lock, self.lock:
             self.closing = True
-            done, ws, cached = self._advance(self.point), self._set_workspace(None), list(self.executors.values())
-            self.executors = collections.OrderedDict()
+            done = self._advance(self.point)  # (every fence too: none is pending)
             status = self.handle.release() if self.handle is not None else 0
-            self.events = _release_idle(self.events, ()) if not status else self.events
-            self.spare, self.fences = [], collections.deque()
+            cached, ws = self._uncache(not status)  # (a stream CANN refused to destroy keeps its events)
         _destroy(cached)
         del done, ws
         return status
@@ -351,17 +350,6 @@ def _queue(calls: Calls, handle: Any) -> None:
 def _idle(state: StreamState) -> bool:
     acl.use_context(state.ctx)
     return acl.query_stream(state.handle)
-
-
-def _release_idle(events: list[acl.EventHandle],
-                  fences: Iterable[tuple[int, acl.EventHandle]]) -> list[acl.EventHandle]:
-    # (the stream's lock held; a loop under a lock is a function of its own) The fence events
-    # not pending: destroyed (they are only a cache); what is left, which is what CANN refused
-    # when no fence is pending (a stream destroyed). Pending is what the fences hold, not what
-    # the spares lack: an interrupt between a fence's pop and its return to the spares (or
-    # between an event's creation and its first use) leaves one in neither.
-    pending = {id(h) for _, h in fences}
-    return [h for h in events if id(h) in pending or h.release()]
 
 
 def _destroy(cached: list[Any]) -> None:
