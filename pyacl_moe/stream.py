@@ -100,9 +100,9 @@ class StreamState:
         self.plans: set[int] = set()
         self.after_events = False  # it waited on another stream's event: a read waits for the device
 
-    def check_open(self, what: str = "stream") -> None:
+    def check_open(self) -> None:
         if self.closing or not self.ctx.open:
-            raise ClosedError(what, "it was closed" if self.ctx.open else
+            raise ClosedError("stream", "it was closed" if self.ctx.open else
                               f"its device {self.device.device_id} was closed or reset"
                               + (" (or this is a fork() child)" if acl.forked() else ""))
 
@@ -358,6 +358,15 @@ def _destroy(cached: list[Any]) -> None:
         entry.destroy()
 
 
+def _create(device: Device, holder: Any, owner: Any, create: Any) -> None:
+    """Make a stream's or an event's CANN object, ``create(holder.handle)``, owned before it
+    exists (released once ``owner`` is gone)."""
+    device.own(holder, owner)
+    with calling(device, holder.handle.context):  # (the context it is made in: the device's may be a reset's since)
+        acl.use_context(holder.handle.context)
+        create(holder.handle)
+
+
 class Stream:
     """A CANN stream: tasks on it run in order, asynchronously to the host.
 
@@ -375,10 +384,7 @@ class Stream:
         dev = resolve_device(device)
         collect()
         self.state = s = StreamState(dev, acl.StreamHandle(dev.context))
-        dev.own(s, self)  # owned before it exists; released once this object is gone
-        with calling(dev, s.ctx):
-            acl.use_context(s.ctx)
-            acl.create_stream(s.handle)  # type: ignore[arg-type]
+        _create(dev, s, self, acl.create_stream)
         s.arg = acl.raw(s.handle)  # (one store before the stream is anyone else's: read without a lock)
 
     @classmethod
@@ -517,15 +523,15 @@ def current_stream(device: Device | int | None = None) -> Stream:
     return s if s is not None and s.state.device is dev else dev.default_stream
 
 
-def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") -> StreamState:
+def resolve_stream(stream: Stream | None, device: Device) -> StreamState:
     """The state of ``stream`` (if None, the thread's current stream on ``device``), checked
     open and on ``device``."""
     if stream is None:
         return current_stream(device).state
-    state = _args.instance(name, stream, Stream, "a Stream or None").state
-    state.check_open(name)
+    state = _args.instance("stream", stream, Stream, "a Stream or None").state
+    state.check_open()
     if state.device is not device:
-        raise InvalidArgument(name, f"is on device {state.device.device_id}, the arrays on {device.device_id}")
+        raise InvalidArgument("stream", f"is on device {state.device.device_id}, the arrays on {device.device_id}")
     return state
 
 
@@ -553,11 +559,7 @@ class Event(Owner):
         dev = resolve_device(device)
         collect()
         core = _EventCore(dev)
-        dev.own(core.holder, core)
-        ctx = dev.context
-        with calling(dev, ctx):
-            acl.use_context(ctx)
-            acl.create_event(core.holder.handle)  # type: ignore[arg-type]
+        _create(dev, core.holder, core, acl.create_event)
         self._device = dev
         self._core: _EventCore | None = core
 
