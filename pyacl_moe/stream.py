@@ -467,7 +467,7 @@ class Stream:
         """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent).
         ``event`` must have been recorded: CANN refuses a wait on an event never recorded
         (AclRuntimeError 107000)."""
-        core = _args.instance("event", event, Event, "an Event").core("event")
+        core = _args.instance("event", event, Event, "an Event").core()
         s = self.state
         if core.device is not s.device:
             raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
