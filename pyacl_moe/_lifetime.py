@@ -39,18 +39,15 @@ _dead: collections.deque[Token] = collections.deque()
 _lock = threading.Lock()  # one collector at a time: guards the left end of _dead
 
 
-def track(owner: Any, device: Any, what: Any, queue: collections.deque[Token] | None = None) -> Token:
-    """A token for ``owner``: once it is gone, ``device.drop`` receives ``what`` (or, with
-    ``queue``, the token goes there: the device's dead blocks, which its allocator takes). The
-    caller keeps the token alive where the device finds it (one nothing refers to never fires)."""
-    token = Token(owner, (_dead if queue is None else queue).append)
+def track(owner: Any, device: Any, what: Any) -> Token:
+    """A token for ``owner``: once it is gone, ``device.drop`` receives ``what``. The caller
+    keeps the token alive where the device finds it (one nothing refers to never fires)."""
+    token = Token(owner, _dead.append)
     token.device, token.what, token.tries = device, what, 0
     return token
 
 
-def retry(token: Token) -> None:
-    """Hand ``token`` to the next safe point again (its release could not be made now)."""
-    _dead.append(token)
+retry = _dead.append  # hand a token to the next safe point again (its release could not be made now)
 
 
 def collect() -> None:
@@ -71,10 +68,7 @@ def _drain() -> None:
     while _dead and id(_dead[0]) not in seen:
         batch = [_dead[i] for i in range(len(_dead))]
         seen.update(map(id, batch))
-        by_device: dict[Any, list[Token]] = {}
-        for token in batch:
-            by_device.setdefault(token.device, []).append(token)
-        for device, tokens in by_device.items():
-            device.drop(tokens)
+        for device in dict.fromkeys(token.device for token in batch):  # each device its tokens, in order
+            device.drop([token for token in batch if token.device is device])
         for _ in batch:
             _dead.popleft()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import _args
@@ -100,9 +100,9 @@ class StreamState:
         self.plans: set[int] = set()
         self.after_events = False  # it waited on another stream's event: a read waits for the device
 
-    def check_open(self, what: str = "stream") -> None:
+    def check_open(self) -> None:
         if self.closing or not self.ctx.open:
-            raise ClosedError(what, "it was closed" if self.ctx.open else
+            raise ClosedError("stream", "it was closed" if self.ctx.open else
                               f"its device {self.device.device_id} was closed or reset"
                               + (" (or this is a fork() child)" if acl.forked() else ""))
 
@@ -149,42 +149,38 @@ class StreamState:
         if not self.live():
             return _NOTHING
         self.hold(what)
-        self.fence()
-        return self.poll()
+        return self.fence()
 
     def fenced(self) -> list[Any]:
         """After a held task: a fence every FENCE_EVERY points, and what the fences show done."""
         if self.point < self.next_fence:
             return _NOTHING
         self.next_fence = self.point + self.FENCE_EVERY
-        self.fence()
-        return self.poll()
+        return self.fence()
 
-    def fence(self) -> None:
-        """Record an event behind everything queued so far. One that cannot be recorded leaves
-        what is held to the next fence or wait."""
-        if not self.holds or len(self.fences) >= self.MAX_FENCES or (self.fences and self.fences[-1][0] == self.point):
-            return
-        with contextlib.suppress(AclError):
-            acl.use_context(self.ctx)
-            if not self.spare:
-                h = acl.EventHandle(self.ctx)
-                self.events.append(h)  # owned before it exists
-                acl.create_event(h)
-                self.spare.append(h)
-            acl.record_event(self.spare[-1], self.handle)
-            self.fences.append((self.point, self.spare.pop()))
+    def fence(self) -> list[Any]:
+        """Record an event behind everything queued so far (one that cannot be recorded leaves
+        what is held to the next fence or wait); then poll."""
+        if self.holds and len(self.fences) < self.MAX_FENCES and (not self.fences or self.fences[-1][0] < self.point):
+            with contextlib.suppress(AclError):
+                acl.use_context(self.ctx)
+                if not self.spare:
+                    h = acl.EventHandle(self.ctx)
+                    self.events.append(h)  # owned before it exists
+                    acl.create_event(h)
+                    self.spare.append(h)
+                acl.record_event(self.spare[-1], self.handle)
+                self.fences.append((self.point, self.spare.pop()))
+        return self.poll()
 
     def poll(self) -> list[Any]:
         """What the fences that ran release (never waits)."""
-        try:
+        with contextlib.suppress(AclError):
             if self.fences:
                 acl.use_context(self.ctx)
             while self.fences and acl.query_event(self.fences[0][1]):
                 self.done = max(self.done, self.fences[0][0])
                 self.spare.append(self.fences.popleft()[1])
-        except AclError:
-            pass
         return self._advance(self.done)
 
     def _advance(self, mark: int) -> list[Any]:
@@ -213,7 +209,6 @@ class StreamState:
         """aclrtSynchronizeStream(WithTimeout), under ``wait_lock``. A fault it is told of makes
         the device faulted; True when this wait learned it first. Other errors (a timeout) are
         raised. With ``closing``, a stream that refuses new work is waited for too."""
-        dev = self.device
         with self.wait_lock:
             with self.lock:
                 if not closing or not self.ctx.open:
@@ -227,9 +222,9 @@ class StreamState:
             except AclError as exc:
                 if not is_fault(exc):
                     raise
-                return dev.learn(exc, f"a synchronize of {self!r}")
-        if dev.sync_lock.locked():  # a device-wide wait may have been told of this stream's fault:
-            with dev.sync_lock:  # it has recorded it once it lets go
+                return self.device.learn(exc, f"a synchronize of {self!r}")
+        if self.device.sync_lock.locked():  # a device-wide wait may have been told of this stream's fault:
+            with self.device.sync_lock:  # it has recorded it once it lets go
                 pass
         self.completed(mark)
         return False
@@ -252,20 +247,16 @@ class StreamState:
         The block it replaces is homed here: this stream's later work runs after what used it."""
         if self.workspace_size() >= nbytes:
             return
-        new: Allocation | None = self.device.allocate((nbytes,), self, counts="workspace_takes")[0]
+        ws = self.device.allocate((nbytes,), self, counts="workspace_takes")[0]
         with self.lock:
             self.check_open()
             if self.ws_size < nbytes:  # (else another thread got there first)
-                new = self._set_workspace(new)
-        del new  # (outside the lock: the block it replaced goes back)
+                old, self.workspace, self.ws_arg, self.ws_size = self.workspace, ws, acl.void(ws.ptr), ws.nbytes
+        # (the block it replaced, or the one it did not take, goes back at the return: outside the lock)
 
-    def _set_workspace(self, ws: Allocation | None) -> Allocation | None:
-        # (lock held) The stream's workspace from now on (None unbinds the plans: they may not
-        # fit the next); the one it replaces.
-        old, self.workspace, self.ws_arg = self.workspace, ws, acl.void(ws.ptr if ws is not None else 0)
-        self.ws_size = ws.nbytes if ws is not None else 0
-        if ws is None:
-            self.plans = set()
+    def _drop_workspace(self) -> Allocation | None:
+        # (lock held) No workspace from now on, the plans unbound (they may not fit the next); the one it had.
+        old, self.workspace, self.ws_arg, self.ws_size, self.plans = self.workspace, None, acl.void(0), 0, set()
         return old
 
     def workspace_size(self) -> int:
@@ -279,10 +270,7 @@ class StreamState:
             return
         with self.lock:
             done = self._advance(self.point) if self.live() and _idle(self) else self.poll()
-            cached, ws = list(self.executors.values()), self._set_workspace(None)
-            self.executors = collections.OrderedDict()
-            self.events = _release_idle(self.events, self.fences)
-            self.spare = []
+            cached, ws = self._uncache(True)
         _destroy(cached)
         del done, ws
 
@@ -294,8 +282,21 @@ class StreamState:
         with self.lock:
             idle = not self.closing and _idle(self)
             done = self._advance(self.point) if idle else self.poll()
-            ws = self._set_workspace(None) if idle else None
+            ws = self._drop_workspace() if idle else None
         del done, ws
+
+    def _uncache(self, events: bool) -> tuple[list[Any], Allocation | None]:
+        # (lock held; a loop under a lock is a function of its own) Give up the cached executors
+        # (to destroy after the lock), the workspace (to drop after it) and, with ``events``,
+        # the fence events not pending: destroyed (they are only a cache); what is left is what
+        # CANN refused. Pending is what the fences hold, not what the spares lack: an interrupt
+        # between a fence's pop and its return to the spares (or between an event's creation and
+        # its first use) leaves one in neither.
+        if events:
+            pending = {id(h) for _, h in self.fences}
+            self.events = [h for h in self.events if id(h) in pending or h.release()]
+        cached, self.executors, self.spare = list(self.executors.values()), collections.OrderedDict(), []
+        return cached, self._drop_workspace()
 
     # -- release
 
@@ -310,11 +311,9 @@ class StreamState:
         any wait in progress, and drop what it held. Safe again."""
         with self.wait_lock, self.lock:
             self.closing = True
-            done, ws, cached = self._advance(self.point), self._set_workspace(None), list(self.executors.values())
-            self.executors = collections.OrderedDict()
+            done = self._advance(self.point)  # (every fence too: none is pending)
             status = self.handle.release() if self.handle is not None else 0
-            self.events = _release_idle(self.events, ()) if not status else self.events
-            self.spare, self.fences = [], collections.deque()
+            cached, ws = self._uncache(not status)  # (a stream CANN refused to destroy keeps its events)
         _destroy(cached)
         del done, ws
         return status
@@ -353,21 +352,19 @@ def _idle(state: StreamState) -> bool:
     return acl.query_stream(state.handle)
 
 
-def _release_idle(events: list[acl.EventHandle],
-                  fences: Iterable[tuple[int, acl.EventHandle]]) -> list[acl.EventHandle]:
-    # (the stream's lock held; a loop under a lock is a function of its own) The fence events
-    # not pending: destroyed (they are only a cache); what is left, which is what CANN refused
-    # when no fence is pending (a stream destroyed). Pending is what the fences hold, not what
-    # the spares lack: an interrupt between a fence's pop and its return to the spares (or
-    # between an event's creation and its first use) leaves one in neither.
-    pending = {id(h) for _, h in fences}
-    return [h for h in events if id(h) in pending or h.release()]
-
-
 def _destroy(cached: list[Any]) -> None:
     """Destroy cached executors: launches already queued captured what they need."""
     for entry in cached:
         entry.destroy()
+
+
+def _create(device: Device, holder: Any, owner: Any, create: Any) -> None:
+    """Make a stream's or an event's CANN object, ``create(holder.handle)``, owned before it
+    exists (released once ``owner`` is gone)."""
+    device.own(holder, owner)
+    with calling(device, holder.handle.context):  # (the context it is made in: the device's may be a reset's since)
+        acl.use_context(holder.handle.context)
+        create(holder.handle)
 
 
 class Stream:
@@ -387,10 +384,7 @@ class Stream:
         dev = resolve_device(device)
         collect()
         self.state = s = StreamState(dev, acl.StreamHandle(dev.context))
-        dev.own(s, self)  # owned before it exists; released once this object is gone
-        with calling(dev, s.ctx):
-            acl.use_context(s.ctx)
-            acl.create_stream(s.handle)  # type: ignore[arg-type]
+        _create(dev, s, self, acl.create_stream)
         s.arg = acl.raw(s.handle)  # (one store before the stream is anyone else's: read without a lock)
 
     @classmethod
@@ -473,7 +467,7 @@ class Stream:
         """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent).
         ``event`` must have been recorded: CANN refuses a wait on an event never recorded
         (AclRuntimeError 107000)."""
-        core = _args.instance("event", event, Event, "an Event").core("event")
+        core = _args.instance("event", event, Event, "an Event").core()
         s = self.state
         if core.device is not s.device:
             raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
@@ -529,15 +523,15 @@ def current_stream(device: Device | int | None = None) -> Stream:
     return s if s is not None and s.state.device is dev else dev.default_stream
 
 
-def resolve_stream(stream: Stream | None, device: Device, name: str = "stream") -> StreamState:
+def resolve_stream(stream: Stream | None, device: Device) -> StreamState:
     """The state of ``stream`` (if None, the thread's current stream on ``device``), checked
     open and on ``device``."""
     if stream is None:
         return current_stream(device).state
-    state = _args.instance(name, stream, Stream, "a Stream or None").state
-    state.check_open(name)
+    state = _args.instance("stream", stream, Stream, "a Stream or None").state
+    state.check_open()
     if state.device is not device:
-        raise InvalidArgument(name, f"is on device {state.device.device_id}, the arrays on {device.device_id}")
+        raise InvalidArgument("stream", f"is on device {state.device.device_id}, the arrays on {device.device_id}")
     return state
 
 
@@ -565,11 +559,7 @@ class Event(Owner):
         dev = resolve_device(device)
         collect()
         core = _EventCore(dev)
-        dev.own(core.holder, core)
-        ctx = dev.context
-        with calling(dev, ctx):
-            acl.use_context(ctx)
-            acl.create_event(core.holder.handle)  # type: ignore[arg-type]
+        _create(dev, core.holder, core, acl.create_event)
         self._device = dev
         self._core: _EventCore | None = core
 
