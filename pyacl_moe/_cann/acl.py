@@ -51,7 +51,6 @@ _contexts_lock = threading.Lock()
 
 _VOIDP = _ffi.typeof("void *")  # (parsed at import: see declare's docstring)
 _cast = _ffi.cast
-_KINDS: dict[str, int] = {}  # an aclrtMemcpyKind's name -> its value, read from the headers at first use
 
 
 def void(address: int) -> Any:
@@ -382,10 +381,8 @@ def malloc_host(mem: HostMemory, size: int) -> int:
 
 
 def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: str, stream: StreamHandle | None) -> None:
-    code = _KINDS.get(kind)
-    if code is None:
-        code = _KINDS[kind] = declare.const(kind)
-    st = loader.libs().acl.aclrtMemcpyAsync(_cast(_VOIDP, dst), dst_max, _cast(_VOIDP, src), count, code,
+    st = loader.libs().acl.aclrtMemcpyAsync(_cast(_VOIDP, dst), dst_max, _cast(_VOIDP, src), count,
+                                            declare.const(kind),  # (cached: a hit is no Python frame)
                                             _NULL if stream is None else stream._slot[0])  # (inlined: the copies' path)
     if st:  # (the common case costs no call: this is the NumPy call's copies' path)
         check(st, "aclrtMemcpyAsync")
