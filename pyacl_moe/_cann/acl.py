@@ -78,11 +78,10 @@ def init() -> bool:
     st = loader.libs().acl.aclInit(_NULL)
     if st == declare.const("ACL_ERROR_REPEAT_INITIALIZE"):
         recent_message()  # consume it: not an error for us
-        _initialized[0] = True
-        return False
-    check(st, "aclInit")
+    else:
+        check(st, "aclInit")
     _initialized[0] = True
-    return True
+    return not st
 
 
 def finalize() -> None:
@@ -295,22 +294,19 @@ class interrupts_deferred:
     def __enter__(self) -> None:
         self.saved: Any = None
         self.hit: tuple[int, Any] | None = None
-        if threading.current_thread() is not threading.main_thread():
-            return
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):  # (SIG_IGN, SIG_DFL: no Python code runs)
-            self.saved = handler
+        # (a handler that is SIG_IGN or SIG_DFL runs no Python code: nothing to hold back)
+        if threading.current_thread() is threading.main_thread() and callable(h := signal.getsignal(signal.SIGINT)):
+            self.saved = h
             signal.signal(signal.SIGINT, self._held)
 
     def _held(self, signum: int, frame: Any) -> None:
         self.hit = (signum, frame)
 
     def __exit__(self, *exc: object) -> None:
-        if self.saved is None:
-            return
-        signal.signal(signal.SIGINT, self.saved)
-        if self.hit is not None:
-            self.saved(*self.hit)
+        if self.saved is not None:
+            signal.signal(signal.SIGINT, self.saved)
+            if self.hit is not None:
+                self.saved(*self.hit)
 
 
 # ---------------------------------------------------------------------------- streams
