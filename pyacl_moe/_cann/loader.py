@@ -216,16 +216,17 @@ def _load_plan(home: str, backend: str) -> Libraries | str:
     return _opened(order, three, info)
 
 
-def _from_loader_path() -> Libraries:
+def _from_loader_path() -> Libraries | str:
     """The last resort: the dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache), by
-    name, the op library being the first that exports the entry points. Not tried when
-    LD_LIBRARY_PATH has a relative or empty entry (the current directory, for the loader); a
-    file an absolute entry holds is checked (:func:`layout.elf_problem`) before it is mapped."""
+    name, the op library being the first that exports the entry points; else why none could be
+    loaded. Not tried when LD_LIBRARY_PATH has a relative or empty entry (the current directory,
+    for the loader); a file an absolute entry holds is checked (:func:`layout.elf_problem`)
+    before it is mapped."""
     absolute, relative = layout.loader_path()
     if relative:
         shown = ", ".join(repr(e) for e in relative)
-        raise OSError(f"not tried: LD_LIBRARY_PATH has the relative or empty entry {shown} (the current directory, "
-                      "or one below it, for the dynamic loader), and nothing is loaded from such a place")
+        return f"not tried: LD_LIBRARY_PATH has the relative or empty entry {shown} (the current directory, " \
+               "or one below it, for the dynamic loader), and nothing is loaded from such a place"
     problems: list[str] = []
     for op in dict.fromkeys(os.path.basename(rel) for rel in layout.OP_LIBRARIES):
         names = ["libascendcl.so", "libnnopbase.so", op]
@@ -237,7 +238,7 @@ def _from_loader_path() -> Libraries:
             return _opened(names, names, info)
         except (OSError, errors.CannNotFoundError) as exc:
             problems += exc.tried if isinstance(exc, errors.CannNotFoundError) else [str(exc)]
-    raise OSError("; ".join(dict.fromkeys(problems)))
+    return "; ".join(dict.fromkeys(problems))
 
 
 def _search(ascend_home: str | None) -> Libraries:
@@ -253,12 +254,10 @@ def _search(ascend_home: str | None) -> Libraries:
             return libs
         else:
             tried.append(f"{label} = {home}: {libs}")
-    if ascend_home is not None:
-        raise errors.CannNotFoundError(tried)
-    try:
-        return _from_loader_path()
-    except OSError as exc:
-        tried.append(f"dynamic loader path (LD_LIBRARY_PATH, ld.so.cache): {exc}")
+    if ascend_home is None:
+        if isinstance(libs := _from_loader_path(), Libraries):
+            return libs
+        tried.append(f"dynamic loader path (LD_LIBRARY_PATH, ld.so.cache): {libs}")
     raise errors.CannNotFoundError(tried)
 
 
