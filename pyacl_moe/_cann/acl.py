@@ -51,7 +51,6 @@ _contexts_lock = threading.Lock()
 
 _VOIDP = _ffi.typeof("void *")  # (parsed at import: see declare's docstring)
 _cast = _ffi.cast
-_KINDS: dict[str, int] = {}  # an aclrtMemcpyKind's name -> its value, read from the headers at first use
 
 
 def void(address: int) -> Any:
@@ -79,11 +78,10 @@ def init() -> bool:
     st = loader.libs().acl.aclInit(_NULL)
     if st == declare.const("ACL_ERROR_REPEAT_INITIALIZE"):
         recent_message()  # consume it: not an error for us
-        _initialized[0] = True
-        return False
-    check(st, "aclInit")
+    else:
+        check(st, "aclInit")
     _initialized[0] = True
-    return True
+    return not st
 
 
 def finalize() -> None:
@@ -296,22 +294,19 @@ class interrupts_deferred:
     def __enter__(self) -> None:
         self.saved: Any = None
         self.hit: tuple[int, Any] | None = None
-        if threading.current_thread() is not threading.main_thread():
-            return
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):  # (SIG_IGN, SIG_DFL: no Python code runs)
-            self.saved = handler
+        # (a handler that is SIG_IGN or SIG_DFL runs no Python code: nothing to hold back)
+        if threading.current_thread() is threading.main_thread() and callable(h := signal.getsignal(signal.SIGINT)):
+            self.saved = h
             signal.signal(signal.SIGINT, self._held)
 
     def _held(self, signum: int, frame: Any) -> None:
         self.hit = (signum, frame)
 
     def __exit__(self, *exc: object) -> None:
-        if self.saved is None:
-            return
-        signal.signal(signal.SIGINT, self.saved)
-        if self.hit is not None:
-            self.saved(*self.hit)
+        if self.saved is not None:
+            signal.signal(signal.SIGINT, self.saved)
+            if self.hit is not None:
+                self.saved(*self.hit)
 
 
 # ---------------------------------------------------------------------------- streams
@@ -382,18 +377,15 @@ def malloc_host(mem: HostMemory, size: int) -> int:
 
 
 def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: str, stream: StreamHandle | None) -> None:
-    code = _KINDS.get(kind)
-    if code is None:
-        code = _KINDS[kind] = declare.const(kind)
-    st = loader.libs().acl.aclrtMemcpyAsync(_cast(_VOIDP, dst), dst_max, _cast(_VOIDP, src), count, code,
+    st = loader.libs().acl.aclrtMemcpyAsync(_cast(_VOIDP, dst), dst_max, _cast(_VOIDP, src), count,
+                                            declare.const(kind),  # (cached: a hit is no Python frame)
                                             _NULL if stream is None else stream._slot[0])  # (inlined: the copies' path)
     if st:  # (the common case costs no call: this is the NumPy call's copies' path)
         check(st, "aclrtMemcpyAsync")
 
 
 def memset_async(ptr: int, max_count: int, value: int, count: int, stream: StreamHandle | None) -> None:
-    check(loader.libs().acl.aclrtMemsetAsync(void(ptr), max_count, value, count, raw(stream)),
-          "aclrtMemsetAsync")
+    check(loader.libs().acl.aclrtMemsetAsync(void(ptr), max_count, value, count, raw(stream)), "aclrtMemsetAsync")
 
 
 # ---------------------------------------------------------------------------- fork

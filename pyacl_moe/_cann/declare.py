@@ -13,6 +13,7 @@ such a parse would take that lock again and hang the thread.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from typing import Any
@@ -84,26 +85,18 @@ def ctype(name: str) -> Any:
     return _types[name]
 
 
-_consts: dict[str, int] = {}
-# The process itself as a library object, opened at the first use (two first uses at once each
-# open it, and either is the process: no lock).
-_process: list[Any] = []
-
-
+@functools.cache  # (two first uses at once each open it, and either is the process: no lock)
 def process() -> Any:
     """The process's own symbol table as a cffi library (loading nothing): cffi exposes the
     values the declarations give on any library object, and the C library's ``free`` is there."""
-    if not _process:
-        _process.append(ffi.dlopen(None))
-    return _process[0]
+    return ffi.dlopen(None)
 
 
+@functools.cache  # (a hit runs no Python frame: the NumPy call's copies look their kind up here)
 def const(name: str) -> int:
     """The value of an enum item, ``#define`` or ``static const int`` of the headers."""
-    if name not in _consts:
-        declare()
-        _consts[name] = int(getattr(process(), name))
-    return _consts[name]
+    declare()
+    return int(getattr(process(), name))
 
 
 _FUNCTION = re.compile(r"\b(acl\w+)\s*\(")

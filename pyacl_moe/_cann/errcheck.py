@@ -26,6 +26,7 @@ def check(status: int, api: str) -> None:
         raise errors.error_for(status, api, recent_message())
 
 
-def null_result(api: str, status_if_no_message: int = 561103) -> errors.AclError:
-    """The error for a call that signals failure by returning NULL instead of a status."""
-    return errors.error_for(status_if_no_message, api, recent_message() or f"{api} returned NULL")
+def null_result(api: str) -> errors.AclError:
+    """The error for a call that signals failure by returning NULL instead of a status: 561103
+    (ACLNN_ERR_INNER_NULLPTR), with CANN's message or, lacking one, what returned NULL."""
+    return errors.error_for(561103, api, recent_message() or f"{api} returned NULL")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,58 +141,33 @@ def _declared(part: str) -> list[str]:
     return [f for h in _HEADERS[part] for f in declare.functions_in(h)]
 
 
-def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> tuple[list[str], str | None]:
-    """(load order for the library at ``rel``, None) when it is there, its dependencies are
-    found and it (with them) defines ``wanted``; else ([], what is wrong)."""
+def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> list[str] | str:
+    """The load order for the library at ``rel`` when it is there, its dependencies are found
+    and it (with them) defines ``wanted``; else what is wrong."""
     path = os.path.join(home, rel)
     if not os.path.isfile(path):
-        return [], f"{rel}: not found"
+        return f"{rel}: not found"
     folders = layout.library_folders(home, path)
     deps = layout.dependency_order(path, folders, loaded)
     if deps.missing:
         names = ", ".join(sorted({f"{name} (needed by {by})" for name, by in deps.missing}))
-        return [], f"{rel}: a dependency is missing: {names}, in none of {', '.join(folders[:3])} (nor the " \
-                   "driver's folders or LD_LIBRARY_PATH)"
+        return f"{rel}: a dependency is missing: {names}, in none of {', '.join(folders[:3])} (nor the driver's " \
+               "folders or LD_LIBRARY_PATH)"
     for lib in [path, *deps.order, *deps.left]:  # (left to the dynamic loader: read, never loaded by path here)
         why = layout.elf_problem(lib)
         if why:
-            return [], f"{rel}: {lib if lib != path else 'the library'} is {why}"
+            return f"{rel}: {lib if lib != path else 'the library'} is {why}"
     found = [layout.defined_symbols(lib, wanted) for lib in [path, *deps.order]]
     lacking = [w for w in wanted if not any(w in f for f in found if f is not None)]
     if lacking and None not in found:  # (one that cannot be read is tried: dlopen and the resolution judge it)
         if wanted == list(ENTRY_POINTS) and len(lacking) == len(wanted):
-            return [], f"{rel}: exports none of the op's entry points"
+            return f"{rel}: exports none of the op's entry points"
         more = f" and {len(lacking) - 6} more" if len(lacking) > 6 else ""
-        return [], f"{rel}: lacks {', '.join(lacking[:6])}{more}"
-    return [*deps.order, path], None
+        return f"{rel}: lacks {', '.join(lacking[:6])}{more}"
+    return [*deps.order, path]
 
 
-def _plan(home: str) -> tuple[dict[str, str], list[str], list[str]]:
-    """What to load from ``home``: the path of each library ("acl", "nn", "op"), every path to
-    dlopen in order (dependencies first), and what each library lacked (empty when it fits)."""
-    problems: list[str] = []
-    order: list[str] = []
-    picked: dict[str, str] = {}
-    tries = [("acl", [layout.RUNTIME_LIBRARIES[0]]), ("nn", [layout.RUNTIME_LIBRARIES[1]]),
-             ("op", [rel.format(arch=layout.arch()) for rel in layout.OP_LIBRARIES])]
-    for part, candidates in tries:
-        wanted = [f for f in _declared(part) if f not in OPTIONAL] if part != "op" else list(ENTRY_POINTS)
-        passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
-        for rel in candidates:
-            got, why = _fits(home, rel, wanted, {os.path.basename(p) for p in order})
-            if why is None:
-                picked[part] = os.path.join(home, rel)
-                order += [p for p in got if p not in order]
-                break
-            if part != "op" or not why.endswith(": not found"):
-                passed_over.append(why)
-        else:
-            problems += passed_over or [f"no op library with the op's four entry points (looked for "
-                                        f"{', '.join(candidates)})"]
-    return picked, order, problems
-
-
-def _opened(names: list[str], three: tuple[str, str, str], info: LibraryInfo) -> Libraries:
+def _opened(names: list[str], three: Sequence[str], info: LibraryInfo) -> Libraries:
     """dlopen each of ``names`` in order (each finds what it needs already loaded), then bind
     the libraries ``three`` name (acl, nn, op; the others are kept loaded) and resolve them.
     All or nothing: when one cannot be loaded, or the resolution refuses what was loaded,
@@ -214,43 +189,56 @@ def _opened(names: list[str], three: tuple[str, str, str], info: LibraryInfo) ->
 
 
 def _load_plan(home: str, backend: str) -> Libraries | str:
-    """The libraries of ``home`` loaded (as :func:`_plan` says), or what they lacked."""
-    picked, order, problems = _plan(home)
+    """The libraries of ``home`` loaded, or what they lacked: for each of acl, nn and op the
+    first of its candidates that fits, every path dlopened in order (dependencies first)."""
+    problems: list[str] = []
+    order: list[str] = []
+    three: list[str] = []  # the path of each library (acl, nn, op)
+    for part, candidates in [("acl", layout.RUNTIME_LIBRARIES[:1]), ("nn", layout.RUNTIME_LIBRARIES[1:]),
+                             ("op", [rel.format(arch=layout.arch()) for rel in layout.OP_LIBRARIES])]:
+        wanted = [f for f in _declared(part) if f not in OPTIONAL] if part != "op" else list(ENTRY_POINTS)
+        passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
+        for rel in candidates:
+            got = _fits(home, rel, wanted, {os.path.basename(p) for p in order})
+            if isinstance(got, list):
+                three.append(os.path.join(home, rel))
+                order += [p for p in got if p not in order]
+                break
+            if part != "op" or not got.endswith(": not found"):
+                passed_over.append(got)
+        else:
+            problems += passed_over or [f"no op library with the op's four entry points (looked for "
+                                        f"{', '.join(candidates)})"]
     if problems:
         return "; ".join(problems)
-    three = (picked["acl"], picked["nn"], picked["op"])
     info = LibraryInfo(backend, str(Path(home)), {os.path.basename(p)[3:-3]: p for p in three},
-                       os.path.realpath(picked["op"]), tuple(p for p in order if p not in three))
+                       os.path.realpath(three[2]), tuple(p for p in order if p not in three))
     return _opened(order, three, info)
 
 
-def _from_loader_path() -> Libraries:
+def _from_loader_path() -> Libraries | str:
     """The last resort: the dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache), by
-    name, the op library being the first that exports the entry points. Not tried when
-    LD_LIBRARY_PATH has a relative or empty entry (the current directory, for the loader); a
-    file an absolute entry holds is checked (:func:`layout.elf_problem`) before it is mapped."""
+    name, the op library being the first that exports the entry points; else why none could be
+    loaded. Not tried when LD_LIBRARY_PATH has a relative or empty entry (the current directory,
+    for the loader); a file an absolute entry holds is checked (:func:`layout.elf_problem`)
+    before it is mapped."""
     absolute, relative = layout.loader_path()
     if relative:
         shown = ", ".join(repr(e) for e in relative)
-        raise OSError(f"not tried: LD_LIBRARY_PATH has the relative or empty entry {shown} (the current directory, "
-                      "or one below it, for the dynamic loader), and nothing is loaded from such a place")
-
-    def checked(name: str) -> str:
-        path = layout.find(name, absolute)
-        why = layout.elf_problem(path) if path else None
-        if why:
-            raise OSError(f"{path} is {why}")
-        return name
-
+        return f"not tried: LD_LIBRARY_PATH has the relative or empty entry {shown} (the current directory, " \
+               "or one below it, for the dynamic loader), and nothing is loaded from such a place"
     problems: list[str] = []
     for op in dict.fromkeys(os.path.basename(rel) for rel in layout.OP_LIBRARIES):
-        names = ("libascendcl.so", "libnnopbase.so", op)
+        names = ["libascendcl.so", "libnnopbase.so", op]
         info = LibraryInfo("cann", None, {n[3:-3]: n for n in names}, op)
         try:  # (all three each time: a failed try leaves nothing mapped)
-            return _opened([checked(n) for n in names], names, info)
+            for name in names:  # (a file an absolute entry holds is read before it is mapped)
+                if (path := layout.find(name, absolute)) and (why := layout.elf_problem(path)):
+                    raise OSError(f"{path} is {why}")
+            return _opened(names, names, info)
         except (OSError, errors.CannNotFoundError) as exc:
             problems += exc.tried if isinstance(exc, errors.CannNotFoundError) else [str(exc)]
-    raise OSError("; ".join(dict.fromkeys(problems)))
+    return "; ".join(dict.fromkeys(problems))
 
 
 def _search(ascend_home: str | None) -> Libraries:
@@ -266,12 +254,10 @@ def _search(ascend_home: str | None) -> Libraries:
             return libs
         else:
             tried.append(f"{label} = {home}: {libs}")
-    if ascend_home is not None:
-        raise errors.CannNotFoundError(tried)
-    try:
-        return _from_loader_path()
-    except OSError as exc:
-        tried.append(f"dynamic loader path (LD_LIBRARY_PATH, ld.so.cache): {exc}")
+    if ascend_home is None:
+        if isinstance(libs := _from_loader_path(), Libraries):
+            return libs
+        tried.append(f"dynamic loader path (LD_LIBRARY_PATH, ld.so.cache): {libs}")
     raise errors.CannNotFoundError(tried)
 
 
