@@ -75,6 +75,13 @@ class Owner:
     __slots__ = ()
     _core: Any
 
+    @property
+    def handle(self) -> int:
+        """The CANN object's handle as an integer (0 once closed, or consumed by a one-shot
+        launch)."""
+        c = self._core
+        return c.holder.handle.address if c is not None else 0
+
     def _of(self, name: str, default: Any) -> Any:
         """The core's ``name`` (``default`` once closed)."""
         c = self._core

@@ -586,12 +586,6 @@ class Event(Owner):
         return self._device
 
     @property
-    def handle(self) -> int:
-        """The aclrtEvent as an integer (0 once closed)."""
-        c = self._core
-        return c.holder.handle.address if c is not None else 0
-
-    @property
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
         c = self._core

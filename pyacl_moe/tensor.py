@@ -71,12 +71,6 @@ class AclTensor(Owner):
         return c
 
     @property
-    def handle(self) -> int:
-        """The aclTensor* as an integer (0 once closed)."""
-        c = self._core
-        return c.handle.address if c is not None else 0
-
-    @property
     def array(self) -> DeviceArray:
         """The DeviceArray the tensor describes."""
         return self._array

@@ -196,12 +196,6 @@ class Executor(Owner):
         return c
 
     @property
-    def handle(self) -> int:
-        """The aclOpExecutor* as an integer (0 once consumed or closed)."""
-        c = self._core
-        return c.handle.address if c is not None else 0
-
-    @property
     def workspace_size(self) -> int:
         """Bytes of workspace the second phase needs."""
         return self._of("workspace_size", 0)  # type: ignore[no-any-return]
