@@ -385,7 +385,8 @@ def memcpy_async(dst: int, dst_max: int, src: int, count: int, kind: str, stream
 
 
 def memset_async(ptr: int, max_count: int, value: int, count: int, stream: StreamHandle | None) -> None:
-    check(loader.libs().acl.aclrtMemsetAsync(void(ptr), max_count, value, count, raw(stream)), "aclrtMemsetAsync")
+    check(loader.libs().acl.aclrtMemsetAsync(void(ptr), max_count, value, count, raw(stream)),
+          "aclrtMemsetAsync")
 
 
 # ---------------------------------------------------------------------------- fork
