@@ -43,6 +43,7 @@ _ROUND = 512  # CANN aligns blocks to at least this; rounding makes sizes meet i
 _OOM = (207001, 207018)  # ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_DEVICE_OOM
 _NOT_FAULTS = (507046, 507047)  # a wait that timed out: about the wait, not the work
 NOT_YET = -1  # what a holder's dropped() returns when its release must wait (for queued work)
+_COUNTS = ("array_hits", "array_misses", "pinned_hits", "pinned_misses", "workspace_takes")
 STREAMS, PLANS, EXECUTORS, TENSORS, EVENTS = range(5)  # holders' RANK: the order a device releases them
 
 
@@ -228,8 +229,7 @@ class Device:
         # thread-safe), the allocator takes them under ``lock``, peeking before it pops.
         self.dead_blocks: collections.deque[_lifetime.Token] = collections.deque()
         self._idle: dict[tuple[bool, int], list[Block]] = {}  # (pinned, size) -> idle blocks, newest last
-        # memory_stats' counts, by its names
-        self._counts = dict.fromkeys(("array_hits", "array_misses", "pinned_hits", "pinned_misses", "workspace_takes"), 0)
+        self._counts = dict.fromkeys(_COUNTS, 0)  # memory_stats' counts, by its names
         self.context = ctx
         self._default: Any = Device.stream_class.default(self)
         _tls.device = self

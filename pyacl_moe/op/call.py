@@ -78,15 +78,14 @@ _entry_numbers = itertools.count()  # (next() on a count is one C call: taken un
 
 @dataclass(frozen=True)
 class OneCall:
-    """An operator's one call. ``attrs(values)``: the attribute values (``spec.attrs`` order)
-    converted to their C types, raising InvalidArgument by name; ``check(layouts, attrs)``: the
-    contract on the inputs' (shape, dtype), raising InvalidArgument, returning the outputs;
+    """An operator's one call (its attributes' values converted by ``spec.attr_values``).
+    ``check(layouts, attrs)``: the contract on the inputs' (shape, dtype), raising
+    InvalidArgument, returning the outputs;
     ``sizes(arrays, attrs)``: the outputs as the attributes size them, unchecked
     (validate=False); ``check_values(host inputs, attrs)``: the contract on host input values.
     ``memo``: its calls that passed the contract."""
 
     spec: OpSpec
-    attrs: Callable[..., dict[str, Any]]
     check: Callable[[Mapping[str, tuple[tuple[int, ...], np.dtype]], Mapping[str, Any]], Outputs]
     sizes: Callable[[Mapping[str, Any], Mapping[str, Any]], Outputs]
     check_values: Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
@@ -98,7 +97,7 @@ class _Cached:
     used only under its lock): the first-element addresses it is bound to now, and its second
     phase, launched as ``fn(workspace, size, ex, stream)``."""
 
-    __slots__ = ("core", "tensors", "offsets", "bound", "unknown", "fn", "ex", "size")
+    __slots__ = ("core", "tensors", "offsets", "bound", "fn", "ex", "size")
     SIZE = 8  # entries per stream
 
     def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray | None],
@@ -110,20 +109,19 @@ class _Cached:
         self.core.set_repeatable()
         self.size = self.core.workspace_size
         self.offsets = [0 if a is None else a.offset * a.itemsize for a in arrays]
-        self.bound = [0 if a is None else a.span[0] for a in arrays]  # first-element addresses bound now
-        self.unknown = [0 if a is None else -1 for a in arrays]  # while a rebind is under way
+        self.bound = [0 if a is None else a.span[0] for a in arrays]  # first-element addresses bound now ([]: none)
         self.fn, self.ex = aclnn.second_phase(spec.api), acl.raw(self.core.handle)
 
     def rebind(self, spec: OpSpec, firsts: Sequence[int]) -> None:
         """Point the executor at views whose first elements are at ``firsts`` (the stream's
         lock held). Until every address is set the entry claims none, so that an interrupt
         half-way leaves the next call to set them all."""
-        bound, self.bound = self.bound, self.unknown
-        for i, addr in enumerate(firsts):
-            if addr != bound[i]:
+        bound, self.bound = self.bound, []
+        for i, (addr, tensor) in enumerate(zip(firsts, self.tensors)):
+            if tensor is not None and (not bound or addr != bound[i]):
                 kind, index = spec.slot(spec.tensors[i])
                 setter = aclnn.set_input_addr if kind == "input" else aclnn.set_output_addr
-                setter(self.core.handle, index, self.tensors[i].handle, addr - self.offsets[i])  # type: ignore[union-attr]
+                setter(self.core.handle, index, tensor.handle, addr - self.offsets[i])
         self.bound = list(firsts)
 
     def destroy(self) -> None:
@@ -135,7 +133,7 @@ def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, .
     entry: the positions of the outputs to make, a number naming the entry, their layouts and
     sizes in bytes, whether an output was given."""
     spec = op.spec
-    attrs = op.attrs(*values)
+    attrs = op.spec.attr_values(*values)
     layouts = {name: (a.shape, a.dtype) for name, a in zip(spec.inputs, arrays) if a is not None}
     wanted = op.check(layouts, attrs)
     at, makes, given = [], [], False
@@ -200,12 +198,12 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             continue
         alloc = a.alloc
         if alloc is None or alloc.context is not ctx:
-            _device_of(spec, arrays, workspace)  # raises, naming the array
+            ctx = None  # device_of below raises, naming the array
         key.append(a.layout_id)
         allocs.append(alloc)
         firsts.append(a.span[0])
-    dev = (_device_of(spec, arrays, workspace) if first is None or ctx is None or workspace is not None or not ctx.open
-           else first.device)
+    dev = first.device if first is not None and ctx is not None and ctx.open and workspace is None else device_of(
+        {n: a for n, a in zip((*spec.tensors, "workspace"), (*arrays, workspace)) if a is not None})
     if stream is None:
         cur = thread_current.stream
         state = cur.state if cur is not None and cur.state.device is dev else dev.default_stream.state
@@ -214,7 +212,9 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         if state.device is not dev:
             resolve_stream(stream, dev)  # raises, naming the devices
     if not validate:
-        return _run_unchecked(op, arrays, values, stream, workspace)
+        with _Unchecked(op, arrays, values) as plan:
+            outs = plan(stream, workspace)
+        return [outs.get(name) for name in spec.outputs]
     # The values with their types: the key tells True from 1, and a NumPy integer from an int.
     key.extend(values)
     key.extend(map(type, values))
@@ -222,13 +222,13 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     try:
         entry = memo.checked.get(tuple(key))
     except TypeError:  # a value that cannot be a key (a list, an array): the checks name it
-        op.attrs(*values)
+        spec.attr_values(*values)
         raise
     n_in = len(spec.inputs)
     if entry is None:
         entry = memo.put("checked", tuple(key), _checked(op, arrays, values))
     at, number, makes, sizes, given = entry
-    held = allocs  # what the launch keeps alive: not the outputs it makes, homed on its stream
+    held: Any = allocs  # what the launch keeps alive: not the outputs it makes, homed on its stream
     if makes:
         held = allocs[:]
         for i, new in zip(at, empty_from(makes, sizes, dev, state)):
@@ -241,46 +241,37 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             _check_outputs_apart(spec, arrays)
             with memo.lock:
                 memo.apart = (number, firsts)
-    ws = None if workspace is None else _Workspace(spec, arrays, workspace, dev)
+    ws_arg = None
+    if workspace is not None:
+        # A caller's workspace, apart from the call's arrays and held: its address as passed and
+        # its bytes (the checks of one too small or of another device are made on a miss).
+        check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
+        alloc = workspace.allocation("workspace")
+        held, ws_arg = (held, alloc), acl.void(workspace.address)
+        ws_size = workspace.nbytes if workspace.is_contiguous and alloc.device is dev else -1
     while True:
-        done: list[Any] | None = None
         if ctx.open and dev.fault is None:  # type: ignore[union-attr]
             # The stream's executor for this entry, launched with the stream's workspace.
             with state.lock:
                 e = state.executors.get(number)
-                if e is not None and not state.closing and e.size <= (state.ws_size if ws is None else ws.size):
+                if e is not None and not state.closing and e.size <= (state.ws_size if ws_arg is None else ws_size):
                     if _thread.context is not state.ctx:
                         acl.use_context(state.ctx)
                     if firsts != e.bound:
                         e.rebind(spec, firsts)
                     state.point += 1  # (StreamState.hold and written, inline: the steady state's frames)
-                    state.holds.append((state.point, held if ws is None else (held, ws)))
+                    state.holds.append((state.point, held))
                     if len(allocs) == n_in + 1:
                         allocs[n_in].writer = state  # type: ignore[union-attr]  # (an output: never None here)
                     else:
                         written(allocs[n_in:], state)
-                    st = e.fn(state.ws_arg if ws is None else ws.arg, e.size, e.ex, state.arg)
+                    st = e.fn(state.ws_arg if ws_arg is None else ws_arg, e.size, e.ex, state.arg)
                     if st:
                         check(st, spec.api)
-                    done = state.fenced() if state.point >= state.next_fence else _NONE
-        if done is not None:
-            del done
-            return arrays[n_in:]
+                    # What the fence shows done is dropped at the return, outside the lock.
+                    done = state.fenced() if state.point >= state.next_fence else None  # noqa: F841
+                    return arrays[n_in:]
         _cache(op, number, arrays, values, state, workspace)
-
-
-class _Workspace:
-    """A caller's workspace for one launch, checked apart from the call's arrays: its
-    allocation (held), its address as passed and its bytes (the checks of one too small or of
-    another device are made on a miss)."""
-
-    __slots__ = ("alloc", "arg", "size")
-
-    def __init__(self, spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray,
-                 device: Device) -> None:
-        check_workspace_apart(workspace, dict(zip(spec.tensors, arrays)))
-        self.alloc, self.arg = workspace.allocation("workspace"), acl.void(workspace.address)
-        self.size = workspace.nbytes if workspace.is_contiguous and self.alloc.device is device else -1
 
 
 def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
@@ -294,15 +285,13 @@ def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: t
     collect()
     with state.lock:
         state.check_open()
-        e = state.executors.get(number)
-    cached = e is not None
-    if e is None:
-        e = _Cached(spec, dev, arrays, op.attrs(*values))
+        cached = state.executors.get(number)
+    e = cached or _Cached(spec, dev, arrays, spec.attr_values(*values))
     if workspace is not None:
         checked_workspace(workspace, e.size, dev, "stream")
     elif e.size:
         state.ensure_workspace(e.size)
-    if cached:
+    if cached is not None:
         # Only its workspace was missing. It is not put back: empty_cache may have taken and
         # destroyed it meanwhile, and the next lookup builds another if so.
         return
@@ -313,27 +302,13 @@ def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: t
         old.destroy()
 
 
-_NONE: list[Any] = []
-
-
 def _check_outputs_apart(spec: OpSpec, arrays: list[DeviceArray | None]) -> None:
     """check_no_overlap, run only when a given output's bytes meet another array's."""
     spans = [a.span for a in arrays if a is not None]
-    for i in spec.output_positions:
-        out = arrays[i]
-        if out is None:
-            continue
-        lo, hi = out.span
-        if sum(1 for first, last in spans if first <= hi and lo <= last) > 1:  # (it meets itself)
+    for out in arrays[len(spec.inputs):]:
+        if out is not None and sum(1 for lo, hi in spans if lo <= out.span[1] and out.span[0] <= hi) > 1:  # (itself)
             check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
             return
-
-
-def _device_of(spec: OpSpec, arrays: list[DeviceArray | None], workspace: DeviceArray | None) -> Device:
-    every: dict[str, Any] = {n: a for n, a in zip(spec.tensors, arrays) if a is not None}
-    if workspace is not None:
-        every["workspace"] = workspace
-    return device_of(every)
 
 
 def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
@@ -346,22 +321,15 @@ def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
 
 class _Unchecked(Plan):
     """validate=False: a one-shot plan, CANN judging everything through the vendor's first
-    phase on every call."""
-
-    def __init__(self, op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> None:
-        self._op = op
-        self._build(arrays, values, False, False)
+    phase on every call. A launch returns the plan's arrays by name."""
 
     @staticmethod
     def _result_of(arrays: Mapping[str, DeviceArray]) -> Any:
         return arrays
 
-
-def _run_unchecked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], stream: Stream | None,
-                   workspace: DeviceArray | None) -> list[DeviceArray | None]:
-    with _Unchecked(op, arrays, values) as plan:
-        outs = plan(stream, workspace)
-    return [outs.get(name) for name in op.spec.outputs]
+    def __init__(self, op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> None:
+        self._op = op
+        self._build(arrays, values, False, False)
 
 
 def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], stream: Stream | None,
@@ -370,7 +338,8 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     ``spec.outputs`` order, None for an output to make): the outputs, new arrays in the family
     of the first input, or the host arrays given in ``out``, written in place."""
     spec = op.spec
-    raw, family = [], None
+    raw: list[np.ndarray] = []
+    family: Any = None
     for name, value in zip(spec.inputs, inputs):
         view, fam = host_view(value, name)
         raw.append(view)
@@ -393,7 +362,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     try:
         entry = op.memo.host.get(tuple(key))
     except TypeError:  # a value that cannot be a key (a list, an array): the checks name it
-        op.attrs(*values)
+        op.spec.attr_values(*values)
         raise
     if entry is None:
         entry = op.memo.put("host", tuple(key), _host_checked(op, raw, given, values, validate))
@@ -410,27 +379,28 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     arrays = empty_from(layouts, sizes, dev, state)
     n_in = len(spec.inputs)
     state.enqueue(views, _copies(arrays, views, True))
-    it = iter(arrays[n_in:])
-    tensors: list[DeviceArray | None] = arrays[:n_in]  # type: ignore[assignment]
-    made: list[DeviceArray] = []
+    # The made outputs, each copied back into a host array: the caller's where it fits (native
+    # and C-contiguous), else a new one.
+    made = arrays[n_in:]
     hosts: list[np.ndarray] = []
-    results: list[tuple[np.ndarray, np.ndarray | None, Any] | None] = []
-    for w, target, mine in zip(outs, given, out):
-        d = None if w is None else next(it)
-        tensors.append(d)
-        if d is None:
-            results.append(None)
-            continue
-        fit = target is not None and target.flags.c_contiguous and target.dtype.isnative
-        host: np.ndarray = target if fit else np.empty(w[0], w[1])  # type: ignore[assignment]
-        made.append(d)
-        hosts.append(host)
-        results.append((host, target, mine))
+    tensors: list[DeviceArray | None] = arrays[:n_in]  # type: ignore[assignment]
+    for w, target in zip(outs, given):
+        tensors.append(None if w is None else made[len(hosts)])
+        if w is not None:
+            fit = target is not None and target.flags.c_contiguous and target.dtype.isnative
+            hosts.append(target if fit else np.empty(w[0], w[1]))  # type: ignore[arg-type]
     run_device(op, tensors, values, stream, workspace, validate)
-    state.enqueue(results, _copies(made, hosts, False))
+    state.enqueue(hosts, _copies(made, hosts, False))
     wait_for(state)
     dev.give_back(arrays)
-    return [None if r is None else _delivered(r, family) for r in results]
+    # Each output: a new array in the inputs' family, or the caller's (returned as given).
+    results, back = [], iter(hosts)
+    for w, target, mine in zip(outs, given, out):
+        host = None if w is None else next(back)
+        if host is not None and target is not None and host is not target:
+            target[...] = host
+        results.append(host if host is None else in_family(host, family) if target is None else mine)
+    return results
 
 
 def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | None], values: tuple[Any, ...],
@@ -439,7 +409,7 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
     attributes give), the given outputs fitted to it; the device layouts of the inputs and the
     outputs to write and their sizes in bytes, and each output's (shape, dtype) or None."""
     spec = op.spec
-    attrs = op.attrs(*values)
+    attrs = op.spec.attr_values(*values)
     natives = [np.empty((0,), v.dtype.newbyteorder("=")) for v in raw]  # (only their dtypes are read)
     if validate:  # the contract first: its messages name the rule an input breaks
         wanted = op.check({n: (v.shape, d.dtype) for n, v, d in zip(spec.inputs, raw, natives)}, attrs)
@@ -473,14 +443,3 @@ def _copies(arrays: list[DeviceArray], hosts: list[np.ndarray], inward: bool) ->
 
 
 _H2D, _D2H = "ACL_MEMCPY_HOST_TO_DEVICE", "ACL_MEMCPY_DEVICE_TO_HOST"
-
-
-def _delivered(result: tuple[np.ndarray, np.ndarray | None, Any], family: Any) -> Any:
-    """An output copied back: into the caller's array (returned as given), else new, in the
-    inputs' family."""
-    host, target, mine = result
-    if target is None:
-        return in_family(host, family)
-    if host is not target:
-        target[...] = host
-    return mine

@@ -96,7 +96,7 @@ def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> 
                                attrs["expert_tokens_count_or_cumsum_flag"])
 
 
-ONE_CALL = OneCall(SPEC, SPEC.attr_values, _check, _sizes, _check_values)
+ONE_CALL = OneCall(SPEC, _check, _sizes, _check_values)
 
 
 def output_shapes(x_shape: tuple[int, ...], expert_idx_shape: tuple[int, ...], active_num: int = 0,

@@ -69,7 +69,7 @@ def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> 
     _contract.check_indices(idx, geo, k, active, chip())
 
 
-ONE_CALL = OneCall(SPEC, SPEC.attr_values, _check, _sizes, _check_values)
+ONE_CALL = OneCall(SPEC, _check, _sizes, _check_values)
 
 
 class MoeInitRoutingV2Grad(Plan):

@@ -156,7 +156,7 @@ class Plan(Owner):
         arrays = {name: _args.instance(name, a, DeviceArray, "a DeviceArray" if i < n_in else "a DeviceArray or None")
                   for i, (name, a) in enumerate(zip(spec.tensors, given)) if a is not None or i < n_in}
         dev = device_of(arrays)
-        attrs = op.attrs(*values)
+        attrs = spec.attr_values(*values)
         inputs = {n: arrays[n] for n in spec.inputs}
         wanted = op.check({n: (a.shape, a.dtype) for n, a in inputs.items()}, attrs) if validate else \
             op.sizes(inputs, attrs)

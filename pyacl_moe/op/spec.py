@@ -37,13 +37,11 @@ class OpSpec:
     outputs: tuple[str, ...] = field(init=False)
     attrs: tuple[str, ...] = field(init=False)
     tensors: tuple[str, ...] = field(init=False)
-    output_positions: tuple[int, ...] = field(init=False)  # positions of the outputs in ``tensors``
 
     def __post_init__(self) -> None:
         for kind in ("input", "output", "attr"):  # the fields inputs, outputs and attrs
             object.__setattr__(self, kind + "s", tuple(p.name for p in self.params if p.kind == kind))
         object.__setattr__(self, "tensors", self.inputs + self.outputs)
-        object.__setattr__(self, "output_positions", tuple(range(len(self.inputs), len(self.tensors))))
 
     def attr_values(self, *values: Any) -> dict[str, Any]:
         """The attributes' ``values`` (in ``attrs`` order) in their C types, each refused by
