@@ -33,6 +33,7 @@ def test_plan_relaunches_and_rebinds(device, no_leaks):
     with closing(pm.Stream(device)) as s, pm.MoeInitRoutingV2Grad(xa, ia, 4) as plan:
         assert plan.workspace_size == 16 << 20 and plan.device is device and not plan.closed
         assert plan.executor.repeatable and plan.executor.workspace_size == plan.workspace_size
+        assert plan.handle == plan.executor.handle != 0  # an Owner's handle: the plan's executor
         assert "repeatable" in repr(plan)
         out = plan(s)
         assert out is plan.out and out.shape == (16, 32)
@@ -43,7 +44,7 @@ def test_plan_relaunches_and_rebinds(device, no_leaks):
         assert plan(s) is out_b
         assert compare(out_b.to_host(s), _ref(b)).passed
         assert compare(out.to_host(s), _ref(a)).passed  # the old out was left alone
-    assert plan.closed
+    assert plan.closed and plan.handle == 0
 
 
 def test_rebind_accepts_another_offset_but_not_another_layout(device, no_leaks):

@@ -196,6 +196,12 @@ class Plan(Owner):
         return c is None or c.closed
 
     @property
+    def handle(self) -> int:
+        """The plan's aclOpExecutor* as an integer (0 once closed)."""
+        c = getattr(self, "_c", None)
+        return c.executor.holder.handle.address if c is not None else 0
+
+    @property
     def device(self) -> Device:
         """The device the plan launches on."""
         return self._c.device
