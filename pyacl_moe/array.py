@@ -59,14 +59,9 @@ def acl_data_type(dtype: Any) -> int:
     return declare.const(name)
 
 
-def _span(base: int, shape: tuple[int, ...], strides: tuple[int, ...], offset: int, item: int) -> tuple[int, int]:
-    lo = base + offset * item
-    extent = 0
-    for n, s in zip(shape, strides):
-        if not n:
-            return (lo, lo - 1)
-        extent += (n - 1) * s
-    return (lo, lo + extent * item + item - 1)
+def _extent(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements from a view's first to just past its last (0 when it has none)."""
+    return sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 0
 
 
 # layout -> its id, a cheap key for the caches of executors and checks. Bounded: when full it
@@ -130,8 +125,9 @@ class DeviceArray:
         self._desc: aclnn.TensorDesc | None = None
         self._layout = (shape, dtype, strides)
         self._acl_dtype = acl_data_type(dtype)
+        lo = alloc.ptr + offset * dtype.itemsize
         #: (first, last) device byte addresses the view touches (last < first when empty)
-        self.span = _span(alloc.ptr, shape, strides, offset, dtype.itemsize)
+        self.span = (lo, lo + _extent(shape, strides) * dtype.itemsize - 1)
         #: a small int naming :attr:`layout` in this process: a cheap key for caches
         self.layout_id = _layout_id(self._layout)
 
@@ -629,7 +625,7 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
         st = tuple(b // dt.itemsize for b in byte_strides)
     off = _args.int64("offset", offset, lo=0)
     dev = resolve_device(device)
-    nbytes = (off + (sum((n - 1) * s for n, s in zip(shp, st)) + 1 if all(shp) else 0)) * dt.itemsize
+    nbytes = (off + _extent(shp, st)) * dt.itemsize
     if p + nbytes > 2**64:
         raise InvalidArgument("ptr", f"{p:#x} + {nbytes} bytes runs past the end of the address space")
     dev.check_open()
