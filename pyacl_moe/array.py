@@ -83,12 +83,9 @@ def _layout_id(layout: tuple[Any, ...]) -> int:
 def _new_layout_id(layout: tuple[Any, ...]) -> int:
     global _layout_ids
     with _layout_lock:
-        got = _layout_ids.get(layout)
-        if got is None:
-            ids = dict(_layout_ids) if len(_layout_ids) < _LAYOUTS_MAX else {}
-            got = ids[layout] = next(_layout_counter)
-            _layout_ids = ids
-        return got
+        if layout not in _layout_ids:  # (another thread may have added it meanwhile)
+            _layout_ids = {**(_layout_ids if len(_layout_ids) < _LAYOUTS_MAX else {}), layout: next(_layout_counter)}
+        return _layout_ids[layout]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
