@@ -96,11 +96,6 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    # (no elements: nothing is laid out; an axis of one has no stride that matters)
-    return not all(shape) or all(n == 1 or s == c for n, s, c in zip(shape, strides, _contiguous_strides(shape)))
-
-
 class DeviceArray:
     """An n-dimensional array in device memory.
 
@@ -239,7 +234,9 @@ class DeviceArray:
     @property
     def is_contiguous(self) -> bool:
         """True when the view is C-contiguous."""
-        return _is_contiguous(self.shape, self._layout[2])
+        shape, _, strides = self._layout
+        # (no elements: nothing is laid out; an axis of one has no stride that matters)
+        return not all(shape) or all(n == 1 or s == c for n, s, c in zip(shape, strides, _contiguous_strides(shape)))
 
     @property
     def closed(self) -> bool:
