@@ -261,15 +261,14 @@ class DeviceArray:
         """Basic slicing (ints, slices with positive steps, Ellipsis), as NumPy has it: a view,
         no copy. Fancy (integer-array) and boolean indexing are refused: they copy, which a view
         cannot."""
-        alloc = self.allocation()
-        for k in key if isinstance(key, tuple) else (key,):
+        alloc, keys = self.allocation(), key if isinstance(key, tuple) else (key,)
+        for k in keys:
             if k is None:
                 raise InvalidArgument("key", "None (np.newaxis) is not supported: use reshape() to add an axis")
             if isinstance(k, slice) and k.step is not None and k.step < 0:
                 raise InvalidArgument("key", "negative slice steps are not supported: CANN views take non-negative "
                                              "strides")
-            if isinstance(k, (DeviceArray, np.ndarray, list)) or hasattr(k, "__array__") and not isinstance(
-                    k, np.generic):
+            if isinstance(k, list) or hasattr(k, "__array__") and not isinstance(k, np.generic):  # (DeviceArray too)
                 raise InvalidArgument("key", "fancy (integer-array) and boolean indexing are not supported on a "
                                              "DeviceArray: they copy, and DeviceArray indexing gives views; index the "
                                              "host copy (to_host()[key]) instead")
@@ -279,7 +278,7 @@ class DeviceArray:
         # read); a leading axis of one keeps every result an array, never a scalar.
         item = self.dtype.itemsize
         whole = np.lib.stride_tricks.as_strided(np.empty(1, f"V{item}"), (1, *self.shape), (item, *self.strides))
-        view = whole[(slice(None), *(key if isinstance(key, tuple) else (key,)))]
+        view = whole[(slice(None), *keys)]
         moved = view.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
         return DeviceArray(alloc, view.shape[1:], self.dtype, tuple(n // item for n in view.strides[1:]),
                            self._offset + moved // item)
