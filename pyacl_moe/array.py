@@ -649,5 +649,4 @@ def from_torch(tensor: Any) -> DeviceArray:
         raise InvalidArgument("tensor", f"has dtype {tensor.dtype}, which CANN's tensors here do not take") from None
     return from_pointer(int(tensor.untyped_storage().data_ptr()), tuple(int(n) for n in tensor.shape), dt,
                         tuple(int(s) * dt.itemsize for s in tensor.stride()),  # torch's are in elements
-                        int(tensor.storage_offset()), owner=tensor,
-                        device=where.index if where.index is not None else None)
+                        int(tensor.storage_offset()), owner=tensor, device=where.index)
