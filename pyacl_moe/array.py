@@ -298,32 +298,26 @@ class DeviceArray:
         (:func:`pinned_empty`) CANN copies asynchronously; into pageable memory
         aclrtMemcpyAsync returns once the copy is done.
         """
-        alloc = self.allocation()
-        if out is not None:
-            return self._to_host_into(alloc, out, stream)
-        out = np.empty(self.shape, dtype=self.dtype)
+        alloc, wait = self.allocation(), out is None
+        if out is None:
+            out = np.empty(self.shape, dtype=self.dtype)
+        elif not isinstance(out, np.ndarray):
+            raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
+        else:
+            self._check_like("out", out)
+            if not out.flags.c_contiguous or not out.flags.writeable:
+                raise InvalidArgument("out", "must be C-contiguous and writable")
+            if not self.is_contiguous:
+                raise InvalidArgument("array", "to_host(out=...) needs a contiguous DeviceArray (copy() it first)")
         lo, hi = self.span
-        if hi < lo:
-            return out
-        n = hi - lo + 1
+        n = hi - lo + 1  # (0 when empty: an empty view is contiguous, a strided one has elements)
         host = out if self.is_contiguous else np.empty(n, dtype=np.uint8)
-        _queued(alloc, stream, (host, alloc), (host.ctypes.data, n, lo, n, _D2H), read=True, wait=True)
+        if n:
+            given = _given(stream, alloc.device)
+            _queued(alloc, given, host, (host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST"), read=True, wait=wait)
         if host is not out:
             out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), shape=self.shape,
                                                        strides=self.strides)
-        return out
-
-    def _to_host_into(self, alloc: Allocation, out: Any, stream: Stream | None) -> np.ndarray:
-        if not isinstance(out, np.ndarray):
-            raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
-        self._check_like("out", out)
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise InvalidArgument("out", "must be C-contiguous and writable")
-        if not self.is_contiguous:
-            raise InvalidArgument("array", "to_host(out=...) needs a contiguous DeviceArray (copy() it first)")
-        n = self.nbytes
-        if n:
-            _queued(alloc, stream, (out, alloc), (out.ctypes.data, n, self.address, n, _D2H), read=True)
         return out
 
     def _check_like(self, name: str, host: np.ndarray) -> None:
@@ -373,7 +367,8 @@ class DeviceArray:
         out = empty(self.shape, self.dtype, alloc.device, stream)
         n, dst = self.nbytes, out.allocation()
         if n:
-            _queued(alloc, stream, (alloc, dst), (dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE"), dst)
+            given = _given(stream, alloc.device)
+            _queued(alloc, given, dst, (dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE"), dst)
         return out
 
     def fill(self, value: Any, stream: Stream | None = None) -> None:
@@ -394,7 +389,7 @@ class DeviceArray:
         if v.tobytes().strip(b"\0"):  # not all-zero bits (-0.0 is not): copied from the host
             self.copy_from_host(np.full(self.shape, v, self.dtype), stream)
             return
-        _queued(alloc, stream, alloc, (self.address, n, 0, n), alloc, fn=acl.memset_async)
+        _queued(alloc, _given(stream, alloc.device), None, (self.address, n, 0, n), alloc, fn=acl.memset_async)
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
@@ -408,7 +403,18 @@ class DeviceArray:
             raise InvalidArgument("array", "copy_from_host needs a contiguous DeviceArray")
         host = host_array(host_view(array, "array")[0], "array")
         self._check_like("array", host)
-        _copy_in(alloc, self.address, host, stream)
+        n = host.nbytes
+        if not n:
+            return
+        given = _given(stream, alloc.device)
+        if given is not None and not is_pinned(host):
+            # Queued, not waited for: a snapshot in pinned memory now, so that later writes to the
+            # caller's array cannot change what is copied (and CANN copies pinned memory
+            # asynchronously).
+            stage = pinned_block(alloc.device, n)
+            np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
+            host = stage
+        _queued(alloc, given, host, (self.address, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc)
 
     def close(self) -> None:
         """Drop this array's hold on the memory; it goes back once no array views it and no
@@ -463,33 +469,16 @@ def wait_for(state: StreamState) -> None:
     dev.check()
 
 
-def _queued(alloc: Allocation, stream: Stream | None, hold: Any, args: tuple[Any, ...], writes: Any = None,
+def _queued(alloc: Allocation, given: StreamState | None, hold: Any, args: tuple[Any, ...], writes: Any = None,
             read: bool = False, wait: bool = False, fn: Any = acl.memcpy_async) -> None:
-    """Queue ``fn(*args)`` (a copy) of ``alloc`` on the stream given (or current inside ``with
-    stream:``), holding ``hold`` until it has run; without one, on the memory's writer stream,
-    waited for (and so with ``wait``). A host read (``read``) waits for the writer on the host
-    first when it is another stream."""
-    given = _given(stream, alloc.device)
-    state = _host_access(alloc, given) if read else given or _host_access(alloc, None)
-    state.enqueue(hold, [(fn, args)], (writes,) if writes is not None else ())
+    """Queue ``fn(*args)`` (a copy) of ``alloc`` on the stream ``given`` (:func:`_given`),
+    holding ``alloc`` and ``hold`` until it has run; without one, on the memory's writer
+    stream, waited for (and so with ``wait``). A host read (``read``) waits for the writer on
+    the host first when it is another stream."""
+    state = given if given is not None and not read else _host_access(alloc, given)
+    state.enqueue((hold, alloc), [(fn, args)], (writes,))
     if wait or given is None:
         wait_for(state)
-
-
-def _copy_in(alloc: Allocation, dst: int, host: np.ndarray, stream: Stream | None) -> None:
-    n = host.nbytes
-    if n and _given(stream, alloc.device) is not None and not is_pinned(host):
-        # Queued, not waited for: a snapshot in pinned memory now, so that later writes to the
-        # caller's array cannot change what is copied (and CANN copies pinned memory
-        # asynchronously).
-        stage = pinned_block(alloc.device, n)
-        np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
-        host = stage
-    if n:
-        _queued(alloc, stream, (host, alloc), (dst, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc)
-
-
-_D2H = "ACL_MEMCPY_DEVICE_TO_HOST"
 
 
 def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
@@ -582,10 +571,8 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     host = host_array(host_view(array, "array")[0], "array")
     if stream is not None:
         _args.instance("stream", stream, Stream, "a Stream or None")
-    dev = resolve_device(device) if device is not None or stream is None else stream.device
-    out = empty(host.shape, host.dtype, dev, stream)
-    alloc = out.allocation()
-    _copy_in(alloc, alloc.ptr, host, stream)
+    out = empty(host.shape, host.dtype, device, stream)
+    out.copy_from_host(host, stream)
     return out
 
 
