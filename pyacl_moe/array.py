@@ -76,12 +76,9 @@ _LAYOUTS_MAX = 1024
 
 
 def _layout_id(layout: tuple[Any, ...]) -> int:
-    got = _layout_ids.get(layout)
-    return got if got is not None else _new_layout_id(layout)
-
-
-def _new_layout_id(layout: tuple[Any, ...]) -> int:
     global _layout_ids
+    if (got := _layout_ids.get(layout)) is not None:
+        return got
     with _layout_lock:
         if layout not in _layout_ids:  # (another thread may have added it meanwhile)
             _layout_ids = {**(_layout_ids if len(_layout_ids) < _LAYOUTS_MAX else {}), layout: next(_layout_counter)}
