@@ -381,12 +381,10 @@ class DeviceArray:
         if v.ndim:
             raise InvalidArgument("value", f"must be a scalar, got shape {v.shape}")
         alloc, n = self.allocation(), self.nbytes
-        if not n:
-            return
-        if v.tobytes().strip(b"\0"):  # not all-zero bits (-0.0 is not): copied from the host
+        if v.tobytes().strip(b"\0"):  # not all-zero bits (-0.0 is not): copied from the host (nothing when empty)
             self.copy_from_host(np.full(self.shape, v, self.dtype), stream)
-            return
-        _queued(alloc, _given(stream, alloc.device), None, (self.address, n, 0, n), alloc, fn=acl.memset_async)
+        elif n:
+            _queued(alloc, _given(stream, alloc.device), None, (self.address, n, 0, n), alloc, fn=acl.memset_async)
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
