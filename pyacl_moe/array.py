@@ -480,11 +480,9 @@ def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
     (alo, ahi), (blo, bhi) = a.span, b.span
     if ahi < alo or bhi < blo or ahi < blo or bhi < alo:
         return False
-    if a.is_contiguous and b.is_contiguous:
-        return True
     # Strided views whose ranges meet may still interleave without touching: ask NumPy's exact
     # solver, on arrays that only describe the addresses (nothing is read).
-    return bool(np.shares_memory(_address_view(a), _address_view(b)))
+    return a.is_contiguous and b.is_contiguous or bool(np.shares_memory(_address_view(a), _address_view(b)))
 
 
 def _address_view(a: DeviceArray) -> np.ndarray:
