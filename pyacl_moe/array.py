@@ -440,11 +440,10 @@ def _host_access(alloc: Allocation, state: StreamState | None) -> StreamState:
     fault); memory whose writer cannot be known (borrowed), the whole device."""
     dev, w = alloc.device, alloc.writer
     on = state if state is not None else dev.default_stream.state
-    if w is None:
-        if alloc.owner is not None:  # borrowed: whoever wrote it, a device-wide wait covers it
-            dev.check()
-            dev.wait_all("a host access of borrowed memory")
-    elif w is not on:
+    if w is None and alloc.owner is not None:  # borrowed: whoever wrote it, a device-wide wait covers it
+        dev.check()
+        dev.wait_all("a host access of borrowed memory")
+    elif w is not None and w is not on:
         dev.check()
         w.synchronize(closing=True)
         if w.after_events:
@@ -455,12 +454,11 @@ def _host_access(alloc: Allocation, state: StreamState | None) -> StreamState:
 def wait_for(state: StreamState) -> None:
     """Wait for ``state`` and what it was ordered after through events (a device-wide wait
     then); raises the device's fault if any wait learned of one."""
-    dev = state.device
     collect()
     state.synchronize(closing=True)  # (a stream another thread is closing still runs what it took)
     if state.after_events:
-        dev.wait_all(f"a read on {state!r}")
-    dev.check()
+        state.device.wait_all(f"a read on {state!r}")
+    state.device.check()
 
 
 def _queued(alloc: Allocation, given: StreamState | None, hold: Any, args: tuple[Any, ...], writes: Any = None,
