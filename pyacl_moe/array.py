@@ -104,7 +104,6 @@ class DeviceArray:
     """
 
     __slots__ = ("alloc", "_layout", "_offset", "_acl_dtype", "_desc", "span", "layout_id", "__weakref__")
-    _layout: tuple[tuple[int, ...], np.dtype, tuple[int, ...]]  # shape, dtype, element strides
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int) -> None:
@@ -112,7 +111,7 @@ class DeviceArray:
         self.alloc: Allocation | None = alloc
         self._offset = offset
         self._desc: aclnn.TensorDesc | None = None
-        self._layout = (shape, dtype, strides)
+        self._layout = (shape, dtype, strides)  # (element strides)
         self._acl_dtype = acl_data_type(dtype)
         lo = alloc.ptr + offset * dtype.itemsize
         #: (first, last) device byte addresses the view touches (last < first when empty)
