@@ -619,8 +619,7 @@ def from_torch(tensor: Any) -> DeviceArray:
         raise InvalidArgument("tensor", f"is on {where}, not an NPU: from_torch wraps torch_npu tensors; pass "
                                         "host tensors to moe_init_routing_v2_grad or to_device directly")
     try:  # torch's dtype names are NumPy's (bfloat16: ml_dtypes')
-        dt = np.dtype(str(tensor.dtype).rpartition(".")[2])
-        acl_data_type(dt)
+        dt = _dtype(str(tensor.dtype).rpartition(".")[2])
     except (InvalidArgument, TypeError):
         raise InvalidArgument("tensor", f"has dtype {tensor.dtype}, which CANN's tensors here do not take") from None
     return from_pointer(int(tensor.untyped_storage().data_ptr()), tuple(int(n) for n in tensor.shape), dt,
