@@ -79,14 +79,13 @@ def _from_capsule(capsule: Any, name: str) -> np.ndarray:
         raise InvalidArgument(name, f"has a DLPack dtype (code {t.dtype.code}, {t.dtype.bits} bits, "
                                     f"{t.dtype.lanes} lanes) that CANN's tensors do not take")
     dtype = np.dtype(_CODES[t.dtype.code, t.dtype.bits])
-    shape = tuple(t.shape[:t.ndim])
     # NULL strides: compact row-major, as DLPack says.
     strides = tuple(s * dtype.itemsize for s in t.strides[:t.ndim]) if t.strides else None
     # The array interface cannot name bfloat16: view its bits as uint16, then reinterpret.
     carrier = np.dtype(np.uint16) if dtype == _BF16 else dtype
     interface = {
         "version": 3,
-        "shape": shape,
+        "shape": tuple(t.shape[:t.ndim]),
         "typestr": carrier.str,
         "data": ((t.data or 0) + t.byte_offset, False),
         "strides": strides,
