@@ -530,6 +530,8 @@ def empty(shape: Any, dtype: Any = np.float32, device: Device | int | None = Non
           stream: Stream | None = None) -> DeviceArray:
     """A new contiguous DeviceArray with uninitialized contents, for work on ``stream`` (default:
     the thread's current stream): memory that stream let go of may be taken at once."""
+    if stream is not None:  # (before its device is asked for)
+        _args.instance("stream", stream, Stream, "a Stream or None")
     shp = _args.shape("shape", shape)
     dt = _dtype(dtype)
     _args.nbytes("shape", shp, dt.itemsize)
@@ -543,8 +545,6 @@ def zeros(shape: Any, dtype: Any = np.float32, device: Device | int | None = Non
           stream: Stream | None = None) -> DeviceArray:
     """A new contiguous DeviceArray of zeros (memset on ``stream``, or the thread's current
     stream inside ``with stream:``; else waited for)."""
-    if stream is not None:
-        _args.instance("stream", stream, Stream, "a Stream or None")
     arr = empty(shape, dtype, device, stream)
     arr.fill(0, stream)
     return arr
@@ -558,8 +558,6 @@ def to_device(array: Any, stream: Stream | None = None, device: Device | int | N
     of the host data is taken now); without, it is done before returning.
     """
     host = host_array(host_view(array, "array")[0], "array")
-    if stream is not None:
-        _args.instance("stream", stream, Stream, "a Stream or None")
     out = empty(host.shape, host.dtype, device, stream)
     out.copy_from_host(host, stream)
     return out
