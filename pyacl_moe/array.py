@@ -86,11 +86,10 @@ def _layout_id(layout: tuple[Any, ...]) -> int:
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):  # (an axis of no elements strides as one of one)
+        strides[i - 1] = strides[i] * max(shape[i], 1)
+    return tuple(strides)
 
 
 class DeviceArray:
