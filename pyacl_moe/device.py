@@ -198,7 +198,7 @@ class Device:
             return dev
 
     def _first(self, did: int) -> None:
-        self._id, self._torn_down = did, False
+        self._id = did
         # ``lock`` guards _owned, which outlives a reset: the host objects of the inventory
         # (plans, executors, tensors) go when their owners go.
         self.lock = threading.Lock()
@@ -557,13 +557,11 @@ class Device:
         ClosedError. The first error a release reported is raised once everything is
         released."""
         with _Process.lock:
-            if self._torn_down:
+            if _Process.devices.get(self._id) is not self:  # closed already (a reset keeps it there)
                 return
             errors = self._teardown("Device.close")
-            self._torn_down = True
-            if _Process.devices.get(self._id) is self:
-                del _Process.devices[self._id]
-                _Process.live = tuple(_Process.devices.values())
+            del _Process.devices[self._id]
+            _Process.live = tuple(_Process.devices.values())
         if errors:
             raise errors[0]
 
@@ -572,7 +570,7 @@ class Device:
         object, fault cleared: every stream, array, plan and executor of it is dead
         (ClosedError), the device itself is usable."""
         with _Process.lock:
-            if self._torn_down:
+            if _Process.devices.get(self._id) is not self:
                 self.check_open()
             self._teardown("Device.reset")
             self._start()
