@@ -158,8 +158,9 @@ class _Process:
     lock = threading.RLock()
     devices: dict[int, Device] = {}
     live: tuple[Device, ...] = ()  # the open devices, published whole under lock (read without it)
-    initialized = False  # aclInit done (by us or by someone else in the process)
-    owns_init = False  # aclInit done by us: aclFinalize at exit is ours to call
+    # aclInit: not yet (None), done by us (True: aclFinalize at exit is ours to call), or by
+    # someone else in the process (False; also once the exit finalized it).
+    owns_init: bool | None = None
     # Idle blocks kept for reuse: PYACL_MOE_CACHE_ALLOCATIONS (0 or 1, default 1), read when the
     # first device opens (a bad value is refused by name there, not at import), or
     # set_caching(). One store, read without a lock.
@@ -212,9 +213,8 @@ class Device:
             if value not in ("0", "1"):
                 raise InvalidArgument("PYACL_MOE_CACHE_ALLOCATIONS", f"must be 0 or 1, got {value!r}")
             _Process.caching[0] = value == "1"
-        if not _Process.initialized:
+        if _Process.owns_init is None:
             _Process.owns_init = acl.init()
-            _Process.initialized = True
         count = acl.device_count()
         if self._id >= count:
             raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {self._id}")
