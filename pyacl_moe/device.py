@@ -395,14 +395,13 @@ class Device:
         idle_of = self._idle
         for i, a in enumerate(allocs):
             idle = idle_of.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
-            block: Block | None
             if idle and (idle[-1].home is home or idle[-1].home is None):
-                block = idle.pop()
+                block: Block | None = idle.pop()
             else:
                 block = _free_one(idle) if idle else None
-                if block is None:
-                    missing.append(i)
-                    continue
+            if block is None:
+                missing.append(i)
+                continue
             tokens[i].what = block
             block.token, block.home = tokens[i], home
             a.block, a.ptr = block, block.ptr
