@@ -501,10 +501,8 @@ class Device:
 
     def stats(self) -> dict[str, int]:
         """The memory figures of memory_stats for this device."""
-        if not _Process.caching[0]:
-            self.trim()
+        self.reap()  # (with caching off, what went idle is freed first)
         with self.lock:
-            self._reap()
             out = self._figures()
         held = [n for n in (s.workspace_size() for s in self.holders(STREAMS)) if n]
         out.update(workspace_blocks=len(held), workspace_bytes=sum(held))
