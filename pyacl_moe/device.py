@@ -597,9 +597,7 @@ class Device:
         errors += self.trim(every=True)
         if ctx.alive:
             _noting(errors, acl.reset_device, ctx)
-        with self.lock:
-            self._blocks, self._idle = {}, {}
-        return errors
+        return errors  # (a reset's _start makes the caches anew; a block CANN refused to free stays in _blocks)
 
     def __enter__(self) -> Device:
         saved = _tls.__dict__.setdefault("saved", [])
