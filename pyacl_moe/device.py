@@ -600,13 +600,9 @@ class Device:
         return errors  # (a reset's _start makes the caches anew; a block CANN refused to free stays in _blocks)
 
     def __enter__(self) -> Device:
-        saved = _tls.__dict__.setdefault("saved", [])
-        saved.append(getattr(_tls, "device", None))
-        try:
-            self.activate()
-        except BaseException:
-            saved.pop()
-            raise
+        previous = getattr(_tls, "device", None)
+        self.activate()  # (first: a device that cannot be made current is not entered, nothing saved)
+        _tls.__dict__.setdefault("saved", []).append(previous)
         return self
 
     def __exit__(self, *exc: object) -> None:
