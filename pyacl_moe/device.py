@@ -824,8 +824,7 @@ def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> 
     is gone."""
     shp, dt = _args.shape("shape", shape), _args.dtype("dtype", dtype)
     nbytes = _args.nbytes("shape", shp, dt.itemsize)
-    out: np.ndarray = pinned_block(resolve_device(device), nbytes)[:nbytes].view(dt).reshape(shp)
-    return out
+    return pinned_block(resolve_device(device), nbytes)[:nbytes].view(dt).reshape(shp)
 
 
 # ---------------------------------------------------------------------------- exit
