@@ -829,9 +829,12 @@ def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> 
 
 # ---------------------------------------------------------------------------- exit
 
-def _daemon_threads_end_quietly() -> None:
-    """From the exit on, a daemon thread that the teardown stops (its next call raises
-    ClosedError) ends without a traceback: non-daemon threads were joined before atexit ran."""
+def _close_all_at_exit() -> None:
+    """Close every open device in id order, then aclFinalize if this process called aclInit."""
+    if acl.forked():
+        return
+    # From now on, a daemon thread that the teardown stops (its next call raises ClosedError)
+    # ends without a traceback: non-daemon threads were joined before atexit ran.
     previous = threading.excepthook
 
     def hook(args: Any) -> None:
@@ -839,13 +842,6 @@ def _daemon_threads_end_quietly() -> None:
             previous(args)
 
     threading.excepthook = hook
-
-
-def _close_all_at_exit() -> None:
-    """Close every open device in id order, then aclFinalize if this process called aclInit."""
-    if acl.forked():
-        return
-    _daemon_threads_end_quietly()
     with _Process.lock:
         for dev in open_devices():
             try:
