@@ -760,8 +760,7 @@ def soc_name() -> str | None:
 def set_caching(enabled: bool) -> None:
     """Keep idle device and pinned blocks for reuse (True, the default) or free each one as
     soon as it is idle (False; what is cached now is freed)."""
-    if not isinstance(enabled, bool):
-        raise InvalidArgument("enabled", f"must be a bool, got {type(enabled).__name__}")
+    _args.instance("enabled", enabled, bool)
     with _Process.lock:
         _Process.caching[0] = enabled
     if not enabled:
