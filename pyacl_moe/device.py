@@ -491,13 +491,14 @@ class Device:
                 b.shelf.remove(b)
         return unused
 
-    def reclaim(self) -> None:
-        """Give back what completed work held and the streams' idle workspaces, then free the
-        idle blocks (an allocation that ran out of memory tries again after this)."""
+    def reclaim(self, empty: bool = False) -> list[BaseException]:
+        """Give back what completed work held and the streams' idle workspaces (``empty``: their
+        cached executors and workspaces, empty_cache), then free the idle blocks (an allocation
+        that ran out of memory tries again after this); the errors CANN reported."""
         for s in self.holders(STREAMS):
-            s.reclaim()
+            (s.empty if empty else s.reclaim)()
         collect()
-        self.trim()
+        return self.trim()
 
     def stats(self) -> dict[str, int]:
         """The memory figures of memory_stats for this device."""
@@ -781,10 +782,7 @@ def empty_cache(device: Device | int | None = None) -> None:
     stream's cached executors and workspace (once the work queued on it is done), what completed
     work held, and the idle blocks. Never waits for the device."""
     for dev in [resolve_device(device)] if device is not None else open_devices():
-        for s in dev.holders(STREAMS):
-            s.empty()
-        collect()
-        errors = dev.trim()
+        errors = dev.reclaim(empty=True)
         if errors:
             raise errors[0]
 
