@@ -119,13 +119,13 @@ class Block:
 
     __slots__ = ("handle", "size", "pinned", "ptr", "token", "home", "since", "shelf")
 
-    def __init__(self, handle: acl.Handle, size: int, pinned: bool, shelf: list[Block]) -> None:
+    def __init__(self, handle: acl.Handle, size: int, pinned: bool, token: _lifetime.Token, home: Any) -> None:
         self.handle, self.size, self.pinned, self.ptr = handle, size, pinned, 0
         # The device's idle blocks of its kind and size: where it waits while idle (a block
         # with no token and not on its shelf is a stray an interrupt or a refused free left).
-        self.shelf = shelf
-        self.token: _lifetime.Token | None = None
-        self.home: Any = None  # the StreamState it was taken for (None: free for any, pinned memory)
+        self.shelf: list[Block] = []
+        self.token: _lifetime.Token | None = token
+        self.home: Any = home  # the StreamState it was taken for (None: free for any, pinned memory)
         self.since = -1  # the home's point when another stream first asked for it (-1: not yet)
 
 
@@ -428,8 +428,7 @@ class Device:
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
         ctx = self.context
         size = max(_ROUND, -(-alloc.nbytes // _ROUND) * _ROUND)  # (as _take rounds)
-        block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, [])
-        block.token, block.home, token.what = token, home, block
+        token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, token, home)
         fill = acl.malloc_host if pinned else acl.malloc
         try:
             with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
