@@ -119,13 +119,13 @@ class Block:
 
     __slots__ = ("handle", "size", "pinned", "ptr", "token", "home", "since", "shelf")
 
-    def __init__(self, handle: acl.Handle, size: int, pinned: bool, shelf: list[Block]) -> None:
+    def __init__(self, handle: acl.Handle, size: int, pinned: bool, token: _lifetime.Token, home: Any) -> None:
         self.handle, self.size, self.pinned, self.ptr = handle, size, pinned, 0
         # The device's idle blocks of its kind and size: where it waits while idle (a block
         # with no token and not on its shelf is a stray an interrupt or a refused free left).
-        self.shelf = shelf
-        self.token: _lifetime.Token | None = None
-        self.home: Any = None  # the StreamState it was taken for (None: free for any, pinned memory)
+        self.shelf: list[Block] = []
+        self.token: _lifetime.Token | None = token
+        self.home: Any = home  # the StreamState it was taken for (None: free for any, pinned memory)
         self.since = -1  # the home's point when another stream first asked for it (-1: not yet)
 
 
@@ -158,8 +158,9 @@ class _Process:
     lock = threading.RLock()
     devices: dict[int, Device] = {}
     live: tuple[Device, ...] = ()  # the open devices, published whole under lock (read without it)
-    initialized = False  # aclInit done (by us or by someone else in the process)
-    owns_init = False  # aclInit done by us: aclFinalize at exit is ours to call
+    # aclInit: not yet (None), done by us (True: aclFinalize at exit is ours to call), or by
+    # someone else in the process (False; also once the exit finalized it).
+    owns_init: bool | None = None
     # Idle blocks kept for reuse: PYACL_MOE_CACHE_ALLOCATIONS (0 or 1, default 1), read when the
     # first device opens (a bad value is refused by name there, not at import), or
     # set_caching(). One store, read without a lock.
@@ -198,7 +199,7 @@ class Device:
             return dev
 
     def _first(self, did: int) -> None:
-        self._id, self._torn_down = did, False
+        self._id = did
         # ``lock`` guards _owned, which outlives a reset: the host objects of the inventory
         # (plans, executors, tensors) go when their owners go.
         self.lock = threading.Lock()
@@ -212,9 +213,8 @@ class Device:
             if value not in ("0", "1"):
                 raise InvalidArgument("PYACL_MOE_CACHE_ALLOCATIONS", f"must be 0 or 1, got {value!r}")
             _Process.caching[0] = value == "1"
-        if not _Process.initialized:
+        if _Process.owns_init is None:
             _Process.owns_init = acl.init()
-            _Process.initialized = True
         count = acl.device_count()
         if self._id >= count:
             raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {self._id}")
@@ -395,14 +395,13 @@ class Device:
         idle_of = self._idle
         for i, a in enumerate(allocs):
             idle = idle_of.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
-            block: Block | None
             if idle and (idle[-1].home is home or idle[-1].home is None):
-                block = idle.pop()
+                block: Block | None = idle.pop()
             else:
                 block = _free_one(idle) if idle else None
-                if block is None:
-                    missing.append(i)
-                    continue
+            if block is None:
+                missing.append(i)
+                continue
             tokens[i].what = block
             block.token, block.home = tokens[i], home
             a.block, a.ptr = block, block.ptr
@@ -429,8 +428,7 @@ class Device:
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
         ctx = self.context
         size = max(_ROUND, -(-alloc.nbytes // _ROUND) * _ROUND)  # (as _take rounds)
-        block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, [])
-        block.token, block.home, token.what = token, home, block
+        token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, token, home)
         fill = acl.malloc_host if pinned else acl.malloc
         try:
             with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
@@ -492,20 +490,19 @@ class Device:
                 b.shelf.remove(b)
         return unused
 
-    def reclaim(self) -> None:
-        """Give back what completed work held and the streams' idle workspaces, then free the
-        idle blocks (an allocation that ran out of memory tries again after this)."""
+    def reclaim(self, empty: bool = False) -> list[BaseException]:
+        """Give back what completed work held and the streams' idle workspaces (``empty``: their
+        cached executors and workspaces, empty_cache), then free the idle blocks (an allocation
+        that ran out of memory tries again after this); the errors CANN reported."""
         for s in self.holders(STREAMS):
-            s.reclaim()
+            (s.empty if empty else s.reclaim)()
         collect()
-        self.trim()
+        return self.trim()
 
     def stats(self) -> dict[str, int]:
         """The memory figures of memory_stats for this device."""
-        if not _Process.caching[0]:
-            self.trim()
+        self.reap()  # (with caching off, what went idle is freed first)
         with self.lock:
-            self._reap()
             out = self._figures()
         held = [n for n in (s.workspace_size() for s in self.holders(STREAMS)) if n]
         out.update(workspace_blocks=len(held), workspace_bytes=sum(held))
@@ -557,13 +554,11 @@ class Device:
         ClosedError. The first error a release reported is raised once everything is
         released."""
         with _Process.lock:
-            if self._torn_down:
+            if _Process.devices.get(self._id) is not self:  # closed already (a reset keeps it there)
                 return
             errors = self._teardown("Device.close")
-            self._torn_down = True
-            if _Process.devices.get(self._id) is self:
-                del _Process.devices[self._id]
-                _Process.live = tuple(_Process.devices.values())
+            del _Process.devices[self._id]
+            _Process.live = tuple(_Process.devices.values())
         if errors:
             raise errors[0]
 
@@ -572,7 +567,7 @@ class Device:
         object, fault cleared: every stream, array, plan and executor of it is dead
         (ClosedError), the device itself is usable."""
         with _Process.lock:
-            if self._torn_down:
+            if _Process.devices.get(self._id) is not self:
                 self.check_open()
             self._teardown("Device.reset")
             self._start()
@@ -602,18 +597,12 @@ class Device:
         errors += self.trim(every=True)
         if ctx.alive:
             _noting(errors, acl.reset_device, ctx)
-        with self.lock:
-            self._blocks, self._idle = {}, {}
-        return errors
+        return errors  # (a reset's _start makes the caches anew; a block CANN refused to free stays in _blocks)
 
     def __enter__(self) -> Device:
-        saved = _tls.__dict__.setdefault("saved", [])
-        saved.append(getattr(_tls, "device", None))
-        try:
-            self.activate()
-        except BaseException:
-            saved.pop()
-            raise
+        previous = getattr(_tls, "device", None)
+        self.activate()  # (first: a device that cannot be made current is not entered, nothing saved)
+        _tls.__dict__.setdefault("saved", []).append(previous)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -771,8 +760,7 @@ def soc_name() -> str | None:
 def set_caching(enabled: bool) -> None:
     """Keep idle device and pinned blocks for reuse (True, the default) or free each one as
     soon as it is idle (False; what is cached now is freed)."""
-    if not isinstance(enabled, bool):
-        raise InvalidArgument("enabled", f"must be a bool, got {type(enabled).__name__}")
+    _args.instance("enabled", enabled, bool)
     with _Process.lock:
         _Process.caching[0] = enabled
     if not enabled:
@@ -793,10 +781,7 @@ def empty_cache(device: Device | int | None = None) -> None:
     stream's cached executors and workspace (once the work queued on it is done), what completed
     work held, and the idle blocks. Never waits for the device."""
     for dev in [resolve_device(device)] if device is not None else open_devices():
-        for s in dev.holders(STREAMS):
-            s.empty()
-        collect()
-        errors = dev.trim()
+        errors = dev.reclaim(empty=True)
         if errors:
             raise errors[0]
 
@@ -835,15 +820,17 @@ def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> 
     is gone."""
     shp, dt = _args.shape("shape", shape), _args.dtype("dtype", dtype)
     nbytes = _args.nbytes("shape", shp, dt.itemsize)
-    out: np.ndarray = pinned_block(resolve_device(device), nbytes)[:nbytes].view(dt).reshape(shp)
-    return out
+    return pinned_block(resolve_device(device), nbytes)[:nbytes].view(dt).reshape(shp)
 
 
 # ---------------------------------------------------------------------------- exit
 
-def _daemon_threads_end_quietly() -> None:
-    """From the exit on, a daemon thread that the teardown stops (its next call raises
-    ClosedError) ends without a traceback: non-daemon threads were joined before atexit ran."""
+def _close_all_at_exit() -> None:
+    """Close every open device in id order, then aclFinalize if this process called aclInit."""
+    if acl.forked():
+        return
+    # From now on, a daemon thread that the teardown stops (its next call raises ClosedError)
+    # ends without a traceback: non-daemon threads were joined before atexit ran.
     previous = threading.excepthook
 
     def hook(args: Any) -> None:
@@ -851,13 +838,6 @@ def _daemon_threads_end_quietly() -> None:
             previous(args)
 
     threading.excepthook = hook
-
-
-def _close_all_at_exit() -> None:
-    """Close every open device in id order, then aclFinalize if this process called aclInit."""
-    if acl.forked():
-        return
-    _daemon_threads_end_quietly()
     with _Process.lock:
         for dev in open_devices():
             try:
