@@ -645,10 +645,8 @@ def _owned_by(owned: dict[Any, Any], tokens: Sequence[_lifetime.Token]) -> list[
 
 def _free_one(idle: list[Block]) -> Block | None:
     # (the device's lock held) The newest idle block free for any stream, taken from ``idle``.
-    for j in range(len(idle) - 1, -1, -1):
-        if _free_for_any(idle[j]):
-            return idle.pop(j)
-    return None
+    j = next((j for j in reversed(range(len(idle))) if _free_for_any(idle[j])), None)
+    return None if j is None else idle.pop(j)
 
 
 def _give(arrays: Sequence[Any]) -> None:
