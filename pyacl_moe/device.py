@@ -186,6 +186,12 @@ class Device:
     # The class of the default stream's public object: pyacl_moe.stream sets it, so that this
     # module never imports the stream layer above it (the one registration between modules).
     stream_class: Any = None
+    _id: int
+    # ``lock`` guards _owned, which outlives a reset: the host objects of the inventory
+    # (plans, executors, tensors) go when their owners go.
+    lock: threading.Lock
+    _owned: dict[Any, _lifetime.Token | None]  # holder -> token (None: no owner to wait for)
+
     def __new__(cls, device_id: int = 0) -> Device:
         did = _args.int32("device_id", device_id, lo=0)
         _refuse_after_fork()
@@ -193,18 +199,11 @@ class Device:
             dev = _Process.devices.get(did)
             if dev is None:
                 dev = super().__new__(cls)
-                dev._first(did)
+                dev._id, dev.lock, dev._owned = did, threading.Lock(), {}
+                dev._start()
                 _Process.devices[did] = dev
                 _Process.live = tuple(_Process.devices.values())
             return dev
-
-    def _first(self, did: int) -> None:
-        self._id = did
-        # ``lock`` guards _owned, which outlives a reset: the host objects of the inventory
-        # (plans, executors, tensors) go when their owners go.
-        self.lock = threading.Lock()
-        self._owned: dict[Any, _lifetime.Token | None] = {}  # holder -> token (None: no owner to wait for)
-        self._start()
 
     def _start(self) -> None:
         """Open the device (Process.lock held): a new context, an empty inventory, no fault."""
