@@ -391,9 +391,8 @@ class Device:
         # ``home`` for what fits one, newest first (the one its own stream let go of last);
         # the positions of the rest.
         missing: list[int] = []
-        idle_of = self._idle
         for i, a in enumerate(allocs):
-            idle = idle_of.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
+            idle = self._idle.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
             if idle and (idle[-1].home is home or idle[-1].home is None):
                 block: Block | None = idle.pop()
             else:
