@@ -574,9 +574,8 @@ class Device:
         """(Process.lock held) Each step may be made again: a teardown an interrupt cut short is
         finished by the next (at the latest the exit hook's)."""
         collect()  # what was dropped goes first (a release CANN refused is tried again)
-        ctx = self.context
         with self.lock:
-            ctx.open = False  # no new work: every call checks it before it takes a lock
+            self.context.open = False  # no new work: every call checks it before it takes a lock
         if getattr(_tls, "device", None) is self:
             _tls.device = None
         if acl.forked():
@@ -593,8 +592,8 @@ class Device:
         for holder in self.holders(STREAMS) + self.holders(EVENTS):
             _noting(errors, lambda h: check(self.release(h), h.API), holder)
         errors += self.trim(every=True)
-        if ctx.alive:
-            _noting(errors, acl.reset_device, ctx)
+        if self.context.alive:
+            _noting(errors, acl.reset_device, self.context)
         return errors  # (a reset's _start makes the caches anew; a block CANN refused to free stays in _blocks)
 
     def __enter__(self) -> Device:
