@@ -186,6 +186,12 @@ class Device:
     # The class of the default stream's public object: pyacl_moe.stream sets it, so that this
     # module never imports the stream layer above it (the one registration between modules).
     stream_class: Any = None
+    _id: int
+    # ``lock`` guards _owned, which outlives a reset: the host objects of the inventory
+    # (plans, executors, tensors) go when their owners go.
+    lock: threading.Lock
+    _owned: dict[Any, _lifetime.Token | None]  # holder -> token (None: no owner to wait for)
+
     def __new__(cls, device_id: int = 0) -> Device:
         did = _args.int32("device_id", device_id, lo=0)
         _refuse_after_fork()
@@ -193,18 +199,11 @@ class Device:
             dev = _Process.devices.get(did)
             if dev is None:
                 dev = super().__new__(cls)
-                dev._first(did)
+                dev._id, dev.lock, dev._owned = did, threading.Lock(), {}
+                dev._start()
                 _Process.devices[did] = dev
                 _Process.live = tuple(_Process.devices.values())
             return dev
-
-    def _first(self, did: int) -> None:
-        self._id = did
-        # ``lock`` guards _owned, which outlives a reset: the host objects of the inventory
-        # (plans, executors, tensors) go when their owners go.
-        self.lock = threading.Lock()
-        self._owned: dict[Any, _lifetime.Token | None] = {}  # holder -> token (None: no owner to wait for)
-        self._start()
 
     def _start(self) -> None:
         """Open the device (Process.lock held): a new context, an empty inventory, no fault."""
@@ -392,9 +391,8 @@ class Device:
         # ``home`` for what fits one, newest first (the one its own stream let go of last);
         # the positions of the rest.
         missing: list[int] = []
-        idle_of = self._idle
         for i, a in enumerate(allocs):
-            idle = idle_of.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
+            idle = self._idle.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
             if idle and (idle[-1].home is home or idle[-1].home is None):
                 block: Block | None = idle.pop()
             else:
@@ -576,9 +574,8 @@ class Device:
         """(Process.lock held) Each step may be made again: a teardown an interrupt cut short is
         finished by the next (at the latest the exit hook's)."""
         collect()  # what was dropped goes first (a release CANN refused is tried again)
-        ctx = self.context
         with self.lock:
-            ctx.open = False  # no new work: every call checks it before it takes a lock
+            self.context.open = False  # no new work: every call checks it before it takes a lock
         if getattr(_tls, "device", None) is self:
             _tls.device = None
         if acl.forked():
@@ -595,8 +592,8 @@ class Device:
         for holder in self.holders(STREAMS) + self.holders(EVENTS):
             _noting(errors, lambda h: check(self.release(h), h.API), holder)
         errors += self.trim(every=True)
-        if ctx.alive:
-            _noting(errors, acl.reset_device, ctx)
+        if self.context.alive:
+            _noting(errors, acl.reset_device, self.context)
         return errors  # (a reset's _start makes the caches anew; a block CANN refused to free stays in _blocks)
 
     def __enter__(self) -> Device:
@@ -645,10 +642,8 @@ def _owned_by(owned: dict[Any, Any], tokens: Sequence[_lifetime.Token]) -> list[
 
 def _free_one(idle: list[Block]) -> Block | None:
     # (the device's lock held) The newest idle block free for any stream, taken from ``idle``.
-    for j in range(len(idle) - 1, -1, -1):
-        if _free_for_any(idle[j]):
-            return idle.pop(j)
-    return None
+    j = next((j for j in reversed(range(len(idle))) if _free_for_any(idle[j])), None)
+    return None if j is None else idle.pop(j)
 
 
 def _give(arrays: Sequence[Any]) -> None:
