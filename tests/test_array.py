@@ -67,6 +67,8 @@ def test_bad_shapes_are_refused_by_name(device, shape, words):
 def test_bad_streams_and_devices_are_refused_by_name(device):
     with pytest.raises(pm.InvalidArgument, match="stream"):
         pm.zeros((2,), np.float32, stream=3)
+    with pytest.raises(pm.InvalidArgument, match="stream"):  # (an AttributeError before)
+        pm.empty((2,), np.float32, stream=3)
     with pytest.raises(pm.InvalidArgument, match="stream"):
         pm.to_device(np.ones(2, np.float32), stream="default")
     with pytest.raises(pm.InvalidArgument, match="stream"):
