@@ -8,8 +8,8 @@ goes back once no array views it and no queued work uses it, or when its device 
 Every copy runs on a stream. With ``stream`` (or inside ``with stream:``) it is queued there,
 after the memory's last writer when that is another stream (a read waits for it on the host;
 ordering anything else between streams is the caller's, through events) and the host buffer is
-held until it has run; without, it runs on the memory's last writer stream (else the default
-stream) and is waited for. Memory whose writer the binding cannot know (borrowed) waits for the
+held until it has run; without, it runs on the default stream once the memory's last writer
+has run (waited for on the host), and is waited for. Memory whose writer the binding cannot know (borrowed) waits for the
 whole device.
 """
 
@@ -285,7 +285,8 @@ class DeviceArray:
 
         With ``stream`` (or inside ``with stream:``) the copy is queued there, after the
         memory's last writer (waited for on the host when it is another stream), and waited
-        for; without, it runs on the memory's last writer stream and is waited for.
+        for; without, it runs on the default stream once the memory's last writer has run,
+        and is waited for.
 
         With ``out`` (a writable C-contiguous NumPy array of this shape and dtype) and a stream,
         the copy is queued into ``out`` and not waited for: ``out`` is complete once the stream
@@ -387,8 +388,8 @@ class DeviceArray:
         """Overwrite this (contiguous) array with ``array``'s values.
 
         With ``stream`` (or inside ``with stream:``) the copy is queued there (a snapshot of
-        ``array`` is taken now); without, it runs on the memory's last writer stream and is
-        waited for.
+        ``array`` is taken now); without, it runs on the default stream once the memory's last
+        writer has run, and is waited for.
         """
         alloc = self.allocation()
         if not self.is_contiguous:
