@@ -102,16 +102,16 @@ class DeviceArray:
     ``close()`` (or ``with``) drops this array's hold on the memory.
     """
 
-    __slots__ = ("alloc", "_layout", "_offset", "_acl_dtype", "_desc", "span", "layout_id", "__weakref__")
+    # (``_desc``: set by the first tensor_desc)
+    __slots__ = ("alloc", "_layout", "_offset", "_desc", "span", "layout_id", "__weakref__")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int) -> None:
         #: the Allocation the view is of (None once closed); :meth:`allocation` checks it
         self.alloc: Allocation | None = alloc
         self._offset = offset
-        self._desc: aclnn.TensorDesc | None = None
         self._layout = (shape, dtype, strides)  # (element strides)
-        self._acl_dtype = acl_data_type(dtype)
+        acl_data_type(dtype)  # (one CANN has no type for is refused)
         lo = alloc.ptr + offset * dtype.itemsize
         #: (first, last) device byte addresses the view touches (last < first when empty)
         self.span = (lo, lo + _extent(shape, strides) * dtype.itemsize - 1)
@@ -130,11 +130,12 @@ class DeviceArray:
 
     def tensor_desc(self) -> aclnn.TensorDesc:
         """What aclCreateTensor needs for this view, built once."""
-        d = self._desc
-        if d is None:
-            d = self._desc = aclnn.TensorDesc(self.shape, self._acl_dtype, self._layout[2], self._offset,
+        try:
+            return self._desc
+        except AttributeError:
+            d = self._desc = aclnn.TensorDesc(self.shape, self.acl_data_type, self._layout[2], self._offset,
                                               (self.allocation().nbytes // self.dtype.itemsize,))
-        return d
+            return d
 
     @classmethod
     def from_pointer(cls, ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[int] | None = None,
@@ -204,7 +205,7 @@ class DeviceArray:
     @property
     def acl_data_type(self) -> int:
         """The aclDataType code of the dtype."""
-        return self._acl_dtype
+        return acl_data_type(self.dtype)
 
     @property
     def data_ptr(self) -> int:
@@ -507,8 +508,9 @@ def _dtype(dtype: Any) -> np.dtype:
 def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...]:
     """Everything a contiguous DeviceArray of ``shape`` and ``dtype`` (both checked) is made of
     but its memory, for :func:`empty_from`: a caller making many keeps it."""
+    acl_data_type(dtype)
     layout = (shape, dtype, _contiguous_strides(shape))
-    return (layout, math.prod(shape, start=dtype.itemsize), _layout_id(layout), acl_data_type(dtype))
+    return layout, math.prod(shape, start=dtype.itemsize), _layout_id(layout)
 
 
 def empty_from(made: Sequence[tuple[Any, ...]], sizes: Sequence[int], device: Device,
@@ -520,7 +522,7 @@ def empty_from(made: Sequence[tuple[Any, ...]], sizes: Sequence[int], device: De
     for a, m in zip(device.allocate(sizes, home), made):
         # (DeviceArray.__init__ inline, nothing looked up again: a one call makes three)
         d = new(DeviceArray)
-        d.alloc, d._offset, d._desc, d._layout, d.layout_id, d._acl_dtype = a, 0, None, m[0], m[2], m[3]
+        d.alloc, d._offset, d._layout, d.layout_id = a, 0, m[0], m[2]
         d.span = (a.ptr, a.ptr + m[1] - 1)
         out.append(d)
     return out

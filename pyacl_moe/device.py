@@ -109,8 +109,9 @@ _O = TypeVar("_O", bound=Owner)
 
 
 class Block:
-    """One block of device (or pinned host) memory: idle in its device's cache, or behind the
-    Allocation whose token it keeps. Its fields are guarded by the device's lock.
+    """One block of device (or pinned host) memory: behind the Allocation (or pinned array)
+    whose ``token`` it keeps, or idle on its *shelf* once that token is dead. Its fields are
+    guarded by the device's lock.
 
     A device block is *homed* on the stream it was taken for: once its Allocation is gone, that
     stream may take it again at once (its later work runs after the work that used it), any
@@ -119,14 +120,27 @@ class Block:
 
     __slots__ = ("handle", "size", "pinned", "ptr", "token", "home", "since", "shelf")
 
-    def __init__(self, handle: acl.Handle, size: int, pinned: bool, token: _lifetime.Token, home: Any) -> None:
+    def __init__(self, handle: acl.Handle, size: int, pinned: bool, token: _lifetime.Token, home: Any,
+                 shelf: _Shelf) -> None:
         self.handle, self.size, self.pinned, self.ptr = handle, size, pinned, 0
-        # The device's idle blocks of its kind and size: where it waits while idle (a block
-        # with no token and not on its shelf is a stray an interrupt or a refused free left).
-        self.shelf: list[Block] = []
-        self.token: _lifetime.Token | None = token
+        # The device's idle blocks of its kind and size, as the dead tokens of their users: a
+        # token's callback is its shelf's append, so a block is back the moment its user is
+        # gone, no code of ours run (a block whose token is None is a stray an interrupt left).
+        self.shelf = shelf
+        self.token: _lifetime.Token | None = token  # alive: in use; dead: idle
         self.home: Any = home  # the StreamState it was taken for (None: free for any, pinned memory)
         self.since = -1  # the home's point when another stream first asked for it (-1: not yet)
+
+
+class _Shelf(collections.deque):  # type: ignore[type-arg]
+    """The idle blocks of one kind and size, as the dead tokens of their users, newest last:
+    ``put`` (its append, bound once) is their tokens' callback."""
+
+    __slots__ = ("put",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put = self.append
 
 
 class Allocation:
@@ -218,16 +232,16 @@ class Device:
         if self._id >= count:
             raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {self._id}")
         ctx = acl.open_device(self._id)
-        # ``lock`` also guards _blocks, _idle, _counts and fault (fault: one store, read without
+        # ``lock`` also guards _blocks, _shelves, _counts and fault (fault: one store, read without
         # it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns;
         # ``free_lock`` across every aclrtFree(Host), so that a block is freed once.
         self.sync_lock, self.free_lock = threading.Lock(), threading.Lock()
         self.fault: tuple[int, str, str, str] | None = None  # (status, api, message, which wait learned it)
         self._blocks: dict[Block, None] = {}  # every block made and not yet freed
-        # Tokens of Allocations that are gone: their callback appends (a deque's append is
-        # thread-safe), the allocator takes them under ``lock``, peeking before it pops.
-        self.dead_blocks: collections.deque[_lifetime.Token] = collections.deque()
-        self._idle: dict[tuple[bool, int], list[Block]] = {}  # (pinned, size) -> idle blocks, newest last
+        # [pinned][size] -> its shelf: the tokens of the blocks' users that are gone, newest
+        # last. A dying user's token appends itself (a deque's append is thread-safe by its
+        # documentation); only a holder of ``lock`` pops or removes.
+        self._shelves: tuple[dict[int, _Shelf], dict[int, _Shelf]] = ({}, {})
         self._counts = dict.fromkeys(_COUNTS, 0)  # memory_stats' counts, by its names
         self.context = ctx
         self._default: Any = Device.stream_class.default(self)
@@ -353,87 +367,69 @@ class Device:
         """New memory of each size in bytes for work on stream ``home`` (a StreamState): an
         idle block of the same rounded size that is free for it (no call to CANN), else
         aclrtMalloc (aclrtMallocHost when ``pinned``: free blocks only, homed on no stream, the
-        host writes them directly). A block goes back to the cache once its Allocation (or,
+        host writes them directly). A block goes back to its shelf once its Allocation (or,
         for pinned memory, ``owners[i]``) is gone. ``counts``: a figure of memory_stats to add
         one to (``workspace_takes``)."""
-        allocs, tokens, died, token = [], [], self.dead_blocks.append, _lifetime.Token
-        for n in sizes:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
-            a = Allocation(self, n)
-            allocs.append(a)
-            if owners is None:
-                tokens.append(token(a, died))  # (what it hands back, its block: set when it gets one)
-        for o in owners or ():
-            tokens.append(token(o, died))
         with self.lock:
             if not self.context.open:
                 self.check_open()
-            if self.dead_blocks:
-                self._reap()
-            missing = self._take(allocs, tokens, pinned, home)
+            allocs, missing = self._take(sizes, owners, pinned, home)
             if counts:
                 self._counts[counts] += 1
-        for i in missing:
-            self._malloc(allocs[i], tokens[i], pinned, home)
+        for i, token in missing:
+            self._malloc(allocs[i], token, pinned, home)
         if not _Process.caching[0]:
             self.trim()  # what went idle is freed, not kept
         return allocs
 
-    def reap(self) -> None:
-        """Take the blocks of Allocations that are gone (a safe point does, and every
-        allocation); with caching off, free them."""
-        with self.lock:
-            self._reap()
-        if not _Process.caching[0]:
-            self.trim()
-
-    def _take(self, allocs: list[Allocation], tokens: list[_lifetime.Token], pinned: bool, home: Any) -> list[int]:
-        # (lock held; a loop under a lock is a function of its own) An idle block free for
-        # ``home`` for what fits one, newest first (the one its own stream let go of last);
-        # the positions of the rest.
-        missing: list[int] = []
-        for i, a in enumerate(allocs):
-            idle = self._idle.get((pinned, -(-a.nbytes // _ROUND) * _ROUND or _ROUND))
-            if idle and (idle[-1].home is home or idle[-1].home is None):
-                block: Block | None = idle.pop()
+    def _take(self, sizes: Sequence[int], owners: Sequence[Any] | None, pinned: bool,
+              home: Any) -> tuple[list[Allocation], list[tuple[int, _lifetime.Token]]]:
+        # (lock held; a loop under a lock is a function of its own) For each size, an
+        # Allocation, a token of its owner that goes to the shelf of its size when the owner
+        # does, and an idle block of that shelf free for ``home``, newest first (the one its
+        # own stream let go of last); the positions and tokens of the rest.
+        allocs: list[Allocation] = []
+        missing: list[tuple[int, _lifetime.Token]] = []
+        shelves, token, new, ctx = self._shelves[pinned], _lifetime.Token, object.__new__, self.context
+        for i, n in enumerate(sizes):
+            size = -(-n // _ROUND) * _ROUND or _ROUND
+            shelf = shelves.get(size)
+            if shelf is None:
+                shelf = shelves[size] = _Shelf()
+            dead = shelf.pop() if shelf else None  # (popped first: a user dying meanwhile appends behind it)
+            block = dead.what if dead is not None else None
+            if block is None or block.token is not dead or block.home is not home and block.home is not None or (
+                    not block.ptr):
+                if dead is not None:
+                    shelf.append(dead)
+                block = _free_one(shelf)
+            # (Allocation.__init__ inline, its block and address known: a one call makes three)
+            a = new(Allocation)
+            a.device, a.context, a.nbytes, a.owner, a.writer = self, ctx, n, None, None
+            allocs.append(a)
+            mine = token(a if owners is None else owners[i], shelf.put)
+            mine.what = a.block = block
+            if block is None:  # (its block: made by _malloc)
+                a.ptr = 0
+                missing.append((i, mine))
             else:
-                block = _free_one(idle) if idle else None
-            if block is None:
-                missing.append(i)
-                continue
-            tokens[i].what = block
-            block.token, block.home = tokens[i], home
-            a.block, a.ptr = block, block.ptr
+                a.ptr = block.ptr
+                block.token, block.home, block.since = mine, home, -1
         self._counts["pinned_hits" if pinned else "array_hits"] += len(allocs) - len(missing)
-        return missing
-
-    def _reap(self) -> None:
-        # (lock held) The blocks of Allocations that are gone go idle. Each token is peeked,
-        # then popped, so that one an interrupt cut short is taken again (taking one twice
-        # does nothing). Its home's point is read when another stream first asks for the
-        # block (_free_for_any): a later point than when it went idle, so a wait for it covers
-        # at least the work that used it.
-        dead, blocks = self.dead_blocks, self._blocks
-        for _ in range(len(dead)):
-            block = getattr(dead[0], "what", None)
-            if block is not None and block.token is dead[0] and block in blocks:
-                block.token, block.since = None, -1
-                if not block.ptr:  # an interrupt cut its _malloc short: the address is the handle's,
-                    block.ptr = block.handle.address  # or none (a stray: the next trim drops it)
-                if block.ptr:
-                    block.shelf.append(block)
-            dead.popleft()
+        return allocs, missing
 
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
         ctx = self.context
         size = max(_ROUND, -(-alloc.nbytes // _ROUND) * _ROUND)  # (as _take rounds)
-        token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, token, home)
+        with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
+            self.check_open()
+            shelf = self._shelves[pinned][size]  # (made by _take)
+            token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, token,
+                                       home, shelf)
+            self._blocks[block] = None
+            self._counts["pinned_misses" if pinned else "array_misses"] += 1
         fill = acl.malloc_host if pinned else acl.malloc
         try:
-            with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
-                self.check_open()
-                block.shelf = self._idle.setdefault((pinned, size), [])
-                self._blocks[block] = None
-                self._counts["pinned_misses" if pinned else "array_misses"] += 1
             with calling(self, ctx):
                 acl.use_context(ctx)
                 try:
@@ -449,13 +445,6 @@ class Device:
                 block.token = None  # a stray: freed by the next trim (an empty handle frees nothing)
             raise
         alloc.block, alloc.ptr = block, block.ptr
-
-    def give_back(self, arrays: Sequence[Any]) -> None:
-        """Return the blocks of arrays nothing uses any more (no other array views them and the
-        work that used them is known complete: the NumPy call's own) to the cache now, free
-        for any stream."""
-        with self.lock:
-            _give(arrays)
 
     def trim(self, every: bool = False) -> list[BaseException]:
         """Free the idle blocks and the strays an interrupt left (``every``: every block, for
@@ -480,12 +469,11 @@ class Device:
 
     def _unused(self) -> list[Block]:
         # (lock held; a loop under a lock is a function of its own) The idle blocks no queued
-        # work may still use, and the strays (neither idle nor any Allocation's).
-        self._reap()
-        unused = [b for b in self._blocks if b.token is None and (b not in b.shelf or _free_for_any(b))]
+        # work may still use, off their shelves, and the strays (no token: neither idle nor in use).
+        unused = [b for b in self._blocks if b.token is None or b.token() is None and _free_for_any(b)]
         for b in unused:
-            if b in b.shelf:
-                b.shelf.remove(b)
+            if b.token is not None and b.token in b.shelf:
+                b.shelf.remove(b.token)
         return unused
 
     def reclaim(self, empty: bool = False) -> list[BaseException]:
@@ -499,7 +487,8 @@ class Device:
 
     def stats(self) -> dict[str, int]:
         """The memory figures of memory_stats for this device."""
-        self.reap()  # (with caching off, what went idle is freed first)
+        if not _Process.caching[0]:
+            self.trim()  # (what went idle is freed first)
         with self.lock:
             out = self._figures()
         held = [n for n in (s.workspace_size() for s in self.holders(STREAMS)) if n]
@@ -510,8 +499,8 @@ class Device:
         # (lock held; a loop under a lock is a function of its own)
         out = dict(self._counts)
         for prefix, pinned in (("array_", False), ("pinned_", True)):
-            idle = [b.size for b in self._blocks if b.pinned is pinned and b.token is None and b in b.shelf]
-            used = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None]
+            idle = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None and b.token() is None]
+            used = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None and b.token() is not None]
             out.update({prefix + "bytes_idle": sum(idle), prefix + "blocks_idle": len(idle),
                         prefix + "bytes_in_use": sum(used)})
         return out
@@ -616,9 +605,9 @@ def collect() -> None:
     blocks of Allocations that are gone go back to their devices' caches. Never waits for
     queued work; never called with a lock of the runtime held."""
     _lifetime.collect()
-    for dev in _Process.live:
-        if dev.dead_blocks:
-            dev.reap()
+    if not _Process.caching[0]:
+        for dev in _Process.live:
+            dev.trim()  # what went idle is freed, not kept
 
 
 def _free_for_any(block: Block) -> bool:
@@ -640,20 +629,25 @@ def _owned_by(owned: dict[Any, Any], tokens: Sequence[_lifetime.Token]) -> list[
     return [t for t in tokens if owned.get(t.what) is t]
 
 
-def _free_one(idle: list[Block]) -> Block | None:
-    # (the device's lock held) The newest idle block free for any stream, taken from ``idle``.
-    j = next((j for j in reversed(range(len(idle))) if _free_for_any(idle[j])), None)
-    return None if j is None else idle.pop(j)
-
-
-def _give(arrays: Sequence[Any]) -> None:
-    # (the device's lock held; a loop under a lock is a function of its own)
-    for array in arrays:
-        a = array.alloc
-        block, a.block = a.block, None
-        if block is not None and block.token is not None:
-            block.token, block.home = None, None
-            block.shelf.append(block)
+def _free_one(shelf: _Shelf) -> Block | None:
+    # (the device's lock held) The newest idle block of ``shelf`` free for any stream, taken
+    # off it; a token that names no idle block any more is dropped from it on the way.
+    for j in reversed(range(len(shelf))):
+        dead = shelf[j]
+        block = dead.what
+        if block is None or block.token is not dead:
+            del shelf[j]
+            continue
+        if not block.ptr:  # an interrupt cut its _malloc short: the address is the handle's,
+            block.ptr = block.handle.address  # or none (a stray: the next trim frees it)
+            if not block.ptr:
+                block.token = None
+                del shelf[j]
+                continue
+        if _free_for_any(block):
+            del shelf[j]
+            return block
+    return None
 
 
 def _noting(errors: list[BaseException], fn: Any, *args: Any) -> None:

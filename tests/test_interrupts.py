@@ -612,24 +612,25 @@ def test_an_interrupt_at_a_one_shot_launch_loses_no_executor(device, no_leaks, m
 
 
 def test_an_interrupted_allocation_or_give_back_leaves_memory_stats_true(device, monkeypatch):
-    """An interrupt inside the allocator (taking a block, taking back the blocks of arrays
-    that went) leaves no block lost and memory_stats true once the caches are emptied (it was
+    """An interrupt inside the allocator (taking a block, making one, the NumPy call's blocks
+    going back) leaves no block lost and memory_stats true once the caches are emptied (it was
     16 MiB off: a workspace counted in use that no one held)."""
     from pyacl_moe import device as device_mod
+    from pyacl_moe.op import call as call_mod
 
     pm.empty_cache()
     before = pm.emulator.stats()["device_allocations"]
     x, idx = np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32)
-    for name in ("_take", "_reap", "give_back"):
-        for _ in range(3):
-            a = pm.empty((1 << 20,), np.uint8)
-            del a  # its block: taken back by the next allocation, or by the interrupted one
-            _interrupt_after(monkeypatch, device_mod.Device, name)
+    for module, name in ((device_mod.Device, "_take"), (device_mod.Device, "_malloc"), (call_mod, "wait_for")):
+        for k, size in enumerate((1 << 20, 3 << 20, 1 << 20)):  # (a size seen before and a new one: a hit, a miss)
+            a = pm.empty((size,), np.uint8)
+            del a  # its block: on its shelf, for the next allocation (or the interrupted one)
+            _interrupt_after(monkeypatch, module, name)
             with pytest.raises(KeyboardInterrupt):
-                if name == "give_back":  # (the NumPy call's blocks, back in the cache at once)
+                if name == "wait_for":  # (the NumPy call's blocks, back in the cache once its arrays go)
                     pm.moe_init_routing_v2_grad(x, idx, 2)
                 else:
-                    pm.empty((1 << 20,), np.uint8)
+                    pm.empty((size + (k + 1) * 4096 * (name == "_malloc"),), np.uint8)  # (_malloc: a new size)
             monkeypatch.undo()
     gc.collect()
     pm.empty_cache()

@@ -392,7 +392,6 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     run_device(op, tensors, values, stream, workspace, validate)
     state.enqueue(hosts, _copies(made, hosts, False))
     wait_for(state)
-    dev.give_back(arrays)
     # Each output: a new array in the inputs' family, or the caller's (returned as given).
     results, back = [], iter(hosts)
     for w, target, mine in zip(outs, given, out):

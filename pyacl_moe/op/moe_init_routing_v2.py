@@ -188,7 +188,8 @@ def moe_init_routing_v2(x: Any, expert_idx: Any, active_num: int = 0, expert_cap
     if type(x) is DeviceArray and type(expert_idx) is DeviceArray and (stream is None or type(stream) is Stream) and (
             workspace is None and validate is True) and (out is None or type(out) is RoutingResult and _DEVICE_OR_NONE
                                                          .issuperset(map(type, out))):  # the common device call
-        return RoutingResult(*run_device(ONE_CALL, [x, expert_idx, *given], values, stream, None, True))
+        # (tuple.__new__: the NamedTuple's own __new__ is one frame more)
+        return _new(RoutingResult, run_device(ONE_CALL, [x, expert_idx, *given], values, stream, None, True))
     if type(out) is not RoutingResult and (not isinstance(out, tuple) or len(out) != 4) and out is not None:
         raise InvalidArgument("out", f"must be a RoutingResult (or a tuple of 4) of arrays or None, got "
                                      f"{type(out).__name__}")
@@ -197,3 +198,4 @@ def moe_init_routing_v2(x: Any, expert_idx: Any, active_num: int = 0, expert_cap
 
 
 _DEVICE_OR_NONE = frozenset({DeviceArray, type(None)})
+_new = tuple.__new__
