@@ -147,9 +147,11 @@ class Allocation:
     """Device memory in use: one block, shared by the DeviceArrays that view it and by queued
     work that uses it (a stream holds it until that work is known complete); its block goes
     back to the cache once all of them are gone. Borrowed memory (``block`` None) stays its
-    owner's, kept alive here. ``writer`` is the stream that last queued a write to it (None:
-    none yet; for borrowed memory, unknown): one store of a stream under that stream's lock,
-    read without a lock (ARCHITECTURE.md, published fields)."""
+    owner's, kept alive here. ``writer`` is the stream that last queued a write to it, from the
+    start the stream it was taken for (its earlier work may have used the block; None: pinned
+    memory, or borrowed memory, whose writer is unknown): stored at the allocation, before
+    anyone else sees it, then by a stream under that stream's lock; read without a lock
+    (ARCHITECTURE.md, published fields)."""
 
     __slots__ = ("device", "context", "ptr", "nbytes", "block", "owner", "writer", "__weakref__")
 
@@ -405,7 +407,7 @@ class Device:
                 block = _free_one(shelf)
             # (Allocation.__init__ inline, its block and address known: a one call makes three)
             a = new(Allocation)
-            a.device, a.context, a.nbytes, a.owner, a.writer = self, ctx, n, None, None
+            a.device, a.context, a.nbytes, a.owner, a.writer = self, ctx, n, None, home
             allocs.append(a)
             mine = token(a if owners is None else owners[i], shelf.put)
             mine.what = a.block = block

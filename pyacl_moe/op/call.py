@@ -228,11 +228,11 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
     if entry is None:
         entry = memo.put("checked", tuple(key), _checked(op, arrays, values))
     at, number, makes, sizes, given = entry
-    held: Any = allocs  # what the launch keeps alive: not the outputs it makes, homed on its stream
     if makes:
-        held = allocs[:]
+        # The outputs it makes are homed on its stream, which is their writer from the start:
+        # the launch neither holds them nor marks them (their allocs stay None).
         for i, new in zip(at, empty_from(makes, sizes, dev, state)):
-            arrays[i], allocs[i], firsts[i] = new, new.alloc, new.span[0]
+            arrays[i], firsts[i] = new, new.span[0]
     if given:
         # A given output must share no memory with another tensor. The outcome depends only on
         # the layouts and the addresses, so the last pair that passed is not checked again.
@@ -241,6 +241,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
             _check_outputs_apart(spec, arrays)
             with memo.lock:
                 memo.apart = (number, firsts)
+    held: Any = allocs  # what the launch keeps alive
     ws_arg = None
     if workspace is not None:
         # A caller's workspace, apart from the call's arrays and held: its address as passed and
@@ -261,10 +262,11 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
                         e.rebind(spec, firsts)
                     state.point += 1  # (StreamState.hold and written, inline: the steady state's frames)
                     state.holds.append((state.point, held))
-                    if len(allocs) == n_in + 1:
-                        allocs[n_in].writer = state  # type: ignore[union-attr]  # (an output: never None here)
-                    else:
-                        written(allocs[n_in:], state)
+                    if given:  # (the outputs it made have this stream for writer already)
+                        if len(allocs) == n_in + 1:
+                            allocs[n_in].writer = state  # type: ignore[union-attr]  # (given: not None)
+                        else:
+                            written(allocs[n_in:], state)
                     st = e.fn(state.ws_arg if ws_arg is None else ws_arg, e.size, e.ex, state.arg)
                     if st:
                         check(st, spec.api)
