@@ -102,8 +102,8 @@ class DeviceArray:
     ``close()`` (or ``with``) drops this array's hold on the memory.
     """
 
-    # (``_desc``: set by the first tensor_desc)
     __slots__ = ("alloc", "_layout", "_offset", "_desc", "span", "layout_id", "__weakref__")
+    _desc: aclnn.TensorDesc  # (set by the first tensor_desc)
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int) -> None:

@@ -636,7 +636,7 @@ def _free_one(shelf: _Shelf) -> Block | None:
     # off it; a token that names no idle block any more is dropped from it on the way.
     for j in reversed(range(len(shelf))):
         dead = shelf[j]
-        block = dead.what
+        block: Block | None = dead.what
         if block is None or block.token is not dead:
             del shelf[j]
             continue
