@@ -279,7 +279,8 @@ class StreamState:
             # (what completed work held and the workspace go at the return, outside the lock)
             done = self._advance(self.point) if idle else self.poll()  # noqa: F841
             cached, ws = self._uncache(True) if empty else (_NOTHING, self._drop_workspace() if idle else None)
-        _destroy(cached)
+        for entry in cached:  # (launches already queued captured what they need)
+            entry.destroy()
 
     def _uncache(self, events: bool) -> tuple[list[Any], Allocation | None]:
         # (lock held; a loop under a lock is a function of its own) Give up the cached executors
@@ -311,7 +312,8 @@ class StreamState:
             done = self._advance(self.point)  # noqa: F841
             status = self.handle.release() if self.handle is not None else 0
             cached, ws = self._uncache(not status)  # (a stream CANN refused to destroy keeps its events)
-        _destroy(cached)
+        for entry in cached:  # (launches already queued captured what they need)
+            entry.destroy()
         return status
 
     def dropped(self) -> int:
@@ -346,12 +348,6 @@ def _queue(calls: Calls, handle: Any) -> None:
 def _idle(state: StreamState) -> bool:
     acl.use_context(state.ctx)
     return acl.query_stream(state.handle)
-
-
-def _destroy(cached: list[Any]) -> None:
-    """Destroy cached executors: launches already queued captured what they need."""
-    for entry in cached:
-        entry.destroy()
 
 
 def _create(device: Device, holder: Any, owner: Any, create: Any) -> None:
