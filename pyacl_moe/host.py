@@ -13,6 +13,7 @@ unless the caller's object already comes from it.
 from __future__ import annotations
 
 import ctypes
+import struct
 import sys
 import types
 from typing import Any
@@ -27,43 +28,22 @@ __all__ = ["Family", "host_view", "in_family"]
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # DLPack's C layout (dlpack.h, version 0.x: the unversioned capsule every producer still gives
-# when asked without max_version).
+# when asked without max_version): a DLTensor is its data pointer, device (type, id), ndim,
+# dtype (code, bits, lanes), shape and strides pointers and byte_offset, with C's alignment.
+_DL_TENSOR = struct.Struct("PiiiBBHPPQ")
 _DL_CPU, _DL_CPU_PINNED = 1, 3
-_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_COMPLEX, _DL_BOOL = 0, 1, 2, 4, 5, 6
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
+_INT64S = ctypes.POINTER(ctypes.c_int64)
 
 _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_GetPointer", ctypes.pythonapi))
 _capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_IsValid", ctypes.pythonapi))
 
-_CODES = {
-    (_DL_INT, 8): np.int8, (_DL_INT, 16): np.int16, (_DL_INT, 32): np.int32, (_DL_INT, 64): np.int64,
-    (_DL_UINT, 8): np.uint8, (_DL_UINT, 16): np.uint16, (_DL_UINT, 32): np.uint32, (_DL_UINT, 64): np.uint64,
-    (_DL_FLOAT, 16): np.float16, (_DL_FLOAT, 32): np.float32, (_DL_FLOAT, 64): np.float64,
-    (_DL_BFLOAT, 16): _BF16, (_DL_COMPLEX, 64): np.complex64, (_DL_COMPLEX, 128): np.complex128,
-    (_DL_BOOL, 8): np.bool_,
-}
+# (DLPack's type code, bits) -> the dtype: the codes by NumPy's kinds, kDLBfloat (4) bfloat16's.
+_KINDS = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
+_CODES = {(_KINDS[d.kind], 8 * d.itemsize): d
+          for d in map(np.dtype, "i1 i2 i4 i8 u1 u2 u4 u8 f2 f4 f8 c8 c16 ?".split())}
+_CODES[4, 16] = _BF16
 
 
 def _from_capsule(capsule: Any, name: str) -> np.ndarray:
@@ -71,24 +51,24 @@ def _from_capsule(capsule: Any, name: str) -> np.ndarray:
     if not _capsule_valid(capsule, b"dltensor"):
         raise InvalidArgument(name, "is a DLPack capsule that was already consumed (or is not a 'dltensor' capsule)")
     # DLManagedTensor starts with its DLTensor: the capsule's pointer is the DLTensor's address.
-    t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
-    if t.device.device_type not in (_DL_CPU, _DL_CPU_PINNED):
-        raise InvalidArgument(name, f"is a DLPack tensor on device type {t.device.device_type}, not host memory: "
+    data, device_type, _, ndim, code, bits, lanes, shape, strides, offset = _DL_TENSOR.unpack(
+        ctypes.string_at(_capsule_pointer(capsule, b"dltensor"), _DL_TENSOR.size))
+    if device_type not in (_DL_CPU, _DL_CPU_PINNED):
+        raise InvalidArgument(name, f"is a DLPack tensor on device type {device_type}, not host memory: "
                                     "wrap device memory with pm.from_torch or pm.from_pointer")
-    if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _CODES:
-        raise InvalidArgument(name, f"has a DLPack dtype (code {t.dtype.code}, {t.dtype.bits} bits, "
-                                    f"{t.dtype.lanes} lanes) that CANN's tensors do not take")
-    dtype = np.dtype(_CODES[t.dtype.code, t.dtype.bits])
-    # NULL strides: compact row-major, as DLPack says.
-    strides = tuple(s * dtype.itemsize for s in t.strides[:t.ndim]) if t.strides else None
+    if lanes != 1 or (code, bits) not in _CODES:
+        raise InvalidArgument(name, f"has a DLPack dtype (code {code}, {bits} bits, "
+                                    f"{lanes} lanes) that CANN's tensors do not take")
+    dtype = _CODES[code, bits]
     # The array interface cannot name bfloat16: view its bits as uint16, then reinterpret.
     carrier = np.dtype(np.uint16) if dtype == _BF16 else dtype
     interface = {
         "version": 3,
-        "shape": tuple(t.shape[:t.ndim]),
+        "shape": tuple(ctypes.cast(shape, _INT64S)[:ndim]),
         "typestr": carrier.str,
-        "data": ((t.data or 0) + t.byte_offset, False),
-        "strides": strides,
+        "data": (data + offset, False),
+        # NULL strides: compact row-major, as DLPack says.
+        "strides": tuple(s * dtype.itemsize for s in ctypes.cast(strides, _INT64S)[:ndim]) if strides else None,
     }
     # The view's base owns the capsule, whose destructor releases the producer's memory once the
     # view (and every view of it) is gone.

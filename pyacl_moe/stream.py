@@ -130,8 +130,9 @@ class StreamState:
             self.hold(hold)
             written(writes, self)
             _queue(calls, self.handle)
-            done = self.fenced()
-        del done  # outside the lock: dropping the last reference to memory gives its block back
+            # What the fences show done is dropped at the return, outside the lock: dropping the last
+            # reference to memory gives its block back.
+            done = self.fenced()  # noqa: F841
 
     def hold(self, what: Any) -> None:
         """Keep ``what`` until the task about to be queued has run."""
@@ -165,10 +166,9 @@ class StreamState:
             with contextlib.suppress(AclError):
                 acl.use_context(self.ctx)
                 if not self.spare:
-                    h = acl.EventHandle(self.ctx)
-                    self.events.append(h)  # owned before it exists
-                    acl.create_event(h)
-                    self.spare.append(h)
+                    self.events.append(acl.EventHandle(self.ctx))  # owned before it exists
+                    acl.create_event(self.events[-1])
+                    self.spare.append(self.events[-1])
                 acl.record_event(self.spare[-1], self.handle)
                 self.fences.append((self.point, self.spare.pop()))
         return self.poll()
@@ -200,8 +200,8 @@ class StreamState:
     def completed(self, mark: int) -> None:
         """A wait that read ``mark`` returned clean: what the work up to it held goes."""
         with self.lock:
-            done = self._advance(mark)
-        del done
+            # (what it held goes at the return, outside the lock)
+            done = self._advance(mark)  # noqa: F841
 
     # -- waiting
 
@@ -236,8 +236,8 @@ class StreamState:
         with self.lock:
             self.check_open()
             idle = _idle(self)
-            done = self._advance(self.point) if idle else self.poll()
-        del done
+            # (what completed work held goes at the return, outside the lock)
+            done = self._advance(self.point) if idle else self.poll()  # noqa: F841
         return idle
 
     # -- workspace and caches
@@ -266,24 +266,21 @@ class StreamState:
     def empty(self) -> None:
         """empty_cache(): give up the cached executors and the workspace (freed once the work
         queued so far has run, by a later empty_cache)."""
-        if not self.ctx.open:
-            return
-        with self.lock:
-            done = self._advance(self.point) if self.live() and _idle(self) else self.poll()
-            cached, ws = self._uncache(True)
-        _destroy(cached)
-        del done, ws
+        self.reclaim(True)
 
-    def reclaim(self) -> None:
+    def reclaim(self, empty: bool = False) -> None:
         """Out of memory: what completed work held, and the workspace of a stream with nothing
-        queued."""
+        queued; with ``empty`` (:meth:`empty`), the cached executors and the workspace whatever
+        is queued (a stream that was closed is asked too)."""
         if not self.ctx.open:
             return
         with self.lock:
-            idle = not self.closing and _idle(self)
-            done = self._advance(self.point) if idle else self.poll()
-            ws = self._drop_workspace() if idle else None
-        del done, ws
+            idle = (self.live() if empty else not self.closing) and _idle(self)
+            # (what completed work held and the workspace go at the return, outside the lock)
+            done = self._advance(self.point) if idle else self.poll()  # noqa: F841
+            cached, ws = self._uncache(True) if empty else (_NOTHING, self._drop_workspace() if idle else None)
+        for entry in cached:  # (launches already queued captured what they need)
+            entry.destroy()
 
     def _uncache(self, events: bool) -> tuple[list[Any], Allocation | None]:
         # (lock held; a loop under a lock is a function of its own) Give up the cached executors
@@ -311,11 +308,12 @@ class StreamState:
         any wait in progress, and drop what it held. Safe again."""
         with self.wait_lock, self.lock:
             self.closing = True
-            done = self._advance(self.point)  # (every fence too: none is pending)
+            # Every fence too (none is pending); what it held goes at the return, outside the lock.
+            done = self._advance(self.point)  # noqa: F841
             status = self.handle.release() if self.handle is not None else 0
             cached, ws = self._uncache(not status)  # (a stream CANN refused to destroy keeps its events)
-        _destroy(cached)
-        del done, ws
+        for entry in cached:  # (launches already queued captured what they need)
+            entry.destroy()
         return status
 
     def dropped(self) -> int:
@@ -350,12 +348,6 @@ def _queue(calls: Calls, handle: Any) -> None:
 def _idle(state: StreamState) -> bool:
     acl.use_context(state.ctx)
     return acl.query_stream(state.handle)
-
-
-def _destroy(cached: list[Any]) -> None:
-    """Destroy cached executors: launches already queued captured what they need."""
-    for entry in cached:
-        entry.destroy()
 
 
 def _create(device: Device, holder: Any, owner: Any, create: Any) -> None:
@@ -399,19 +391,16 @@ class Stream:
         if address == 0:
             return dev.default_stream  # type: ignore[no-any-return]
         collect()
-        return cls._made(StreamState(dev, acl.BorrowedStreamHandle(dev.context, address), owner))
+        return cls.default(dev, acl.BorrowedStreamHandle(dev.context, address), owner)
 
     @classmethod
-    def default(cls, device: Device) -> Stream:
-        """The default stream of a device being opened (Device calls it)."""
-        return cls._made(StreamState(device, None))
-
-    @classmethod
-    def _made(cls, state: StreamState) -> Stream:
-        # A default stream (no handle: CANN's NULL stream) lives as long as its device: no owner.
+    def default(cls, device: Device, handle: acl.BorrowedStreamHandle | None = None, owner: Any = None) -> Stream:
+        """The default stream of a device being opened (Device calls it); with ``handle``, a
+        borrowed stream (:meth:`from_handle`)."""
         s = cls.__new__(cls)
-        s.state = state
-        state.device.own(state, None if state.handle is None else s)
+        s.state = state = StreamState(device, handle, owner)
+        # A default stream (no handle: CANN's NULL stream) lives as long as its device: no owner.
+        device.own(state, None if handle is None else s)
         return s
 
     @property
