@@ -101,10 +101,8 @@ def has_version_str() -> bool:
 
 def version_str(package: str) -> str | None:
     """aclsysGetVersionStr(package): the package's Version= from the share/info of the home
-    ``$ASCEND_HOME_PATH`` names, or None when the runtime has no such package (100003) or no
-    such function."""
-    if not has_version_str():
-        return None
+    ``$ASCEND_HOME_PATH`` names, or None when the runtime has no such package (100003). Only
+    for a runtime that has the function (:func:`has_version_str`: the caller asks first)."""
     buf = _ffi.new(declare.ctype("char[]"), declare.const("ACL_PKG_VERSION_MAX_SIZE"))
     name = _ffi.new(declare.ctype("char[]"), package.encode())
     if loader.libs().acl.aclsysGetVersionStr(name, buf):
@@ -185,9 +183,10 @@ def synchronize_device() -> None:
     check(loader.libs().acl.aclrtSynchronizeDevice(), "aclrtSynchronizeDevice")
 
 
-def get_mem_info(attr: str = "ACL_HBM_MEM") -> tuple[int, int]:
+def get_mem_info() -> tuple[int, int]:
+    """aclrtGetMemInfo(ACL_HBM_MEM): (free, total) bytes of the current device."""
     free, total = _ffi.new(declare.ctype("size_t *")), _ffi.new(declare.ctype("size_t *"))
-    check(loader.libs().acl.aclrtGetMemInfo(declare.const(attr), free, total), "aclrtGetMemInfo")
+    check(loader.libs().acl.aclrtGetMemInfo(declare.const("ACL_HBM_MEM"), free, total), "aclrtGetMemInfo")
     return int(free[0]), int(total[0])
 
 
@@ -226,10 +225,8 @@ class Handle:
         slot, so that a later call tries again; the slot is emptied with the call, interrupts
         held back between the two (a handle destroyed and still in its slot would be used)."""
         h, ctx = self._slot[0], self.context
-        if h == _NULL:
-            return 0
-        if _forked[0] or (ctx is not None and not ctx.alive):
-            self._slot[0] = _NULL  # gone with its device (or not this process's to touch)
+        if h == _NULL or _forked[0] or (ctx is not None and not ctx.alive):
+            self._slot[0] = _NULL  # never made, or gone with its device (or not this process's to touch)
             return 0
         if ctx is not None:
             use_context(ctx)
