@@ -135,14 +135,15 @@ class Context:
     to it with aclrtSetCurrentContext, which leaves the device's reference count alone.
     ``open``: the device takes new work (the device layer clears it when it closes or resets);
     ``alive``: its objects exist in CANN (False once the device is reset, or in a fork()
-    child). Each flag is one store of False, never set back."""
+    child). Each flag starts True (only open_device makes one, and keeps it only once its
+    device is set) and takes one store of False, never set back."""
 
     __slots__ = ("device_id", "_slot", "alive", "open", "__weakref__")
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
         self._slot = _ffi.new(declare.ctype("aclrtContext *"))
-        self.alive = self.open = False
+        self.alive = self.open = True
 
 
 def open_device(device_id: int) -> Context:
@@ -156,7 +157,6 @@ def open_device(device_id: int) -> Context:
     except BaseException:
         lib.aclrtResetDevice(device_id)
         raise
-    ctx.alive = ctx.open = True
     with _contexts_lock:
         _contexts.add(ctx)
     thread_state.context = ctx

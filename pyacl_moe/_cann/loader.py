@@ -148,8 +148,7 @@ def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> list[str]
         return f"{rel}: a dependency is missing: {names}, in none of {', '.join(folders[:3])} (nor the driver's " \
                "folders or LD_LIBRARY_PATH)"
     for lib in [path, *deps.order, *deps.left]:  # (left to the dynamic loader: read, never loaded by path here)
-        why = layout.elf_problem(lib)
-        if why:
+        if why := layout.elf_problem(lib):
             return f"{rel}: {lib if lib != path else 'the library'} is {why}"
     found = [layout.defined_symbols(lib, wanted) for lib in [path, *deps.order]]
     lacking = [w for w in wanted if not any(w in f for f in found if f is not None)]
