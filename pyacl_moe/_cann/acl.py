@@ -290,20 +290,17 @@ class interrupts_deferred:
 
     def __enter__(self) -> None:
         self.saved: Any = None
-        self.hit: tuple[int, Any] | None = None
         # (a handler that is SIG_IGN or SIG_DFL runs no Python code: nothing to hold back)
         if threading.current_thread() is threading.main_thread() and callable(h := signal.getsignal(signal.SIGINT)):
             self.saved = h
-            signal.signal(signal.SIGINT, self._held)
-
-    def _held(self, signum: int, frame: Any) -> None:
-        self.hit = (signum, frame)
+            self.hit: list[tuple[int, Any]] = []  # (signum, frame) of each SIGINT held back
+            signal.signal(signal.SIGINT, lambda *hit: self.hit.append(hit))
 
     def __exit__(self, *exc: object) -> None:
         if self.saved is not None:
             signal.signal(signal.SIGINT, self.saved)
-            if self.hit is not None:
-                self.saved(*self.hit)
+            if self.hit:
+                self.saved(*self.hit[-1])
 
 
 # ---------------------------------------------------------------------------- streams
