@@ -101,10 +101,8 @@ def has_version_str() -> bool:
 
 def version_str(package: str) -> str | None:
     """aclsysGetVersionStr(package): the package's Version= from the share/info of the home
-    ``$ASCEND_HOME_PATH`` names, or None when the runtime has no such package (100003) or no
-    such function."""
-    if not has_version_str():
-        return None
+    ``$ASCEND_HOME_PATH`` names, or None when the runtime has no such package (100003). Only
+    for a runtime that has the function (:func:`has_version_str`: the caller asks first)."""
     buf = _ffi.new(declare.ctype("char[]"), declare.const("ACL_PKG_VERSION_MAX_SIZE"))
     name = _ffi.new(declare.ctype("char[]"), package.encode())
     if loader.libs().acl.aclsysGetVersionStr(name, buf):
@@ -137,14 +135,15 @@ class Context:
     to it with aclrtSetCurrentContext, which leaves the device's reference count alone.
     ``open``: the device takes new work (the device layer clears it when it closes or resets);
     ``alive``: its objects exist in CANN (False once the device is reset, or in a fork()
-    child). Each flag is one store of False, never set back."""
+    child). Each flag starts True (only open_device makes one, and keeps it only once its
+    device is set) and takes one store of False, never set back."""
 
     __slots__ = ("device_id", "_slot", "alive", "open", "__weakref__")
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
         self._slot = _ffi.new(declare.ctype("aclrtContext *"))
-        self.alive = self.open = False
+        self.alive = self.open = True
 
 
 def open_device(device_id: int) -> Context:
@@ -158,7 +157,6 @@ def open_device(device_id: int) -> Context:
     except BaseException:
         lib.aclrtResetDevice(device_id)
         raise
-    ctx.alive = ctx.open = True
     with _contexts_lock:
         _contexts.add(ctx)
     thread_state.context = ctx
@@ -185,9 +183,10 @@ def synchronize_device() -> None:
     check(loader.libs().acl.aclrtSynchronizeDevice(), "aclrtSynchronizeDevice")
 
 
-def get_mem_info(attr: str = "ACL_HBM_MEM") -> tuple[int, int]:
+def get_mem_info() -> tuple[int, int]:
+    """aclrtGetMemInfo(ACL_HBM_MEM): (free, total) bytes of the current device."""
     free, total = _ffi.new(declare.ctype("size_t *")), _ffi.new(declare.ctype("size_t *"))
-    check(loader.libs().acl.aclrtGetMemInfo(declare.const(attr), free, total), "aclrtGetMemInfo")
+    check(loader.libs().acl.aclrtGetMemInfo(declare.const("ACL_HBM_MEM"), free, total), "aclrtGetMemInfo")
     return int(free[0]), int(total[0])
 
 
@@ -226,10 +225,8 @@ class Handle:
         slot, so that a later call tries again; the slot is emptied with the call, interrupts
         held back between the two (a handle destroyed and still in its slot would be used)."""
         h, ctx = self._slot[0], self.context
-        if h == _NULL:
-            return 0
-        if _forked[0] or (ctx is not None and not ctx.alive):
-            self._slot[0] = _NULL  # gone with its device (or not this process's to touch)
+        if h == _NULL or _forked[0] or (ctx is not None and not ctx.alive):
+            self._slot[0] = _NULL  # never made, or gone with its device (or not this process's to touch)
             return 0
         if ctx is not None:
             use_context(ctx)
@@ -293,20 +290,17 @@ class interrupts_deferred:
 
     def __enter__(self) -> None:
         self.saved: Any = None
-        self.hit: tuple[int, Any] | None = None
         # (a handler that is SIG_IGN or SIG_DFL runs no Python code: nothing to hold back)
         if threading.current_thread() is threading.main_thread() and callable(h := signal.getsignal(signal.SIGINT)):
             self.saved = h
-            signal.signal(signal.SIGINT, self._held)
-
-    def _held(self, signum: int, frame: Any) -> None:
-        self.hit = (signum, frame)
+            self.hit: list[tuple[int, Any]] = []  # (signum, frame) of each SIGINT held back
+            signal.signal(signal.SIGINT, lambda *hit: self.hit.append(hit))
 
     def __exit__(self, *exc: object) -> None:
         if self.saved is not None:
             signal.signal(signal.SIGINT, self.saved)
-            if self.hit is not None:
-                self.saved(*self.hit)
+            if self.hit:
+                self.saved(*self.hit[-1])
 
 
 # ---------------------------------------------------------------------------- streams

@@ -43,13 +43,11 @@ import platform
 import re
 import struct
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO, NamedTuple, TypeVar
+from typing import NamedTuple
 
 from .._paths import untrusted_above
-
-_T = TypeVar("_T")
 
 __all__ = ["DRIVER_FOLDERS", "OP_LIBRARIES", "RUNTIME_LIBRARIES", "arch", "candidate_homes",
            "defined_symbols", "dependency_order", "elf_problem", "library_folders", "loader_path", "needed"]
@@ -145,64 +143,50 @@ _ET_DYN, _PT_LOAD, _SHT_DYNSYM, _SHT_DYNAMIC, _DT_NEEDED = 3, 1, 11, 6, 1
 _MAX_TABLE = 64 << 20  # a symbol or string table larger than this is not read (not a sane library)
 
 
-class _Elf:
-    """A shared library's headers, read from its file (nothing is mapped). ``problem`` says why
-    it must not be mapped, or is None; then ``sections`` are (type, offset, size, link)."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
-        self.sections: list[tuple[int, int, int, int]] = []
-        self.problem = self._check(os.fstat(f.fileno()).st_size)
-
-    def _check(self, size: int) -> str | None:
-        head = self.f.read(_EHDR.size)
-        if head[:4] != b"\x7fELF":
-            return "not an ELF file"
-        if len(head) >= 6 and (head[4] != (2 if _WIDE else 1) or head[5] != (1 if _END == "<" else 2)):
-            return "an ELF file of another class or byte order than this process"
-        if len(head) < _EHDR.size:
-            return f"cut short ({size} bytes: not even its ELF header)"
-        e = _EHDR.unpack(head)
-        e_type, machine, phoff, shoff, phentsize, phnum, shentsize, shnum = e[1], e[2], *e[5:7], *e[9:13]
-        if e_type != _ET_DYN:
-            return f"not a shared object (ELF type {e_type})"
-        want = _MACHINES.get(arch())
-        if want is not None and machine != want:
-            return f"built for another machine (ELF machine {machine}; this one is {arch()}, {want})"
-        if phnum == 0 or phentsize < _PHDR.size or phoff + phnum * phentsize > size:
-            return f"cut short or damaged ({size} bytes: its program headers are not all there)"
-        table = self.read(phoff, phnum * phentsize)
-        for i in range(phnum):
-            p = _PHDR.unpack_from(table, i * phentsize)
-            offset, filesz = (p[2], p[5]) if _WIDE else (p[1], p[4])
-            if p[0] == _PT_LOAD and offset + filesz > size:
-                return f"cut short ({size} bytes; its segments need {offset + filesz})"
-        if shoff and (shentsize < _SHDR.size or shoff + shnum * shentsize > size or shnum > 1 << 20):
-            return f"cut short ({size} bytes; its section table ends at {shoff + shnum * shentsize})"
-        raw = self.read(shoff, shnum * shentsize) if shoff else b""
-        self.sections = [(s[1], s[4], s[5], s[6]) for s in
-                         (_SHDR.unpack_from(raw, i * shentsize) for i in range(shnum))]
-        return None
-
-    def read(self, offset: int, size: int) -> bytes:
-        self.f.seek(offset)
-        return self.f.read(size)
-
-    def tables(self, kind: int) -> list[tuple[bytes, bytes]]:
-        """(entries, string table) of each section of ``kind`` (its link is the strings)."""
-        return [(self.read(offset, size), self.read(*self.sections[link][1:3]))
-                for t, offset, size, link in self.sections
-                if t == kind and link < len(self.sections) and max(size, self.sections[link][2]) <= _MAX_TABLE]
+def _sections(fd: int) -> list[tuple[int, int, int, int]] | str:
+    """The section headers (type, offset, size, link) of the shared library open at ``fd``
+    (nothing is mapped), or why it must not be mapped."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, _EHDR.size, 0)
+    if head[:4] != b"\x7fELF":
+        return "not an ELF file"
+    if len(head) >= 6 and (head[4] != (2 if _WIDE else 1) or head[5] != (1 if _END == "<" else 2)):
+        return "an ELF file of another class or byte order than this process"
+    if len(head) < _EHDR.size:
+        return f"cut short ({size} bytes: not even its ELF header)"
+    e = _EHDR.unpack(head)
+    e_type, machine, phoff, shoff, phentsize, phnum, shentsize, shnum = e[1], e[2], *e[5:7], *e[9:13]
+    if e_type != _ET_DYN:
+        return f"not a shared object (ELF type {e_type})"
+    want = _MACHINES.get(arch())
+    if want is not None and machine != want:
+        return f"built for another machine (ELF machine {machine}; this one is {arch()}, {want})"
+    if phnum == 0 or phentsize < _PHDR.size or phoff + phnum * phentsize > size:
+        return f"cut short or damaged ({size} bytes: its program headers are not all there)"
+    table = os.pread(fd, phnum * phentsize, phoff)
+    for i in range(phnum):
+        p = _PHDR.unpack_from(table, i * phentsize)
+        offset, filesz = (p[2], p[5]) if _WIDE else (p[1], p[4])
+        if p[0] == _PT_LOAD and offset + filesz > size:
+            return f"cut short ({size} bytes; its segments need {offset + filesz})"
+    if shoff and (shentsize < _SHDR.size or shoff + shnum * shentsize > size or shnum > 1 << 20):
+        return f"cut short ({size} bytes; its section table ends at {shoff + shnum * shentsize})"
+    raw = os.pread(fd, shnum * shentsize, shoff) if shoff else b""
+    return [(s[1], s[4], s[5], s[6]) for s in (_SHDR.unpack_from(raw, i * shentsize) for i in range(shnum))]
 
 
-def _elf(path: str, use: Callable[[_Elf], _T]) -> tuple[_T | None, str | None]:
-    """(``use`` of the library at ``path``, None), or (None, why it cannot be read as one)."""
+def _tables(path: str, kind: int) -> tuple[list[tuple[bytes, bytes]], str | None]:
+    """((entries, string table) of each section of ``kind`` of the library at ``path`` (a
+    section's link is its strings), None), or ([], why it cannot be read as one)."""
     try:
         with open(path, "rb") as f:
-            elf = _Elf(f)
-            return (None, elf.problem) if elf.problem else (use(elf), None)
+            s = _sections(fd := f.fileno())
+            if isinstance(s, str):
+                return [], s
+            return [(os.pread(fd, size, offset), os.pread(fd, s[link][2], s[link][1])) for t, offset, size, link in s
+                    if t == kind and link < len(s) and max(size, s[link][2]) <= _MAX_TABLE], None
     except (OSError, struct.error) as exc:
-        return None, f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+        return [], f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
 
 
 def elf_problem(path: str) -> str | None:
@@ -211,7 +195,7 @@ def elf_problem(path: str) -> str | None:
     hold every byte its program headers, segments and section table say it has (a file cut
     short is mapped by the dynamic loader all the same, and touching the missing pages kills
     the process with SIGBUS)."""
-    return _elf(path, lambda elf: None)[1]
+    return _tables(path, -1)[1]  # (no section is of kind -1: nothing read but the headers)
 
 
 def _string(strtab: bytes, at: int) -> bytes:
@@ -221,34 +205,29 @@ def _string(strtab: bytes, at: int) -> bytes:
 
 def needed(path: str) -> tuple[str, ...] | None:
     """The DT_NEEDED entries of a shared library, in order; None when it cannot be read."""
-    def entries(elf: _Elf) -> tuple[str, ...]:
-        names: list[str] = []
-        for dyn, strtab in elf.tables(_SHT_DYNAMIC)[:1]:
-            for tag, value in _DYN.iter_unpack(dyn[:len(dyn) // _DYN.size * _DYN.size]):
-                if tag == 0:
-                    break
-                if tag == _DT_NEEDED and value < len(strtab):
-                    names.append(_string(strtab, value).decode("utf-8", "replace"))
-        return tuple(names)
-
-    return _elf(path, entries)[0]
+    tables, why = _tables(path, _SHT_DYNAMIC)
+    names: list[str] = []
+    for dyn, strtab in tables[:1]:
+        for tag, value in _DYN.iter_unpack(dyn[:len(dyn) // _DYN.size * _DYN.size]):
+            if tag == 0:
+                break
+            if tag == _DT_NEEDED and value < len(strtab):
+                names.append(_string(strtab, value).decode("utf-8", "replace"))
+    return None if why else tuple(names)
 
 
 def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
     """Which of ``wanted`` the library's dynamic symbol table defines (global or weak, not
     undefined); None when it cannot be read."""
     targets = {w.encode() for w in wanted}
-
-    def defined(elf: _Elf) -> set[str]:
-        found: set[str] = set()
-        for syms, strtab in elf.tables(_SHT_DYNSYM):
-            for entry in _SYM.iter_unpack(syms[:len(syms) // _SYM.size * _SYM.size]):
-                name, info, shndx = (entry[0], entry[1], entry[3]) if _WIDE else (entry[0], entry[3], entry[5])
-                if shndx and (info >> 4) in (1, 2) and name < len(strtab) and _string(strtab, name) in targets:
-                    found.add(_string(strtab, name).decode())
-        return found
-
-    return _elf(path, defined)[0]
+    tables, why = _tables(path, _SHT_DYNSYM)
+    found: set[str] = set()
+    for syms, strtab in tables:
+        for entry in _SYM.iter_unpack(syms[:len(syms) // _SYM.size * _SYM.size]):
+            name, info, shndx = (entry[0], entry[1], entry[3]) if _WIDE else (entry[0], entry[3], entry[5])
+            if shndx and (info >> 4) in (1, 2) and name < len(strtab) and _string(strtab, name) in targets:
+                found.add(_string(strtab, name).decode())
+    return None if why else found
 
 
 _UNVERSIONED = re.compile(r"lib[^/]*\.so")

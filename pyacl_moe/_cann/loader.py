@@ -32,7 +32,7 @@ from typing import Any
 from .. import errors
 from . import declare, layout
 
-__all__ = ["ENTRY_POINTS", "Libraries", "LibraryInfo", "Provider", "libs", "library_info", "load", "loaded_info",
+__all__ = ["Libraries", "LibraryInfo", "Provider", "libs", "library_info", "load", "loaded_info",
            "loaded_libraries", "register_provider", "select_provider"]
 
 EMULATOR = "emulator"
@@ -45,8 +45,6 @@ _HEADERS = {
 }
 # Declared, used when present, absent from some releases: aclsysGetVersionStr came with 8.5.
 OPTIONAL = frozenset({"aclsysGetVersionStr"})
-ENTRY_POINTS = ("aclnnMoeInitRoutingV2GradGetWorkspaceSize", "aclnnMoeInitRoutingV2Grad",
-                "aclnnMoeInitRoutingV2GetWorkspaceSize", "aclnnMoeInitRoutingV2")
 
 
 @dataclass(frozen=True)
@@ -115,10 +113,6 @@ def register_finder(name: str, find: Callable[[], object]) -> None:
         _finders[name] = find
 
 
-def _env_wants_emulator() -> bool:
-    return os.environ.get("PYACL_MOE_EMULATOR", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def select_provider(name: str) -> None:
     """Bind this process to a registered provider instead of an installed CANN. Must come
     before anything loads CANN; once the real libraries are loaded the choice is final."""
@@ -154,13 +148,12 @@ def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> list[str]
         return f"{rel}: a dependency is missing: {names}, in none of {', '.join(folders[:3])} (nor the driver's " \
                "folders or LD_LIBRARY_PATH)"
     for lib in [path, *deps.order, *deps.left]:  # (left to the dynamic loader: read, never loaded by path here)
-        why = layout.elf_problem(lib)
-        if why:
+        if why := layout.elf_problem(lib):
             return f"{rel}: {lib if lib != path else 'the library'} is {why}"
     found = [layout.defined_symbols(lib, wanted) for lib in [path, *deps.order]]
     lacking = [w for w in wanted if not any(w in f for f in found if f is not None)]
     if lacking and None not in found:  # (one that cannot be read is tried: dlopen and the resolution judge it)
-        if wanted == list(ENTRY_POINTS) and len(lacking) == len(wanted):
+        if rel not in layout.RUNTIME_LIBRARIES and len(lacking) == len(wanted):
             return f"{rel}: exports none of the op's entry points"
         more = f" and {len(lacking) - 6} more" if len(lacking) > 6 else ""
         return f"{rel}: lacks {', '.join(lacking[:6])}{more}"
@@ -172,7 +165,11 @@ def _opened(names: list[str], three: Sequence[str], info: LibraryInfo) -> Librar
     the libraries ``three`` name (acl, nn, op; the others are kept loaded) and resolve them.
     All or nothing: when one cannot be loaded, or the resolution refuses what was loaded,
     everything opened here is closed again (last first), so that no library of a rejected home
-    stays mapped for a later load to bind to by soname."""
+    stays mapped for a later load to bind to by soname.
+
+    Every declared function is resolved now, each in its own library: cffi resolves a function
+    on first use under its internal lock (see declare's docstring for why that must not happen
+    in a finalizer), and a function the library lacks is an install that cannot work."""
     handles: dict[str, Any] = {}
     try:
         for name in names:
@@ -181,7 +178,15 @@ def _opened(names: list[str], three: Sequence[str], info: LibraryInfo) -> Librar
             except OSError as exc:
                 raise errors.CannNotFoundError([f"{name}: cannot be loaded: {exc}"]) from None
         acl, nn, op = (handles[n] for n in three)
-        return _resolved(Libraries(acl, nn, op, info, tuple(h for n, h in handles.items() if n not in three)))
+        # (hasattr first: it is what resolves a function, an optional one too)
+        where = (*three[:2], info.op_library)  # (the op library by its real path)
+        missing = [f"{path} lacks {name}" for part, lib, path in zip(_HEADERS, (acl, nn, op), where)
+                   for name in _declared(part) if not hasattr(lib, name) and name not in OPTIONAL]
+        missing += [f"{three[0]} lacks {name}" for name in declare.extra_functions()
+                    if not hasattr(acl, name) and info.backend != "cann"]
+        if missing:
+            raise errors.CannNotFoundError(missing)
+        return Libraries(acl, nn, op, info, tuple(h for n, h in handles.items() if n not in three))
     except BaseException:
         for h in reversed(list(handles.values())):
             declare.ffi.dlclose(h)
@@ -196,7 +201,7 @@ def _load_plan(home: str, backend: str) -> Libraries | str:
     three: list[str] = []  # the path of each library (acl, nn, op)
     for part, candidates in [("acl", layout.RUNTIME_LIBRARIES[:1]), ("nn", layout.RUNTIME_LIBRARIES[1:]),
                              ("op", [rel.format(arch=layout.arch()) for rel in layout.OP_LIBRARIES])]:
-        wanted = [f for f in _declared(part) if f not in OPTIONAL] if part != "op" else list(ENTRY_POINTS)
+        wanted = [f for f in _declared(part) if f not in OPTIONAL]  # (for "op": the op's four entry points)
         passed_over: list[str] = []  # op libraries there but unfit: only reported when none fits
         for rel in candidates:
             got = _fits(home, rel, wanted, {os.path.basename(p) for p in order})
@@ -234,10 +239,10 @@ def _from_loader_path() -> Libraries | str:
         try:  # (all three each time: a failed try leaves nothing mapped)
             for name in names:  # (a file an absolute entry holds is read before it is mapped)
                 if (path := layout.find(name, absolute)) and (why := layout.elf_problem(path)):
-                    raise OSError(f"{path} is {why}")
+                    raise errors.CannNotFoundError([f"{path} is {why}"])
             return _opened(names, names, info)
-        except (OSError, errors.CannNotFoundError) as exc:
-            problems += exc.tried if isinstance(exc, errors.CannNotFoundError) else [str(exc)]
+        except errors.CannNotFoundError as exc:
+            problems += exc.tried
     return "; ".join(dict.fromkeys(problems))
 
 
@@ -261,22 +266,6 @@ def _search(ascend_home: str | None) -> Libraries:
     raise errors.CannNotFoundError(tried)
 
 
-def _resolved(libs: Libraries) -> Libraries:
-    """Resolve every declared function now, each in its own library: cffi resolves a function
-    on first use under its internal lock (see declare's docstring for why that must not happen
-    in a finalizer), and a function the library lacks is an install that cannot work."""
-    where = {"acl": libs.info.paths.get("ascendcl"), "nn": libs.info.paths.get("nnopbase"),
-             "op": libs.info.op_library}
-    # (hasattr first: it is what resolves a function, an optional one too)
-    missing = [f"{where[part]} lacks {name}" for part, lib in (("acl", libs.acl), ("nn", libs.nn), ("op", libs.op))
-               for name in _declared(part) if not hasattr(lib, name) and name not in OPTIONAL]
-    missing += [f"{where['acl']} lacks {name}" for name in declare.extra_functions()
-                if not hasattr(libs.acl, name) and libs.info.backend != "cann"]
-    if missing:
-        raise errors.CannNotFoundError(missing)
-    return libs
-
-
 def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | None = None) -> LibraryInfo:
     """Load the CANN libraries now (otherwise the first call that needs them does).
 
@@ -292,17 +281,16 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
     if emulator is not None and not isinstance(emulator, bool):
         raise errors.InvalidArgument("emulator", f"must be a bool or None, got {type(emulator).__name__}")
     home_arg = os.fspath(ascend_home) if ascend_home is not None else None
-    if (emulator or (emulator is None and _env_wants_emulator())) and EMULATOR in _finders:
+    wants = emulator if emulator is not None else \
+        os.environ.get("PYACL_MOE_EMULATOR", "").strip().lower() in ("1", "true", "yes", "on")
+    if wants and EMULATOR in _finders:
         # The bundled emulator registers itself when its package is imported: asked for (the
         # environment, load(emulator=True)), the finder registered for it (the package's top
         # imports it) runs here, and only then (before the lock: the registration takes it).
         _finders[EMULATOR]()
     with _lock:
-        provider = _selected
-        if emulator or (emulator is None and provider is None and _env_wants_emulator()):
-            provider = EMULATOR
-        elif emulator is False:
-            provider = None
+        # (the argument first, then a provider selected before, then the environment)
+        provider = _selected if emulator is None and _selected is not None else EMULATOR if wants else None
         if _libs is not None:
             same = _libs.info.backend == (provider or "cann") and (
                 home_arg is None or _libs.info.home == str(Path(home_arg))
