@@ -77,12 +77,11 @@ class ExecutorCore:
 def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore], attrs: Mapping[str, Any]) -> ExecutorCore:
     """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (absent: a null pointer)
     and ``attrs``, which the caller has checked for their C types."""
-    ctx = device.context
     device.activate()
     core = ExecutorCore(spec, device, tensors)
     args = [attrs[p.name] if p.kind == "attr" else (t.handle if (t := tensors.get(p.name)) is not None else None)
             for p in spec.params]
-    with calling(device, ctx):
+    with calling(device, device.context):
         core.workspace_size = aclnn.get_workspace_size(spec.api, args, core.handle)
     return core
 
@@ -97,10 +96,9 @@ def first_phase(spec: OpSpec, given: Sequence[AclTensor | DeviceArray | None], v
     asked = resolve_device(device) if device is not None else None
     tensors: dict[str, AclTensor] = {}  # (a null pointer: absent)
     for name, value in zip(spec.tensors, given):
-        if value is not None and not isinstance(value, (AclTensor, DeviceArray)):
-            raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
         if value is not None:
-            tensors[name] = AclTensor(value) if isinstance(value, DeviceArray) else value
+            value = AclTensor(value) if isinstance(value, DeviceArray) else value
+            tensors[name] = _args.instance(name, value, AclTensor, "an AclTensor, a DeviceArray or None")
     dev = device_of({n: t.array for n, t in tensors.items()}, asked)
     collect()
     core = build(spec, dev, {n: t.core(n) for n, t in tensors.items()}, attrs)
@@ -270,11 +268,9 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
         raise InvalidArgument("workspace_size",
                               f"must be at least the executor's {core.workspace_size} bytes, got {size}")
     ws_alloc: Allocation | None = None
-    if isinstance(workspace, DeviceArray):
-        ws_alloc = checked_workspace(workspace, size, core.device, "executor")
-        ws = workspace.address
-    else:
-        ws = 0 if workspace is None else _args.integer("workspace", workspace, 0, 2**64 - 1)
+    if isinstance(workspace, DeviceArray):  # (its address: a checked int)
+        ws_alloc, workspace = checked_workspace(workspace, size, core.device, "executor"), workspace.address
+    ws = 0 if workspace is None else _args.integer("workspace", workspace, 0, 2**64 - 1)
     if size and not ws:
         raise InvalidArgument("workspace", f"is missing but workspace_size is {size}: pass device memory of that size")
     state = resolve_stream(stream, core.device)
