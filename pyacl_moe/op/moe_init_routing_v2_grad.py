@@ -46,7 +46,7 @@ def get_workspace_size(grad_expanded_x: AclTensor | DeviceArray | None,
     pointer), only the attributes' C type (int64). DeviceArrays are wrapped in aclTensors the
     executor keeps.
     """
-    return first_phase(SPEC, (grad_expanded_x, expanded_row_idx, out), (top_k, drop_pad_mode, active_num), device)
+    return first_phase(SPEC, (grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out), device)
 
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
