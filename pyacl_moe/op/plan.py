@@ -312,9 +312,9 @@ class Plan(Owner):
                 raise InvalidArgument(name, "was not part of the plan (built as a null pointer): build a new plan "
                                             "to add it")
             if new.layout != old.layout:
-                raise InvalidArgument(name, f"has shape {new.shape}, dtype {new.dtype}, strides {new.strides} but the "
-                                            f"plan was built for {old.shape}, {old.dtype}, {old.strides}: build a new "
-                                            "plan for a different layout")
+                raise InvalidArgument(
+                    name, f"has shape {new.shape}, dtype {new.dtype}, strides {new.strides} but the plan was built "
+                          f"for {old.shape}, {old.dtype}, {old.strides}: build a new plan for a different layout")
             alloc = new.allocation(name)
             if alloc.device is not c.device:
                 raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on {c.device.device_id}")
