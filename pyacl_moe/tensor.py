@@ -78,8 +78,7 @@ class AclTensor(Owner):
     @property
     def closed(self) -> bool:
         """True once closed, or once its device was closed."""
-        c = self._core
-        return c is None or c.device.closed
+        return self._core is None or self._core.device.closed
 
     # What CANN reports back (aclGet*): used by tests to check the descriptor is the array's.
     view_shape = _reported("ViewShape", "aclGetViewShape.")

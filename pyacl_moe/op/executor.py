@@ -77,30 +77,28 @@ class ExecutorCore:
 def build(spec: OpSpec, device: Device, tensors: Mapping[str, TensorCore], attrs: Mapping[str, Any]) -> ExecutorCore:
     """The first phase: ``<api>GetWorkspaceSize`` over ``tensors`` (absent: a null pointer)
     and ``attrs``, which the caller has checked for their C types."""
-    ctx = device.context
     device.activate()
     core = ExecutorCore(spec, device, tensors)
     args = [attrs[p.name] if p.kind == "attr" else (t.handle if (t := tensors.get(p.name)) is not None else None)
             for p in spec.params]
-    with calling(device, ctx):
+    with calling(device, device.context):
         core.workspace_size = aclnn.get_workspace_size(spec.api, args, core.handle)
     return core
 
 
-def first_phase(spec: OpSpec, given: Sequence[AclTensor | DeviceArray | None], values: Sequence[Any],
-                device: Device | int | None) -> tuple[int, Executor]:
-    """An op's ``get_workspace_size`` on what the caller gave (its tensors in ``spec.tensors``
-    order: AclTensors, DeviceArrays wrapped in aclTensors the executor keeps, or None for a null
-    pointer) and its attribute ``values`` (checked for their C types): (workspace bytes,
-    executor). The device is ``device``, else the first tensor's, else the current one."""
-    attrs = spec.attr_values(*values)
+def first_phase(spec: OpSpec, args: Sequence[Any], device: Device | int | None) -> tuple[int, Executor]:
+    """An op's ``get_workspace_size`` on what the caller gave: the first phase's arguments in C
+    order (``spec.params``), its tensors AclTensors, DeviceArrays wrapped in aclTensors the
+    executor keeps, or None for a null pointer, its attributes' values checked for their C
+    types; (workspace bytes, executor). The device is ``device``, else the first tensor's,
+    else the current one."""
+    attrs = spec.attr_values(*(a for p, a in zip(spec.params, args) if p.kind == "attr"))
     asked = resolve_device(device) if device is not None else None
     tensors: dict[str, AclTensor] = {}  # (a null pointer: absent)
-    for name, value in zip(spec.tensors, given):
-        if value is not None and not isinstance(value, (AclTensor, DeviceArray)):
-            raise InvalidArgument(name, f"must be an AclTensor, a DeviceArray or None, got {type(value).__name__}")
-        if value is not None:
-            tensors[name] = AclTensor(value) if isinstance(value, DeviceArray) else value
+    for p, value in zip(spec.params, args):
+        if value is not None and p.kind != "attr":
+            value = AclTensor(value) if isinstance(value, DeviceArray) else value
+            tensors[p.name] = _args.instance(p.name, value, AclTensor, "an AclTensor, a DeviceArray or None")
     dev = device_of({n: t.array for n, t in tensors.items()}, asked)
     collect()
     core = build(spec, dev, {n: t.core(n) for n, t in tensors.items()}, attrs)
@@ -127,10 +125,7 @@ def check_output_layout(name: str, out: DeviceArray) -> None:
     from the view's address (up to 9.0: nnopbase checks the contiguity of inputs only, so the
     values would land in the wrong elements, silently), and accepted where it writes through
     the strides (9.1's l0op::ViewCopy)."""
-    if out.is_contiguous:
-        return
-    applies = cann_version().behaviour
-    if applies.behaviour.strided_out != "strides":
+    if not out.is_contiguous and (applies := cann_version().behaviour).behaviour.strided_out != "strides":
         raise InvalidArgument(name, f"must be contiguous: the op of CANN {applies.release or 'this release'} writes "
                                     "its outputs densely from the view's address (from 9.1 it writes through the "
                                     "strides)")
@@ -141,9 +136,8 @@ def fits(name: str, want: tuple[tuple[int, ...], np.dtype] | None, shape: tuple[
     if want is None:
         raise InvalidArgument(name, "is not written in this scenario: pass None")
     if shape != want[0] or dtype != want[1]:
-        what = _contract.dtype_name
-        raise InvalidArgument(name, f"must have shape {want[0]} and dtype {what(want[1])} (what the inputs make), "
-                                    f"got shape {shape} and dtype {what(dtype)}")
+        raise InvalidArgument(name, f"must have shape {want[0]} and dtype {_contract.dtype_name(want[1])} (what the "
+                                    f"inputs make), got shape {shape} and dtype {_contract.dtype_name(dtype)}")
 
 
 def checked_workspace(workspace: Any, size: int, device: Device, user: str) -> Allocation:
@@ -270,14 +264,11 @@ def execute(workspace: DeviceArray | int | None, workspace_size: Any, executor: 
         raise InvalidArgument("workspace_size",
                               f"must be at least the executor's {core.workspace_size} bytes, got {size}")
     ws_alloc: Allocation | None = None
-    if isinstance(workspace, DeviceArray):
-        ws_alloc = checked_workspace(workspace, size, core.device, "executor")
-        ws = workspace.address
-    else:
-        ws = 0 if workspace is None else _args.integer("workspace", workspace, 0, 2**64 - 1)
+    if isinstance(workspace, DeviceArray):  # (its address: a checked int)
+        ws_alloc, workspace = checked_workspace(workspace, size, core.device, "executor"), workspace.address
+    ws = 0 if workspace is None else _args.integer("workspace", workspace, 0, 2**64 - 1)
     if size and not ws:
         raise InvalidArgument("workspace", f"is missing but workspace_size is {size}: pass device memory of that size")
-    state = resolve_stream(stream, core.device)
     allocs = tuple(t.alloc for t in core.tensors.values())
-    outs = [t.alloc for n, t in core.tensors.items() if n in core.spec.outputs]
-    launch(core, state, ws, size, (ws_alloc, allocs), outs)
+    launch(core, resolve_stream(stream, core.device), ws, size, (ws_alloc, allocs),
+           [t.alloc for n, t in core.tensors.items() if n in core.spec.outputs])

@@ -69,10 +69,9 @@ def get_workspace_size(x: AclTensor | DeviceArray | None, expert_idx: AclTensor 
     """Phase one, as CANN has it: (workspace bytes, executor). Nothing of the contract is
     checked on the host (the vendor validates; None passes a null pointer), only the
     attributes' C types."""
-    return first_phase(SPEC, (x, expert_idx, expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum,
-                              expert_tokens_before_capacity),
-                       (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
-                        expert_tokens_before_capacity_flag), device)
+    return first_phase(SPEC, (x, expert_idx, active_num, expert_capacity, expert_num, drop_pad_mode,
+                              expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag, expanded_x,
+                              expanded_row_idx, expert_tokens_count_or_cumsum, expert_tokens_before_capacity), device)
 
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:

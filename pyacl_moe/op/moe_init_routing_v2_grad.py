@@ -46,13 +46,13 @@ def get_workspace_size(grad_expanded_x: AclTensor | DeviceArray | None,
     pointer), only the attributes' C type (int64). DeviceArrays are wrapped in aclTensors the
     executor keeps.
     """
-    return first_phase(SPEC, (grad_expanded_x, expanded_row_idx, out), (top_k, drop_pad_mode, active_num), device)
+    return first_phase(SPEC, (grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, out), device)
 
 
 def _check(layouts: Mapping[str, tuple[tuple[int, ...], np.dtype]], attrs: Mapping[str, Any]) -> Outputs:
-    (xs, xd), (ixs, ixd) = layouts["grad_expanded_x"], layouts["expanded_row_idx"]
-    geo = _contract.check_shapes(xs, xd, ixs, ixd, attrs["top_k"], attrs["drop_pad_mode"], attrs["active_num"])
-    return {"out": ((geo.tokens, geo.hidden), xd)}
+    # (the attributes in SPEC's order: top_k, drop_pad_mode, active_num, as check_shapes takes them)
+    geo = _contract.check_shapes(*layouts["grad_expanded_x"], *layouts["expanded_row_idx"], *attrs.values())
+    return {"out": ((geo.tokens, geo.hidden), layouts["grad_expanded_x"][1])}
 
 
 def _sizes(arrays: Mapping[str, Any], attrs: Mapping[str, Any]) -> Outputs:
@@ -88,8 +88,7 @@ class MoeInitRoutingV2Grad(Plan):
     def __init__(self, grad_expanded_x: DeviceArray, expanded_row_idx: DeviceArray, top_k: int,
                  drop_pad_mode: int = 0, active_num: int = 0, *, out: DeviceArray | None = None,
                  repeatable: bool = True, validate: bool = True) -> None:
-        self._build([grad_expanded_x, expanded_row_idx, out], (top_k, drop_pad_mode, active_num), repeatable,
-                    validate)
+        self._build([grad_expanded_x, expanded_row_idx, out], (top_k, drop_pad_mode, active_num), repeatable, validate)
 
     @property
     def out(self) -> DeviceArray:

@@ -149,7 +149,7 @@ class Plan(Owner):
         for one to make) and the attribute ``values``: the contract checked (with
         ``validate``), the outputs not given made (those the scenario writes)."""
         op = self._op
-        spec = self._spec = op.spec
+        spec = op.spec
         self._validate = validate = _args.boolean("validate", validate)
         self._repeatable = repeatable = _args.boolean("repeatable", repeatable)
         n_in = len(spec.inputs)
@@ -157,9 +157,8 @@ class Plan(Owner):
                   for i, (name, a) in enumerate(zip(spec.tensors, given)) if a is not None or i < n_in}
         dev = device_of(arrays)
         attrs = spec.attr_values(*values)
-        inputs = {n: arrays[n] for n in spec.inputs}
-        wanted = op.check({n: (a.shape, a.dtype) for n, a in inputs.items()}, attrs) if validate else \
-            op.sizes(inputs, attrs)
+        wanted = op.check({n: (arrays[n].shape, arrays[n].dtype) for n in spec.inputs}, attrs) if validate else \
+            op.sizes(arrays, attrs)
         for name in spec.outputs:
             a, want = arrays.get(name), wanted[name]
             if a is not None and validate:
@@ -187,7 +186,7 @@ class Plan(Owner):
     def executor(self) -> Executor:
         """The plan's executor (closing it is the plan's business: use ``plan.close()``)."""
         c = self._c
-        return Executor(c.executor, tuple(c.tensors[n] for n in self._spec.tensors if n in c.tensors))
+        return Executor(c.executor, tuple(c.tensors[n] for n in c.spec.tensors if n in c.tensors))
 
     @property
     def closed(self) -> bool:
@@ -232,7 +231,7 @@ class Plan(Owner):
                         else:
                             written(c.outs, state)
                         return c.result
-                    check(st, self._spec.api)
+                    check(st, c.spec.api)
         return self._launch(stream, workspace)
 
     def _usable(self) -> None:
@@ -275,7 +274,7 @@ class Plan(Owner):
                         state.plans.add(c.key)
                         c.streams[state] = None
                         acl.use_context(state.ctx)
-                        check(c.fn(state.ws_arg, c.size, c.ex, state.arg), self._spec.api)
+                        check(c.fn(state.ws_arg, c.size, c.ex, state.arg), c.spec.api)
                         written(c.outs, state)
                         c.last = state
                         return c.result
@@ -304,7 +303,7 @@ class Plan(Owner):
         self._usable()
         c = self._c
         changes: dict[str, tuple[DeviceArray, Allocation, int]] = {}
-        for name, new in zip(self._spec.tensors, given):
+        for name, new in zip(c.spec.tensors, given):
             if new is None:
                 continue
             _args.instance(name, new, DeviceArray, "a DeviceArray or None")
@@ -333,7 +332,7 @@ class Plan(Owner):
                 raise ClosedError("plan", "it was closed")
             pending = {**c.rebinding, **todo}
             if self._validate and todo:
-                check_no_overlap(self._spec, {**c.arrays, **{n: v[0] for n, v in pending.items()}})
+                check_no_overlap(c.spec, {**c.arrays, **{n: v[0] for n, v in pending.items()}})
             c.rebinding = pending
             c.finish_rebind()
 
