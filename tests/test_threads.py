@@ -512,3 +512,46 @@ def test_layout_ids_stay_one_per_layout_while_threads_add_new_ones(device, itera
     errors = hammer([worker] * THREADS, iterations)
     assert not errors, errors[0]
     assert not clashes, clashes[:3]
+
+
+@stress_iterations
+def test_blocks_that_go_back_on_other_threads_are_never_handed_out_twice(device, no_leaks, iterations):
+    """A block goes back to its shelf the moment its last user goes, on whatever thread that
+    is: makers take blocks while droppers let go of the makers' arrays on their own threads
+    (the shelf is appended to without the device's lock, popped under it). No block is handed
+    out twice (each array reads back what was written to it), and afterwards the figures add
+    up: nothing in use, the idle blocks freed by empty_cache."""
+    handed: list[list[pm.DeviceArray]] = [[] for _ in range(THREADS)]
+    locks = [threading.Lock() for _ in range(THREADS)]
+    progress = Progress()
+
+    def maker(i, steps):
+        for n in progress.steps(steps):
+            for size in (128, 640, 128):  # one size all share, one of its own
+                v = float(i * 100000 + n * 10 + size % 7)
+                a = pm.to_device(np.full(size + 8 * i * (size == 640), v, np.float32))
+                b = pm.empty((size,), np.float32)
+                b.fill(v + 0.5)
+                if not ((a.to_host() == v).all() and (b.to_host() == v + 0.5).all()):
+                    raise AssertionError(f"maker {i} step {n}: a block was handed out twice")
+                with locks[i]:
+                    handed[i] += [a, b]  # let go of by a dropper, on its thread
+                del a, b
+
+    def dropper(i, steps):
+        mine = i - THREADS // 2
+        while progress.running:
+            with locks[mine]:
+                gone, handed[mine] = handed[mine], []
+            del gone  # (the blocks go back to their shelves here, on this thread)
+            time.sleep(0)
+
+    half = THREADS // 2
+    errors = hammer([progress.counted(maker) for _ in range(half)] + [dropper] * half, iterations)
+    assert not errors, errors[0]
+    for h in handed:
+        h.clear()
+    pm.empty_cache()
+    st = pm.memory_stats()
+    assert st["array_bytes_in_use"] == 0 or st["array_bytes_in_use"] == st["workspace_bytes"], st
+    assert st["array_bytes_idle"] == 0 and st["array_blocks_idle"] == 0, st
