@@ -310,8 +310,7 @@ class DeviceArray:
         n = hi - lo + 1  # (0 when empty: an empty view is contiguous, a strided one has elements)
         host = out if self.is_contiguous else np.empty(n, dtype=np.uint8)
         if n:
-            given = _given(stream, alloc.device)
-            _queued(alloc, given, host, (host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST"), read=True, wait=wait)
+            _queued(alloc, stream, host, (host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST"), wait=wait)
         if host is not out:
             out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), shape=self.shape,
                                                        strides=self.strides)
@@ -363,8 +362,7 @@ class DeviceArray:
         out = empty(self.shape, self.dtype, alloc.device, stream)
         n, dst = self.nbytes, out.allocation()
         if n:
-            given = _given(stream, alloc.device)
-            _queued(alloc, given, dst, (dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE"), dst)
+            _queued(alloc, stream, dst, (dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE"), dst)
         return out
 
     def fill(self, value: Any, stream: Stream | None = None) -> None:
@@ -383,7 +381,7 @@ class DeviceArray:
         if v.tobytes().strip(b"\0"):  # not all-zero bits (-0.0 is not): copied from the host (nothing when empty)
             self.copy_from_host(np.full(self.shape, v, self.dtype), stream)
         elif n:
-            _queued(alloc, _given(stream, alloc.device), None, (self.address, n, 0, n), alloc, fn=acl.memset_async)
+            _queued(alloc, stream, None, (self.address, n, 0, n), alloc, fn=acl.memset_async)
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
@@ -400,15 +398,14 @@ class DeviceArray:
         n = host.nbytes
         if not n:
             return
-        given = _given(stream, alloc.device)
-        if given is not None and not is_pinned(host):
+        if _given(stream, alloc.device) is not None and not is_pinned(host):
             # Queued, not waited for: a snapshot in pinned memory now, so that later writes to the
             # caller's array cannot change what is copied (and CANN copies pinned memory
             # asynchronously).
             stage = pinned_block(alloc.device, n)
             np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
             host = stage
-        _queued(alloc, given, host, (self.address, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc)
+        _queued(alloc, stream, host, (self.address, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc)
 
     def close(self) -> None:
         """Drop this array's hold on the memory; it goes back once no array views it and no
@@ -432,25 +429,6 @@ def _given(stream: Stream | None, device: Device) -> StreamState | None:
     return resolve_stream(stream, device)
 
 
-def _host_access(alloc: Allocation, state: StreamState | None) -> StreamState:
-    """The stream a host access of ``alloc`` is queued on: ``state``, else the memory's last
-    writer when that is the default stream, else the default stream. A writer that is another
-    stream is waited for on the host first (even while another thread closes it: its close may
-    not have run the write yet; a read on an event-ordered stream would never learn of its
-    fault); memory whose writer cannot be known (borrowed), the whole device."""
-    dev, w = alloc.device, alloc.writer
-    on = state if state is not None else dev.default_stream.state
-    if w is None and alloc.owner is not None:  # borrowed: whoever wrote it, a device-wide wait covers it
-        dev.check()
-        dev.wait_all("a host access of borrowed memory")
-    elif w is not None and w is not on:
-        dev.check()
-        w.synchronize(closing=True)
-        if w.after_events:
-            dev.wait_all(f"a read of what {w!r} wrote")
-    return on
-
-
 def wait_for(state: StreamState) -> None:
     """Wait for ``state`` and what it was ordered after through events (a device-wide wait
     then); raises the device's fault if any wait learned of one."""
@@ -461,16 +439,30 @@ def wait_for(state: StreamState) -> None:
     state.device.check()
 
 
-def _queued(alloc: Allocation, given: StreamState | None, hold: Any, args: tuple[Any, ...], writes: Any = None,
-            read: bool = False, wait: bool = False, fn: Any = acl.memcpy_async) -> None:
-    """Queue ``fn(*args)`` (a copy) of ``alloc`` on the stream ``given`` (:func:`_given`),
-    holding ``alloc`` and ``hold`` until it has run; without one, on the memory's writer
-    stream, waited for (and so with ``wait``). A host read (``read``) waits for the writer on
-    the host first when it is another stream."""
-    state = given if given is not None and not read else _host_access(alloc, given)
-    state.enqueue((hold, alloc), [(fn, args)], (writes,))
+def _queued(alloc: Allocation, stream: Stream | None, hold: Any, args: tuple[Any, ...], writes: Any = None,
+            wait: bool = False, fn: Any = acl.memcpy_async) -> None:
+    """Queue ``fn(*args)`` (a copy) of ``alloc``, which writes ``writes`` (None: a host read), on
+    the stream given (or the thread's current one inside ``with stream:``, :func:`_given`),
+    holding ``alloc`` and ``hold`` until it has run; without one, on the default stream, waited
+    for (and so with ``wait``).
+
+    A host access (a read, or a copy waited for) first waits on the host for the memory's last
+    writer when that is another stream (even while another thread closes it: its close may not
+    have run the write yet; a read on an event-ordered stream would never learn of its fault),
+    and for the whole device when the writer cannot be known (borrowed memory) or was ordered
+    after other streams through events."""
+    dev, w = alloc.device, alloc.writer
+    given = _given(stream, dev)
+    on = given if given is not None else dev.default_stream.state
+    if (writes is None or given is None) and w is not on and (w is not None or alloc.owner is not None):
+        dev.check()
+        if w is not None:
+            w.synchronize(closing=True)
+        if w is None or w.after_events:  # (borrowed: whoever wrote it, a device-wide wait covers it)
+            dev.wait_all("a host access of borrowed memory" if w is None else f"a read of what {w!r} wrote")
+    on.enqueue((hold, alloc), [(fn, args)], (writes,))
     if wait or given is None:
-        wait_for(state)
+        wait_for(on)
 
 
 def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
