@@ -38,15 +38,12 @@ __all__ = ["DeviceArray", "acl_data_type", "bfloat16", "contiguous_layout", "emp
 #: ml_dtypes' bfloat16 scalar type (``pm.bfloat16(1.5)``, ``x.astype(pm.bfloat16)``).
 bfloat16 = ml_dtypes.bfloat16
 
-# numpy dtype -> the aclDataType it is (values read from headers/).
-_ACL_NAMES: dict[np.dtype, str] = {
-    np.dtype(np.float32): "ACL_FLOAT", np.dtype(np.float16): "ACL_FLOAT16", np.dtype(np.int8): "ACL_INT8",
-    np.dtype(np.int32): "ACL_INT32", np.dtype(np.uint8): "ACL_UINT8", np.dtype(np.int16): "ACL_INT16",
-    np.dtype(np.uint16): "ACL_UINT16", np.dtype(np.uint32): "ACL_UINT32", np.dtype(np.int64): "ACL_INT64",
-    np.dtype(np.uint64): "ACL_UINT64", np.dtype(np.float64): "ACL_DOUBLE", np.dtype(np.bool_): "ACL_BOOL",
-    np.dtype(np.complex64): "ACL_COMPLEX64", np.dtype(np.complex128): "ACL_COMPLEX128",
-    np.dtype(bfloat16): "ACL_BF16",
-}
+# numpy dtype -> the aclDataType it is (values read from headers/): ACL_ and NumPy's name in
+# capitals, but for the three CANN spells its own way.
+_ACL_RENAMED = {"float32": "FLOAT", "float64": "DOUBLE", "bfloat16": "BF16"}
+_ACL_NAMES: dict[np.dtype, str] = {np.dtype(name): "ACL_" + _ACL_RENAMED.get(name, name.upper()) for name in (
+    "float32", "float16", "int8", "int32", "uint8", "int16", "uint16", "uint32", "int64", "uint64", "float64", "bool",
+    "complex64", "complex128", "bfloat16")}  # (bfloat16: ml_dtypes', imported above)
 
 
 def acl_data_type(dtype: Any) -> int:
@@ -134,7 +131,7 @@ class DeviceArray:
             return self._desc
         except AttributeError:
             d = self._desc = aclnn.TensorDesc(self.shape, self.acl_data_type, self._layout[2], self._offset,
-                                              (self.allocation().nbytes // self.dtype.itemsize,))
+                                              (self.storage_size,))
             return d
 
     @classmethod
@@ -468,11 +465,11 @@ def _queued(alloc: Allocation, stream: Stream | None, hold: Any, args: tuple[Any
 def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
     """Whether two views share a byte of device memory (exact, strides included)."""
     (alo, ahi), (blo, bhi) = a.span, b.span
-    if ahi < alo or bhi < blo or ahi < blo or bhi < alo:
-        return False
-    # Strided views whose ranges meet may still interleave without touching: ask NumPy's exact
-    # solver, on arrays that only describe the addresses (nothing is read).
-    return a.is_contiguous and b.is_contiguous or bool(np.shares_memory(_address_view(a), _address_view(b)))
+    # Byte ranges that meet (an empty one, last < first, meets none): strided views may still
+    # interleave without touching, so ask NumPy's exact solver, on arrays that only describe
+    # the addresses (nothing is read).
+    return max(alo, blo) <= min(ahi, bhi) and (a.is_contiguous and b.is_contiguous or bool(
+        np.shares_memory(_address_view(a), _address_view(b))))
 
 
 def _address_view(a: DeviceArray) -> np.ndarray:
