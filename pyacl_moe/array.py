@@ -160,8 +160,7 @@ class DeviceArray:
     @property
     def strides(self) -> tuple[int, ...]:
         """Strides in bytes, as NumPy and CuPy have them."""
-        item = self.dtype.itemsize
-        return tuple(s * item for s in self._layout[2])
+        return tuple(s * self._layout[1].itemsize for s in self._layout[2])
 
     @property
     def element_strides(self) -> tuple[int, ...]:
@@ -268,13 +267,12 @@ class DeviceArray:
             if not (k is Ellipsis or isinstance(k, (slice, int, np.integer))) or isinstance(k, (bool, np.bool_)):
                 raise InvalidArgument("key", f"only ints, slices and '...' index a DeviceArray, got {type(k).__name__}")
         # NumPy's own basic indexing, on an array that only describes the view (nothing is
-        # read); a leading axis of one keeps every result an array, never a scalar.
-        item = self.dtype.itemsize
-        whole = np.lib.stride_tricks.as_strided(np.empty(1, f"V{item}"), (1, *self.shape), (item, *self.strides))
+        # read), of one-byte items so that its strides and offsets are in elements; a leading
+        # axis of one keeps every result an array, never a scalar.
+        whole = np.lib.stride_tricks.as_strided(np.empty(1, "V1"), (1, *self.shape), (1, *self._layout[2]))
         view = whole[(slice(None), *keys)]
         moved = view.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
-        return DeviceArray(alloc, view.shape[1:], self.dtype, tuple(n // item for n in view.strides[1:]),
-                           self._offset + moved // item)
+        return DeviceArray(alloc, view.shape[1:], self.dtype, view.strides[1:], self._offset + moved)
 
     # -- copies
 
