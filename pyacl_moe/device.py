@@ -692,10 +692,8 @@ def open_devices() -> list[Device]:
 
 def current_device() -> Device:
     """The device this thread last used through pyacl_moe, else device 0."""
-    dev = getattr(_tls, "device", None)
-    if dev is not None and not dev.closed:
-        return dev  # type: ignore[no-any-return]
-    return Device(0)
+    dev: Device | None = getattr(_tls, "device", None)
+    return dev if dev is not None and not dev.closed else Device(0)
 
 
 def resolve_device(device: Device | int | None, name: str = "device") -> Device:
