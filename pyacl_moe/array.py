@@ -307,8 +307,7 @@ class DeviceArray:
         if n:
             _queued(alloc, stream, host, (host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST"), wait=wait)
         if host is not out:
-            out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), shape=self.shape,
-                                                       strides=self.strides)
+            out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), self.shape, self.strides)
         return out
 
     def _check_like(self, name: str, host: np.ndarray) -> None:
@@ -584,7 +583,6 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
     nbytes = (off + _extent(shp, st)) * dt.itemsize
     if p + nbytes > 2**64:
         raise InvalidArgument("ptr", f"{p:#x} + {nbytes} bytes runs past the end of the address space")
-    dev.check_open()
     return DeviceArray(Allocation(dev, nbytes, p, owner if owner is not None else _NO_OWNER), shp, dt, st, off)
 
 
