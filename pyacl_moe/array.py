@@ -38,15 +38,12 @@ __all__ = ["DeviceArray", "acl_data_type", "bfloat16", "contiguous_layout", "emp
 #: ml_dtypes' bfloat16 scalar type (``pm.bfloat16(1.5)``, ``x.astype(pm.bfloat16)``).
 bfloat16 = ml_dtypes.bfloat16
 
-# numpy dtype -> the aclDataType it is (values read from headers/).
-_ACL_NAMES: dict[np.dtype, str] = {
-    np.dtype(np.float32): "ACL_FLOAT", np.dtype(np.float16): "ACL_FLOAT16", np.dtype(np.int8): "ACL_INT8",
-    np.dtype(np.int32): "ACL_INT32", np.dtype(np.uint8): "ACL_UINT8", np.dtype(np.int16): "ACL_INT16",
-    np.dtype(np.uint16): "ACL_UINT16", np.dtype(np.uint32): "ACL_UINT32", np.dtype(np.int64): "ACL_INT64",
-    np.dtype(np.uint64): "ACL_UINT64", np.dtype(np.float64): "ACL_DOUBLE", np.dtype(np.bool_): "ACL_BOOL",
-    np.dtype(np.complex64): "ACL_COMPLEX64", np.dtype(np.complex128): "ACL_COMPLEX128",
-    np.dtype(bfloat16): "ACL_BF16",
-}
+# numpy dtype -> the aclDataType it is (values read from headers/): ACL_ and NumPy's name in
+# capitals, but for the three CANN spells its own way.
+_ACL_RENAMED = {"float32": "FLOAT", "float64": "DOUBLE", "bfloat16": "BF16"}
+_ACL_NAMES: dict[np.dtype, str] = {np.dtype(name): "ACL_" + _ACL_RENAMED.get(name, name.upper()) for name in (
+    "float32", "float16", "int8", "int32", "uint8", "int16", "uint16", "uint32", "int64", "uint64", "float64", "bool",
+    "complex64", "complex128", "bfloat16")}  # (bfloat16: ml_dtypes', imported above)
 
 
 def acl_data_type(dtype: Any) -> int:
@@ -134,7 +131,7 @@ class DeviceArray:
             return self._desc
         except AttributeError:
             d = self._desc = aclnn.TensorDesc(self.shape, self.acl_data_type, self._layout[2], self._offset,
-                                              (self.allocation().nbytes // self.dtype.itemsize,))
+                                              (self.storage_size,))
             return d
 
     @classmethod
@@ -163,8 +160,7 @@ class DeviceArray:
     @property
     def strides(self) -> tuple[int, ...]:
         """Strides in bytes, as NumPy and CuPy have them."""
-        item = self.dtype.itemsize
-        return tuple(s * item for s in self._layout[2])
+        return tuple(s * self._layout[1].itemsize for s in self._layout[2])
 
     @property
     def element_strides(self) -> tuple[int, ...]:
@@ -271,13 +267,12 @@ class DeviceArray:
             if not (k is Ellipsis or isinstance(k, (slice, int, np.integer))) or isinstance(k, (bool, np.bool_)):
                 raise InvalidArgument("key", f"only ints, slices and '...' index a DeviceArray, got {type(k).__name__}")
         # NumPy's own basic indexing, on an array that only describes the view (nothing is
-        # read); a leading axis of one keeps every result an array, never a scalar.
-        item = self.dtype.itemsize
-        whole = np.lib.stride_tricks.as_strided(np.empty(1, f"V{item}"), (1, *self.shape), (item, *self.strides))
+        # read), of one-byte items so that its strides and offsets are in elements; a leading
+        # axis of one keeps every result an array, never a scalar.
+        whole = np.lib.stride_tricks.as_strided(np.empty(1, "V1"), (1, *self.shape), (1, *self._layout[2]))
         view = whole[(slice(None), *keys)]
         moved = view.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
-        return DeviceArray(alloc, view.shape[1:], self.dtype, tuple(n // item for n in view.strides[1:]),
-                           self._offset + moved // item)
+        return DeviceArray(alloc, view.shape[1:], self.dtype, view.strides[1:], self._offset + moved)
 
     # -- copies
 
@@ -310,11 +305,9 @@ class DeviceArray:
         n = hi - lo + 1  # (0 when empty: an empty view is contiguous, a strided one has elements)
         host = out if self.is_contiguous else np.empty(n, dtype=np.uint8)
         if n:
-            given = _given(stream, alloc.device)
-            _queued(alloc, given, host, (host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST"), read=True, wait=wait)
+            _queued(alloc, stream, host, (host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST"), wait=wait)
         if host is not out:
-            out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), shape=self.shape,
-                                                       strides=self.strides)
+            out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), self.shape, self.strides)
         return out
 
     def _check_like(self, name: str, host: np.ndarray) -> None:
@@ -363,8 +356,7 @@ class DeviceArray:
         out = empty(self.shape, self.dtype, alloc.device, stream)
         n, dst = self.nbytes, out.allocation()
         if n:
-            given = _given(stream, alloc.device)
-            _queued(alloc, given, dst, (dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE"), dst)
+            _queued(alloc, stream, dst, (dst.ptr, n, self.address, n, "ACL_MEMCPY_DEVICE_TO_DEVICE"), dst)
         return out
 
     def fill(self, value: Any, stream: Stream | None = None) -> None:
@@ -383,7 +375,7 @@ class DeviceArray:
         if v.tobytes().strip(b"\0"):  # not all-zero bits (-0.0 is not): copied from the host (nothing when empty)
             self.copy_from_host(np.full(self.shape, v, self.dtype), stream)
         elif n:
-            _queued(alloc, _given(stream, alloc.device), None, (self.address, n, 0, n), alloc, fn=acl.memset_async)
+            _queued(alloc, stream, None, (self.address, n, 0, n), alloc, fn=acl.memset_async)
 
     def copy_from_host(self, array: Any, stream: Stream | None = None) -> None:
         """Overwrite this (contiguous) array with ``array``'s values.
@@ -400,15 +392,14 @@ class DeviceArray:
         n = host.nbytes
         if not n:
             return
-        given = _given(stream, alloc.device)
-        if given is not None and not is_pinned(host):
+        if _given(stream, alloc.device) is not None and not is_pinned(host):
             # Queued, not waited for: a snapshot in pinned memory now, so that later writes to the
             # caller's array cannot change what is copied (and CANN copies pinned memory
             # asynchronously).
             stage = pinned_block(alloc.device, n)
             np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
             host = stage
-        _queued(alloc, given, host, (self.address, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc)
+        _queued(alloc, stream, host, (self.address, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc)
 
     def close(self) -> None:
         """Drop this array's hold on the memory; it goes back once no array views it and no
@@ -432,25 +423,6 @@ def _given(stream: Stream | None, device: Device) -> StreamState | None:
     return resolve_stream(stream, device)
 
 
-def _host_access(alloc: Allocation, state: StreamState | None) -> StreamState:
-    """The stream a host access of ``alloc`` is queued on: ``state``, else the memory's last
-    writer when that is the default stream, else the default stream. A writer that is another
-    stream is waited for on the host first (even while another thread closes it: its close may
-    not have run the write yet; a read on an event-ordered stream would never learn of its
-    fault); memory whose writer cannot be known (borrowed), the whole device."""
-    dev, w = alloc.device, alloc.writer
-    on = state if state is not None else dev.default_stream.state
-    if w is None and alloc.owner is not None:  # borrowed: whoever wrote it, a device-wide wait covers it
-        dev.check()
-        dev.wait_all("a host access of borrowed memory")
-    elif w is not None and w is not on:
-        dev.check()
-        w.synchronize(closing=True)
-        if w.after_events:
-            dev.wait_all(f"a read of what {w!r} wrote")
-    return on
-
-
 def wait_for(state: StreamState) -> None:
     """Wait for ``state`` and what it was ordered after through events (a device-wide wait
     then); raises the device's fault if any wait learned of one."""
@@ -461,26 +433,40 @@ def wait_for(state: StreamState) -> None:
     state.device.check()
 
 
-def _queued(alloc: Allocation, given: StreamState | None, hold: Any, args: tuple[Any, ...], writes: Any = None,
-            read: bool = False, wait: bool = False, fn: Any = acl.memcpy_async) -> None:
-    """Queue ``fn(*args)`` (a copy) of ``alloc`` on the stream ``given`` (:func:`_given`),
-    holding ``alloc`` and ``hold`` until it has run; without one, on the memory's writer
-    stream, waited for (and so with ``wait``). A host read (``read``) waits for the writer on
-    the host first when it is another stream."""
-    state = given if given is not None and not read else _host_access(alloc, given)
-    state.enqueue((hold, alloc), [(fn, args)], (writes,))
+def _queued(alloc: Allocation, stream: Stream | None, hold: Any, args: tuple[Any, ...], writes: Any = None,
+            wait: bool = False, fn: Any = acl.memcpy_async) -> None:
+    """Queue ``fn(*args)`` (a copy) of ``alloc``, which writes ``writes`` (None: a host read), on
+    the stream given (or the thread's current one inside ``with stream:``, :func:`_given`),
+    holding ``alloc`` and ``hold`` until it has run; without one, on the default stream, waited
+    for (and so with ``wait``).
+
+    A host access (a read, or a copy waited for) first waits on the host for the memory's last
+    writer when that is another stream (even while another thread closes it: its close may not
+    have run the write yet; a read on an event-ordered stream would never learn of its fault),
+    and for the whole device when the writer cannot be known (borrowed memory) or was ordered
+    after other streams through events."""
+    dev, w = alloc.device, alloc.writer
+    given = _given(stream, dev)
+    on = given if given is not None else dev.default_stream.state
+    if (writes is None or given is None) and w is not on and (w is not None or alloc.owner is not None):
+        dev.check()
+        if w is not None:
+            w.synchronize(closing=True)
+        if w is None or w.after_events:  # (borrowed: whoever wrote it, a device-wide wait covers it)
+            dev.wait_all("a host access of borrowed memory" if w is None else f"a read of what {w!r} wrote")
+    on.enqueue((hold, alloc), [(fn, args)], (writes,))
     if wait or given is None:
-        wait_for(state)
+        wait_for(on)
 
 
 def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
     """Whether two views share a byte of device memory (exact, strides included)."""
     (alo, ahi), (blo, bhi) = a.span, b.span
-    if ahi < alo or bhi < blo or ahi < blo or bhi < alo:
-        return False
-    # Strided views whose ranges meet may still interleave without touching: ask NumPy's exact
-    # solver, on arrays that only describe the addresses (nothing is read).
-    return a.is_contiguous and b.is_contiguous or bool(np.shares_memory(_address_view(a), _address_view(b)))
+    # Byte ranges that meet (an empty one, last < first, meets none): strided views may still
+    # interleave without touching, so ask NumPy's exact solver, on arrays that only describe
+    # the addresses (nothing is read).
+    return max(alo, blo) <= min(ahi, bhi) and (a.is_contiguous and b.is_contiguous or bool(
+        np.shares_memory(_address_view(a), _address_view(b))))
 
 
 def _address_view(a: DeviceArray) -> np.ndarray:
@@ -597,7 +583,6 @@ def from_pointer(ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[i
     nbytes = (off + _extent(shp, st)) * dt.itemsize
     if p + nbytes > 2**64:
         raise InvalidArgument("ptr", f"{p:#x} + {nbytes} bytes runs past the end of the address space")
-    dev.check_open()
     return DeviceArray(Allocation(dev, nbytes, p, owner if owner is not None else _NO_OWNER), shp, dt, st, off)
 
 

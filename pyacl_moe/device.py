@@ -425,9 +425,8 @@ class Device:
         size = max(_ROUND, -(-alloc.nbytes // _ROUND) * _ROUND)  # (as _take rounds)
         with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
             self.check_open()
-            shelf = self._shelves[pinned][size]  # (made by _take)
             token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, token,
-                                       home, shelf)
+                                       home, self._shelves[pinned][size])  # (the shelf: made by _take)
             self._blocks[block] = None
             self._counts["pinned_misses" if pinned else "array_misses"] += 1
         fill = acl.malloc_host if pinned else acl.malloc
@@ -637,16 +636,13 @@ def _free_one(shelf: _Shelf) -> Block | None:
     for j in reversed(range(len(shelf))):
         dead = shelf[j]
         block: Block | None = dead.what
+        if block is not None and block.token is dead and not block.ptr:  # an interrupt cut its _malloc short:
+            block.ptr = block.handle.address  # the address is the handle's,
+            if not block.ptr:
+                block.token = None  # or none (a stray: the next trim frees it)
         if block is None or block.token is not dead:
             del shelf[j]
-            continue
-        if not block.ptr:  # an interrupt cut its _malloc short: the address is the handle's,
-            block.ptr = block.handle.address  # or none (a stray: the next trim frees it)
-            if not block.ptr:
-                block.token = None
-                del shelf[j]
-                continue
-        if _free_for_any(block):
+        elif _free_for_any(block):
             del shelf[j]
             return block
     return None
@@ -696,10 +692,8 @@ def open_devices() -> list[Device]:
 
 def current_device() -> Device:
     """The device this thread last used through pyacl_moe, else device 0."""
-    dev = getattr(_tls, "device", None)
-    if dev is not None and not dev.closed:
-        return dev  # type: ignore[no-any-return]
-    return Device(0)
+    dev: Device | None = getattr(_tls, "device", None)
+    return dev if dev is not None and not dev.closed else Device(0)
 
 
 def resolve_device(device: Device | int | None, name: str = "device") -> Device:
