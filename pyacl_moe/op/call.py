@@ -17,7 +17,6 @@ blocks go straight back to the cache.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +45,9 @@ Outputs = dict[str, "tuple[tuple[int, ...], np.dtype] | None"]
 
 class _Memo:
     """Calls that passed the contract, by the layouts of their arrays (a given output's too)
-    and their attribute values: the outputs to make (their contiguous_layouts), and a number
-    naming the entry, never reused: the key of the streams' executor caches (see
+    and their attribute values: the outputs to make (their contiguous_layouts), and a token
+    naming the entry (an object of its own: no other entry's while anything holds it), the
+    key of the streams' executor caches (see
     :func:`_checked`). A call that passed once passes again. Bounded (it starts over when
     full). ``checked`` and ``host`` are published whole: readers take them without a lock and
     see a complete dict; a writer copies one under ``lock`` (a miss, rare), adds, and publishes
@@ -59,8 +59,8 @@ class _Memo:
         self.lock = threading.Lock()
         self.checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.host: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # the NumPy call's: by shapes, dtypes and values
-        # (entry number, first addresses) of the last call whose given outputs were checked apart
-        self.apart: tuple[int, list[int] | None] = (-1, None)
+        # (entry token, first addresses) of the last call whose given outputs were checked apart
+        self.apart: tuple[object, list[int] | None] = (None, None)
 
     def put(self, table: str, key: tuple[Any, ...], entry: tuple[Any, ...]) -> tuple[Any, ...]:
         """Record a call that passed in ``table`` (``checked`` or ``host``), published whole."""
@@ -73,7 +73,6 @@ class _Memo:
 
 
 _thread = acl.thread_state  # the calling thread's current context (read only)
-_entry_numbers = itertools.count()  # (next() on a count is one C call: taken under a memo's lock)
 
 
 @dataclass(frozen=True)
@@ -130,12 +129,11 @@ class _Cached:
 
 def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> tuple[Any, ...]:
     """A memo miss: the contract on the inputs and attributes, given outputs fit it. The memo
-    entry: the positions of the outputs to make, a number naming the entry, their layouts and
-    sizes in bytes, whether an output was given."""
+    entry: the positions of the outputs to make, a token naming the entry (a new object: no
+    counter to share), their layouts and sizes in bytes, whether an output was given."""
     spec = op.spec
     attrs = op.spec.attr_values(*values)
-    layouts = {name: (a.shape, a.dtype) for name, a in zip(spec.inputs, arrays) if a is not None}
-    wanted = op.check(layouts, attrs)
+    wanted = op.check({name: (a.shape, a.dtype) for name, a in zip(spec.inputs, arrays) if a is not None}, attrs)
     at, makes, given = [], [], False
     for i, name in enumerate(spec.outputs, len(spec.inputs)):
         a, want = arrays[i], wanted[name]
@@ -146,9 +144,7 @@ def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, .
         elif want is not None:
             at.append(i)
             makes.append(contiguous_layout(*want))
-    with op.memo.lock:
-        number = next(_entry_numbers)
-    return tuple(at), number, tuple(makes), tuple(m[1] for m in makes), given
+    return tuple(at), object(), tuple(makes), tuple(m[1] for m in makes), given
 
 
 def one_call(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], names: list[str],
@@ -276,7 +272,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         _cache(op, number, arrays, values, state, workspace)
 
 
-def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
+def _cache(op: OneCall, number: object, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
            workspace: DeviceArray | None) -> None:
     """A miss: the stream's executor for entry ``number`` (built here, outside the lock: another
     thread may add one meanwhile; the oldest evicted past the cache's size) and, for its
