@@ -101,9 +101,8 @@ class _Cached:
 
     def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray | None],
                  attrs: Mapping[str, Any]) -> None:
-        # A cache must not keep a caller's memory alive: each launch holds its own arrays.
-        nd = declare.const("ACL_FORMAT_ND")
-        self.tensors = [None if a is None else TensorCore(a, nd, keep=False) for a in arrays]
+        # A cache must not keep a caller's memory alive (keep False): each launch holds its own arrays.
+        self.tensors = [None if a is None else TensorCore(a, declare.const("ACL_FORMAT_ND"), False) for a in arrays]
         self.core = build(spec, device, {n: t for n, t in zip(spec.tensors, self.tensors) if t is not None}, attrs)
         self.core.set_repeatable()
         self.size = self.core.workspace_size
