@@ -167,9 +167,8 @@ def one_call(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     if workspace is not None:
         _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
     validate = _args.boolean("validate", validate)
-    if on_device:
-        return run_device(op, [*inputs, *out], values, stream, workspace, validate)
-    return run_host(op, inputs, values, out, stream, workspace, validate)
+    return (run_device(op, [*inputs, *out], values, stream, workspace, validate) if on_device else
+            run_host(op, inputs, values, out, stream, workspace, validate))
 
 
 def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], stream: Stream | None,
