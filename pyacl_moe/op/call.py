@@ -301,10 +301,9 @@ def _cache(op: OneCall, number: object, arrays: list[DeviceArray | None], values
 def _check_outputs_apart(spec: OpSpec, arrays: list[DeviceArray | None]) -> None:
     """check_no_overlap, run only when a given output's bytes meet another array's."""
     spans = [a.span for a in arrays if a is not None]
-    for out in arrays[len(spec.inputs):]:
-        if out is not None and sum(1 for lo, hi in spans if lo <= out.span[1] and out.span[0] <= hi) > 1:  # (itself)
-            check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
-            return
+    if any(o is not None and sum(1 for lo, hi in spans if lo <= o.span[1] and o.span[0] <= hi) > 1  # (itself)
+           for o in arrays[len(spec.inputs):]):
+        check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
 
 
 def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
