@@ -308,10 +308,7 @@ def _check_outputs_apart(spec: OpSpec, arrays: list[DeviceArray | None]) -> None
 
 def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
     # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-    out = []
-    while len(entries) > _Cached.SIZE:
-        out.append(entries.popitem(last=False)[1])
-    return out
+    return [entries.popitem(last=False)[1] for _ in range(len(entries) - _Cached.SIZE)]
 
 
 class _Unchecked(Plan):
