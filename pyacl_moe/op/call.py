@@ -330,9 +330,12 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     spec = op.spec
     raw: list[np.ndarray] = []
     family: Any = None
-    for name, value in zip(spec.inputs, inputs):
+    # The host memo's key: the values with their types, then each array's (shape, dtype).
+    key: list[Any] = [values, tuple(map(type, values)), validate]
+    for name, value in zip(spec.inputs, inputs):  # (loops, not comprehensions: no frame of their own on CPython 3.11)
         view, fam = host_view(value, name)
         raw.append(view)
+        key.append((view.shape, view.dtype))
         family = family or fam
     given: list[np.ndarray | None] = []
     for name, value in zip(spec.outputs, out):
@@ -344,11 +347,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
             if not value.flags.writeable:
                 raise InvalidArgument(name, "must be writable")
         given.append(value)
-    key: list[Any] = [values, tuple(map(type, values)), validate]
-    for v in raw:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
-        key.append((v.shape, v.dtype))
-    for g in given:
-        key.append(None if g is None else (g.shape, g.dtype))
+        key.append(None if value is None else (value.shape, value.dtype))
     try:
         entry = op.memo.host.get(tuple(key))
     except TypeError:  # a value that cannot be a key (a list, an array): the checks name it
