@@ -46,12 +46,12 @@ Outputs = dict[str, "tuple[tuple[int, ...], np.dtype] | None"]
 class _Memo:
     """Calls that passed the contract, by the layouts of their arrays (a given output's too)
     and their attribute values: the outputs to make (their contiguous_layouts), and a token
-    naming the entry (an object of its own: no other entry's while anything holds it), the
-    key of the streams' executor caches (see
-    :func:`_checked`). A call that passed once passes again. Bounded (it starts over when
-    full). ``checked`` and ``host`` are published whole: readers take them without a lock and
-    see a complete dict; a writer copies one under ``lock`` (a miss, rare), adds, and publishes
-    the copy. ``apart`` likewise (a stale read only checks again)."""
+    naming the entry (an object of its own: no other entry's while anything holds it), the key
+    of the streams' executor caches (see :func:`_checked`). A call that passed once passes
+    again. Bounded (it starts over when full). ``checked`` and ``host`` are published whole:
+    readers take them without a lock and see a complete dict; a writer copies one under
+    ``lock`` (a miss, rare), adds, and publishes the copy. ``apart`` likewise (a stale read
+    only checks again)."""
 
     SIZE = 256
 
@@ -66,9 +66,7 @@ class _Memo:
         """Record a call that passed in ``table`` (``checked`` or ``host``), published whole."""
         with self.lock:
             old = getattr(self, table)
-            new = dict(old) if len(old) < self.SIZE else {}
-            new[key] = entry
-            setattr(self, table, new)
+            setattr(self, table, {**(old if len(old) < self.SIZE else {}), key: entry})
         return entry
 
 
