@@ -17,7 +17,6 @@ blocks go straight back to the cache.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,12 +45,13 @@ Outputs = dict[str, "tuple[tuple[int, ...], np.dtype] | None"]
 
 class _Memo:
     """Calls that passed the contract, by the layouts of their arrays (a given output's too)
-    and their attribute values: the outputs to make (their contiguous_layouts), and a number
-    naming the entry, never reused: the key of the streams' executor caches (see
-    :func:`_checked`). A call that passed once passes again. Bounded (it starts over when
-    full). ``checked`` and ``host`` are published whole: readers take them without a lock and
-    see a complete dict; a writer copies one under ``lock`` (a miss, rare), adds, and publishes
-    the copy. ``apart`` likewise (a stale read only checks again)."""
+    and their attribute values: the outputs to make (their contiguous_layouts), and a token
+    naming the entry (an object of its own: no other entry's while anything holds it), the key
+    of the streams' executor caches (see :func:`_checked`). A call that passed once passes
+    again. Bounded (it starts over when full). ``checked`` and ``host`` are published whole:
+    readers take them without a lock and see a complete dict; a writer copies one under
+    ``lock`` (a miss, rare), adds, and publishes the copy. ``apart`` likewise (a stale read
+    only checks again)."""
 
     SIZE = 256
 
@@ -59,21 +59,18 @@ class _Memo:
         self.lock = threading.Lock()
         self.checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.host: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # the NumPy call's: by shapes, dtypes and values
-        # (entry number, first addresses) of the last call whose given outputs were checked apart
-        self.apart: tuple[int, list[int] | None] = (-1, None)
+        # (entry token, first addresses) of the last call whose given outputs were checked apart
+        self.apart: tuple[object, list[int] | None] = (None, None)
 
     def put(self, table: str, key: tuple[Any, ...], entry: tuple[Any, ...]) -> tuple[Any, ...]:
         """Record a call that passed in ``table`` (``checked`` or ``host``), published whole."""
         with self.lock:
             old = getattr(self, table)
-            new = dict(old) if len(old) < self.SIZE else {}
-            new[key] = entry
-            setattr(self, table, new)
+            setattr(self, table, {**(old if len(old) < self.SIZE else {}), key: entry})
         return entry
 
 
 _thread = acl.thread_state  # the calling thread's current context (read only)
-_entry_numbers = itertools.count()  # (next() on a count is one C call: taken under a memo's lock)
 
 
 @dataclass(frozen=True)
@@ -102,9 +99,8 @@ class _Cached:
 
     def __init__(self, spec: OpSpec, device: Device, arrays: Sequence[DeviceArray | None],
                  attrs: Mapping[str, Any]) -> None:
-        # A cache must not keep a caller's memory alive: each launch holds its own arrays.
-        nd = declare.const("ACL_FORMAT_ND")
-        self.tensors = [None if a is None else TensorCore(a, nd, keep=False) for a in arrays]
+        # A cache must not keep a caller's memory alive (keep False): each launch holds its own arrays.
+        self.tensors = [None if a is None else TensorCore(a, declare.const("ACL_FORMAT_ND"), False) for a in arrays]
         self.core = build(spec, device, {n: t for n, t in zip(spec.tensors, self.tensors) if t is not None}, attrs)
         self.core.set_repeatable()
         self.size = self.core.workspace_size
@@ -130,12 +126,11 @@ class _Cached:
 
 def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> tuple[Any, ...]:
     """A memo miss: the contract on the inputs and attributes, given outputs fit it. The memo
-    entry: the positions of the outputs to make, a number naming the entry, their layouts and
-    sizes in bytes, whether an output was given."""
+    entry: the positions of the outputs to make, a token naming the entry (a new object: no
+    counter to share), their layouts and sizes in bytes, whether an output was given."""
     spec = op.spec
     attrs = op.spec.attr_values(*values)
-    layouts = {name: (a.shape, a.dtype) for name, a in zip(spec.inputs, arrays) if a is not None}
-    wanted = op.check(layouts, attrs)
+    wanted = op.check({name: (a.shape, a.dtype) for name, a in zip(spec.inputs, arrays) if a is not None}, attrs)
     at, makes, given = [], [], False
     for i, name in enumerate(spec.outputs, len(spec.inputs)):
         a, want = arrays[i], wanted[name]
@@ -146,9 +141,7 @@ def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, .
         elif want is not None:
             at.append(i)
             makes.append(contiguous_layout(*want))
-    with op.memo.lock:
-        number = next(_entry_numbers)
-    return tuple(at), number, tuple(makes), tuple(m[1] for m in makes), given
+    return tuple(at), object(), tuple(makes), tuple(m[1] for m in makes), given
 
 
 def one_call(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], names: list[str],
@@ -172,9 +165,8 @@ def one_call(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     if workspace is not None:
         _args.instance("workspace", workspace, DeviceArray, "a DeviceArray or None")
     validate = _args.boolean("validate", validate)
-    if on_device:
-        return run_device(op, [*inputs, *out], values, stream, workspace, validate)
-    return run_host(op, inputs, values, out, stream, workspace, validate)
+    return (run_device(op, [*inputs, *out], values, stream, workspace, validate) if on_device else
+            run_host(op, inputs, values, out, stream, workspace, validate))
 
 
 def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...], stream: Stream | None,
@@ -276,7 +268,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         _cache(op, number, arrays, values, state, workspace)
 
 
-def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
+def _cache(op: OneCall, number: object, arrays: list[DeviceArray | None], values: tuple[Any, ...], state: StreamState,
            workspace: DeviceArray | None) -> None:
     """A miss: the stream's executor for entry ``number`` (built here, outside the lock: another
     thread may add one meanwhile; the oldest evicted past the cache's size) and, for its
@@ -307,27 +299,21 @@ def _cache(op: OneCall, number: int, arrays: list[DeviceArray | None], values: t
 def _check_outputs_apart(spec: OpSpec, arrays: list[DeviceArray | None]) -> None:
     """check_no_overlap, run only when a given output's bytes meet another array's."""
     spans = [a.span for a in arrays if a is not None]
-    for out in arrays[len(spec.inputs):]:
-        if out is not None and sum(1 for lo, hi in spans if lo <= out.span[1] and out.span[0] <= hi) > 1:  # (itself)
-            check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
-            return
+    if any(o is not None and sum(1 for lo, hi in spans if lo <= o.span[1] and o.span[0] <= hi) > 1  # (itself)
+           for o in arrays[len(spec.inputs):]):
+        check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
 
 
 def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
     # (the stream's lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-    out = []
-    while len(entries) > _Cached.SIZE:
-        out.append(entries.popitem(last=False)[1])
-    return out
+    return [entries.popitem(last=False)[1] for _ in range(len(entries) - _Cached.SIZE)]
 
 
 class _Unchecked(Plan):
     """validate=False: a one-shot plan, CANN judging everything through the vendor's first
     phase on every call. A launch returns the plan's arrays by name."""
 
-    @staticmethod
-    def _result_of(arrays: Mapping[str, DeviceArray]) -> Any:
-        return arrays
+    _result_of = dict
 
     def __init__(self, op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> None:
         self._op = op
@@ -342,9 +328,12 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
     spec = op.spec
     raw: list[np.ndarray] = []
     family: Any = None
-    for name, value in zip(spec.inputs, inputs):
+    # The host memo's key: the values with their types, then each array's (shape, dtype).
+    key: list[Any] = [values, tuple(map(type, values)), validate]
+    for name, value in zip(spec.inputs, inputs):  # (loops, not comprehensions: no frame of their own on CPython 3.11)
         view, fam = host_view(value, name)
         raw.append(view)
+        key.append((view.shape, view.dtype))
         family = family or fam
     given: list[np.ndarray | None] = []
     for name, value in zip(spec.outputs, out):
@@ -356,11 +345,7 @@ def run_host(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[
             if not value.flags.writeable:
                 raise InvalidArgument(name, "must be writable")
         given.append(value)
-    key: list[Any] = [values, tuple(map(type, values)), validate]
-    for v in raw:  # (loops, not comprehensions: no frame of their own on CPython 3.11)
-        key.append((v.shape, v.dtype))
-    for g in given:
-        key.append(None if g is None else (g.shape, g.dtype))
+        key.append(None if value is None else (value.shape, value.dtype))
     try:
         entry = op.memo.host.get(tuple(key))
     except TypeError:  # a value that cannot be a key (a list, an array): the checks name it
