@@ -291,10 +291,9 @@ class interrupts_deferred:
     def __enter__(self) -> None:
         self.saved: Any = None
         # (a handler that is SIG_IGN or SIG_DFL runs no Python code: nothing to hold back)
-        if threading.current_thread() is threading.main_thread() and callable(h := signal.getsignal(signal.SIGINT)):
-            self.saved = h
+        if threading.current_thread() is threading.main_thread() and callable(signal.getsignal(signal.SIGINT)):
             self.hit: list[tuple[int, Any]] = []  # (signum, frame) of each SIGINT held back
-            signal.signal(signal.SIGINT, lambda *hit: self.hit.append(hit))
+            self.saved = signal.signal(signal.SIGINT, lambda *hit: self.hit.append(hit))  # (it returns the handler)
 
     def __exit__(self, *exc: object) -> None:
         if self.saved is not None:

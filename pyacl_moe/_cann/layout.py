@@ -261,8 +261,7 @@ def dependency_order(path: str, folders: list[str], loaded: set[str]) -> Depende
             if name in seen:
                 continue
             seen.add(name)
-            where = find(name, folders)
-            if where is not None:
+            if (where := find(name, folders)) is not None:
                 visit(where)
                 deps.order.append(where)
             elif (left := find(name, absolute)) is not None:
