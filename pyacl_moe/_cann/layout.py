@@ -38,6 +38,7 @@ interrupted copy, which the dynamic loader would map and die on with SIGBUS), is
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import re
@@ -207,13 +208,10 @@ def _string(strtab: bytes, at: int) -> bytes:
 def needed(path: str) -> tuple[str, ...] | None:
     """The DT_NEEDED entries of a shared library, in order; None when it cannot be read."""
     tables, why = _tables(path, _SHT_DYNAMIC)
-    names: list[str] = []
-    for dyn, strtab in tables[:1]:
-        for tag, value in _DYN.iter_unpack(dyn[:len(dyn) // _DYN.size * _DYN.size]):
-            if tag == 0:
-                break
-            if tag == _DT_NEEDED and value < len(strtab):
-                names.append(_string(strtab, value).decode("utf-8", "replace"))
+    dyn, strtab = tables[0] if tables else (b"", b"")  # (the first dynamic section; its entries end at DT_NULL)
+    entries = itertools.takewhile(lambda e: e[0] != 0, _DYN.iter_unpack(dyn[:len(dyn) // _DYN.size * _DYN.size]))
+    names = [_string(strtab, v).decode("utf-8", "replace") for tag, v in entries
+             if tag == _DT_NEEDED and v < len(strtab)]
     return None if why else tuple(names)
 
 
@@ -222,11 +220,9 @@ def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
     undefined); None when it cannot be read."""
     targets = {w.encode() for w in wanted}
     tables, why = _tables(path, _SHT_DYNSYM)
-    found: set[str] = set()
-    for syms, strtab in tables:
-        for name, info, shndx in _SYM.iter_unpack(syms[:len(syms) // _SYM.size * _SYM.size]):
-            if shndx and (info >> 4) in (1, 2) and name < len(strtab) and _string(strtab, name) in targets:
-                found.add(_string(strtab, name).decode())
+    found = {s.decode() for syms, strtab in tables
+             for name, info, shndx in _SYM.iter_unpack(syms[:len(syms) // _SYM.size * _SYM.size])
+             if shndx and (info >> 4) in (1, 2) and name < len(strtab) and (s := _string(strtab, name)) in targets}
     return None if why else found
 
 
