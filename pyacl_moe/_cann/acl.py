@@ -142,7 +142,7 @@ class Context:
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
-        self._slot = _ffi.new(declare.ctype("aclrtContext *"))
+        self._slot = _ffi.new(declare.ctype("void **"))  # (an aclrtContext *)
         self.alive = self.open = True
 
 
@@ -200,7 +200,7 @@ class Handle:
     nothing left to release."""
 
     __slots__ = ("_slot", "context", "__weakref__")
-    SLOT_TYPE = "void **"
+    SLOT_TYPE = "void **"  # (aclrtStream, aclrtEvent: void * too)
     LIBRARY, API = "acl", ""  # the library and the CANN function that releases it
     RELEASED_ANYWAY: frozenset[int] = frozenset()  # failures after which the object is gone all the same
 
@@ -241,7 +241,7 @@ class Handle:
 
 class StreamHandle(Handle):
     __slots__ = ()
-    SLOT_TYPE, API = "aclrtStream *", "aclrtDestroyStream"
+    API = "aclrtDestroyStream"
 
 
 class BorrowedStreamHandle(StreamHandle):
@@ -261,7 +261,7 @@ class BorrowedStreamHandle(StreamHandle):
 
 class EventHandle(Handle):
     __slots__ = ()
-    SLOT_TYPE, API = "aclrtEvent *", "aclrtDestroyEvent"
+    API = "aclrtDestroyEvent"
 
 
 class DeviceMemory(Handle):

@@ -28,12 +28,12 @@ __all__ = ["HEADER_FILES", "NULL", "add_declarations", "const", "ctype", "declar
 ffi = cffi.FFI()
 NULL = ffi.NULL
 
-# Every C type the bindings build values of (see the module docstring for why up front).
+# Every C type the bindings build values of (see the module docstring for why up front). aclrtStream,
+# aclrtEvent and aclrtContext are void * (acl_base.h): their slots are void ** (the very same cffi type).
 _TYPE_NAMES = (
-    "void *", "void **", "uintptr_t", "int32_t *", "int32_t[]", "uint32_t *", "size_t *", "float *",
-    "int64_t *", "int64_t[]", "int64_t **", "uint64_t *", "aclrtStream *", "aclrtEvent *", "aclrtContext *",
-    "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclTensor **", "aclrtEventRecordedStatus *",
-    "aclrtStreamStatus *", "char[]",
+    "void *", "void **", "uintptr_t", "int32_t *", "int32_t[]", "uint32_t *", "size_t *", "float *", "int64_t *",
+    "int64_t[]", "int64_t **", "uint64_t *", "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclTensor **",
+    "aclrtEventRecordedStatus *", "aclrtStreamStatus *", "char[]",
 )
 
 _lock = threading.Lock()  # guards _texts and _types; cdef itself is not thread-safe
