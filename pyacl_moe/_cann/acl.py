@@ -142,7 +142,7 @@ class Context:
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
-        self._slot = _ffi.new(declare.ctype("aclrtContext *"))
+        self._slot = _ffi.new(declare.ctype("void **"))  # (an aclrtContext *)
         self.alive = self.open = True
 
 
@@ -200,7 +200,7 @@ class Handle:
     nothing left to release."""
 
     __slots__ = ("_slot", "context", "__weakref__")
-    SLOT_TYPE = "void **"
+    SLOT_TYPE = "void **"  # (aclrtStream, aclrtEvent: void * too)
     LIBRARY, API = "acl", ""  # the library and the CANN function that releases it
     RELEASED_ANYWAY: frozenset[int] = frozenset()  # failures after which the object is gone all the same
 
@@ -241,7 +241,7 @@ class Handle:
 
 class StreamHandle(Handle):
     __slots__ = ()
-    SLOT_TYPE, API = "aclrtStream *", "aclrtDestroyStream"
+    API = "aclrtDestroyStream"
 
 
 class BorrowedStreamHandle(StreamHandle):
@@ -261,7 +261,7 @@ class BorrowedStreamHandle(StreamHandle):
 
 class EventHandle(Handle):
     __slots__ = ()
-    SLOT_TYPE, API = "aclrtEvent *", "aclrtDestroyEvent"
+    API = "aclrtDestroyEvent"
 
 
 class DeviceMemory(Handle):
@@ -291,10 +291,9 @@ class interrupts_deferred:
     def __enter__(self) -> None:
         self.saved: Any = None
         # (a handler that is SIG_IGN or SIG_DFL runs no Python code: nothing to hold back)
-        if threading.current_thread() is threading.main_thread() and callable(h := signal.getsignal(signal.SIGINT)):
-            self.saved = h
+        if threading.current_thread() is threading.main_thread() and callable(signal.getsignal(signal.SIGINT)):
             self.hit: list[tuple[int, Any]] = []  # (signum, frame) of each SIGINT held back
-            signal.signal(signal.SIGINT, lambda *hit: self.hit.append(hit))
+            self.saved = signal.signal(signal.SIGINT, lambda *hit: self.hit.append(hit))  # (it returns the handler)
 
     def __exit__(self, *exc: object) -> None:
         if self.saved is not None:

@@ -28,16 +28,16 @@ __all__ = ["HEADER_FILES", "NULL", "add_declarations", "const", "ctype", "declar
 ffi = cffi.FFI()
 NULL = ffi.NULL
 
-# Every C type the bindings build values of (see the module docstring for why up front).
+# Every C type the bindings build values of (see the module docstring for why up front). aclrtStream,
+# aclrtEvent and aclrtContext are void * (acl_base.h): their slots are void ** (the very same cffi type).
 _TYPE_NAMES = (
-    "void *", "void **", "uintptr_t", "int32_t *", "int32_t[]", "uint32_t *", "size_t *", "float *",
-    "int64_t *", "int64_t[]", "int64_t **", "uint64_t *", "aclrtStream *", "aclrtEvent *", "aclrtContext *",
-    "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclTensor **", "aclrtEventRecordedStatus *",
-    "aclrtStreamStatus *", "char[]",
+    "void *", "void **", "uintptr_t", "int32_t *", "int32_t[]", "uint32_t *", "size_t *", "float *", "int64_t *",
+    "int64_t[]", "int64_t **", "uint64_t *", "aclDataType *", "aclFormat *", "aclOpExecutor **", "aclTensor **",
+    "aclrtEventRecordedStatus *", "aclrtStreamStatus *", "char[]",
 )
 
 _lock = threading.Lock()  # guards _texts and _types; cdef itself is not thread-safe
-_texts: list[str] = []  # every text given to cdef, in order
+_texts: list[str] = []  # every text given to cdef, in order: the headers', then each provider's
 _pending: list[tuple[str, tuple[str, ...]]] = []  # provider declarations not yet given to cdef
 _types: dict[str, Any] = {}
 
@@ -57,10 +57,9 @@ def declare() -> None:
 
 def _declare_locked() -> None:
     # (_lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
-    if not _texts:
-        for name in HEADER_FILES:
-            _cdef_locked((headers_dir() / name).read_text(), ())
-        _cdef_locked("void free(void *);", _TYPE_NAMES)
+    if not _texts:  # (the headers, in order, and the C library's free: one text)
+        headers = [(headers_dir() / name).read_text() for name in HEADER_FILES]
+        _cdef_locked("\n".join([*headers, "void free(void *);"]), _TYPE_NAMES)
     while _pending:
         _cdef_locked(*_pending.pop(0))
 
@@ -116,5 +115,5 @@ def extra_functions() -> list[str]:
     """The functions providers added (the emulator's aclemu* extras)."""
     declare()
     with _lock:
-        text = "".join(_texts[len(HEADER_FILES) + 1:])
+        text = "".join(_texts[1:])
     return _functions(text)

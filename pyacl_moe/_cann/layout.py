@@ -38,6 +38,7 @@ interrupted copy, which the dynamic loader would map and die on with SIGBUS), is
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import re
@@ -129,14 +130,17 @@ def loader_path() -> tuple[list[str], list[str]]:
 # ---------------------------------------------------------------------------- ELF
 
 # The ELF structures of this process's class and byte order (a library of another cannot be
-# loaded here, so it is only ever refused): header, program header (up to p_filesz), section
-# header, dynamic symbol, dynamic entry.
+# loaded here, so it is only ever refused), each unpacked to the fields read here, in the same
+# order for both classes (the rest skipped as padding): header (e_type, e_machine, e_phoff,
+# e_shoff, e_phentsize, e_phnum, e_shentsize, e_shnum), program header up to p_filesz (p_type,
+# p_offset, p_filesz), section header (sh_type, sh_offset, sh_size, sh_link), dynamic symbol
+# (st_name, st_info, st_shndx), dynamic entry (d_tag, d_val).
 _END = "<" if sys.byteorder == "little" else ">"
 _WIDE = struct.calcsize("P") == 8
-_EHDR = struct.Struct(_END + ("16sHHIQQQIHHHHHH" if _WIDE else "16sHHIIIIIHHHHHH"))
-_PHDR = struct.Struct(_END + ("IIQQQQ" if _WIDE else "IIIIII"))
-_SHDR = struct.Struct(_END + ("IIQQQQIIQQ" if _WIDE else "IIIIIIIIII"))
-_SYM = struct.Struct(_END + ("IBBHQQ" if _WIDE else "IIIBBH"))
+_EHDR = struct.Struct(_END + ("16xHH12xQQ6xHHHH2x" if _WIDE else "16xHH8xII6xHHHH2x"))
+_PHDR = struct.Struct(_END + ("I4xQ16xQ" if _WIDE else "II8xI4x"))
+_SHDR = struct.Struct(_END + ("4xI16xQQI20x" if _WIDE else "4xI8xIII12x"))
+_SYM = struct.Struct(_END + ("IBxH16x" if _WIDE else "I8xBxH"))
 _DYN = struct.Struct(_END + ("qQ" if _WIDE else "iI"))
 _MACHINES = {"x86_64": 62, "aarch64": 183}  # ELF e_machine: EM_X86_64, EM_AARCH64
 _ET_DYN, _PT_LOAD, _SHT_DYNSYM, _SHT_DYNAMIC, _DT_NEEDED = 3, 1, 11, 6, 1
@@ -154,8 +158,7 @@ def _sections(fd: int) -> list[tuple[int, int, int, int]] | str:
         return "an ELF file of another class or byte order than this process"
     if len(head) < _EHDR.size:
         return f"cut short ({size} bytes: not even its ELF header)"
-    e = _EHDR.unpack(head)
-    e_type, machine, phoff, shoff, phentsize, phnum, shentsize, shnum = e[1], e[2], *e[5:7], *e[9:13]
+    e_type, machine, phoff, shoff, phentsize, phnum, shentsize, shnum = _EHDR.unpack(head)
     if e_type != _ET_DYN:
         return f"not a shared object (ELF type {e_type})"
     want = _MACHINES.get(arch())
@@ -165,14 +168,13 @@ def _sections(fd: int) -> list[tuple[int, int, int, int]] | str:
         return f"cut short or damaged ({size} bytes: its program headers are not all there)"
     table = os.pread(fd, phnum * phentsize, phoff)
     for i in range(phnum):
-        p = _PHDR.unpack_from(table, i * phentsize)
-        offset, filesz = (p[2], p[5]) if _WIDE else (p[1], p[4])
-        if p[0] == _PT_LOAD and offset + filesz > size:
+        p_type, offset, filesz = _PHDR.unpack_from(table, i * phentsize)
+        if p_type == _PT_LOAD and offset + filesz > size:
             return f"cut short ({size} bytes; its segments need {offset + filesz})"
     if shoff and (shentsize < _SHDR.size or shoff + shnum * shentsize > size or shnum > 1 << 20):
         return f"cut short ({size} bytes; its section table ends at {shoff + shnum * shentsize})"
     raw = os.pread(fd, shnum * shentsize, shoff) if shoff else b""
-    return [(s[1], s[4], s[5], s[6]) for s in (_SHDR.unpack_from(raw, i * shentsize) for i in range(shnum))]
+    return [_SHDR.unpack_from(raw, i * shentsize) for i in range(shnum)]
 
 
 def _tables(path: str, kind: int) -> tuple[list[tuple[bytes, bytes]], str | None]:
@@ -206,13 +208,10 @@ def _string(strtab: bytes, at: int) -> bytes:
 def needed(path: str) -> tuple[str, ...] | None:
     """The DT_NEEDED entries of a shared library, in order; None when it cannot be read."""
     tables, why = _tables(path, _SHT_DYNAMIC)
-    names: list[str] = []
-    for dyn, strtab in tables[:1]:
-        for tag, value in _DYN.iter_unpack(dyn[:len(dyn) // _DYN.size * _DYN.size]):
-            if tag == 0:
-                break
-            if tag == _DT_NEEDED and value < len(strtab):
-                names.append(_string(strtab, value).decode("utf-8", "replace"))
+    dyn, strtab = tables[0] if tables else (b"", b"")  # (the first dynamic section; its entries end at DT_NULL)
+    entries = itertools.takewhile(lambda e: e[0] != 0, _DYN.iter_unpack(dyn[:len(dyn) // _DYN.size * _DYN.size]))
+    names = [_string(strtab, v).decode("utf-8", "replace") for tag, v in entries
+             if tag == _DT_NEEDED and v < len(strtab)]
     return None if why else tuple(names)
 
 
@@ -221,12 +220,9 @@ def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
     undefined); None when it cannot be read."""
     targets = {w.encode() for w in wanted}
     tables, why = _tables(path, _SHT_DYNSYM)
-    found: set[str] = set()
-    for syms, strtab in tables:
-        for entry in _SYM.iter_unpack(syms[:len(syms) // _SYM.size * _SYM.size]):
-            name, info, shndx = (entry[0], entry[1], entry[3]) if _WIDE else (entry[0], entry[3], entry[5])
-            if shndx and (info >> 4) in (1, 2) and name < len(strtab) and _string(strtab, name) in targets:
-                found.add(_string(strtab, name).decode())
+    found = {s.decode() for syms, strtab in tables
+             for name, info, shndx in _SYM.iter_unpack(syms[:len(syms) // _SYM.size * _SYM.size])
+             if shndx and (info >> 4) in (1, 2) and name < len(strtab) and (s := _string(strtab, name)) in targets}
     return None if why else found
 
 
@@ -261,8 +257,7 @@ def dependency_order(path: str, folders: list[str], loaded: set[str]) -> Depende
             if name in seen:
                 continue
             seen.add(name)
-            where = find(name, folders)
-            if where is not None:
+            if (where := find(name, folders)) is not None:
                 visit(where)
                 deps.order.append(where)
             elif (left := find(name, absolute)) is not None:

@@ -160,9 +160,10 @@ def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> list[str]
     return [*deps.order, path]
 
 
-def _opened(names: list[str], three: Sequence[str], info: LibraryInfo) -> Libraries:
+def _opened(names: list[str], three: Sequence[str], backend: str, home: str | None) -> Libraries:
     """dlopen each of ``names`` in order (each finds what it needs already loaded), then bind
     the libraries ``three`` name (acl, nn, op; the others are kept loaded) and resolve them.
+    ``home`` is the home they are paths in, None for names the dynamic loader looks up.
     All or nothing: when one cannot be loaded, or the resolution refuses what was loaded,
     everything opened here is closed again (last first), so that no library of a rejected home
     stays mapped for a later load to bind to by soname.
@@ -170,6 +171,8 @@ def _opened(names: list[str], three: Sequence[str], info: LibraryInfo) -> Librar
     Every declared function is resolved now, each in its own library: cffi resolves a function
     on first use under its internal lock (see declare's docstring for why that must not happen
     in a finalizer), and a function the library lacks is an install that cannot work."""
+    info = LibraryInfo(backend, home, {os.path.basename(p)[3:-3]: p for p in three},
+                       os.path.realpath(three[2]) if home else three[2], tuple(p for p in names if p not in three))
     handles: dict[str, Any] = {}
     try:
         for name in names:
@@ -216,9 +219,7 @@ def _load_plan(home: str, backend: str) -> Libraries | str:
                                         f"{', '.join(candidates)})"]
     if problems:
         return "; ".join(problems)
-    info = LibraryInfo(backend, str(Path(home)), {os.path.basename(p)[3:-3]: p for p in three},
-                       os.path.realpath(three[2]), tuple(p for p in order if p not in three))
-    return _opened(order, three, info)
+    return _opened(order, three, backend, str(Path(home)))
 
 
 def _from_loader_path() -> Libraries | str:
@@ -235,12 +236,11 @@ def _from_loader_path() -> Libraries | str:
     problems: list[str] = []
     for op in dict.fromkeys(os.path.basename(rel) for rel in layout.OP_LIBRARIES):
         names = ["libascendcl.so", "libnnopbase.so", op]
-        info = LibraryInfo("cann", None, {n[3:-3]: n for n in names}, op)
         try:  # (all three each time: a failed try leaves nothing mapped)
             for name in names:  # (a file an absolute entry holds is read before it is mapped)
                 if (path := layout.find(name, absolute)) and (why := layout.elf_problem(path)):
                     raise errors.CannNotFoundError([f"{path} is {why}"])
-            return _opened(names, names, info)
+            return _opened(names, names, "cann", None)
         except errors.CannNotFoundError as exc:
             problems += exc.tried
     return "; ".join(dict.fromkeys(problems))
@@ -304,8 +304,7 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
             if p is None:
                 raise RuntimeError(f"no provider named {provider!r} is registered")
             home = p.home()
-            got = _load_plan(home, provider)
-            if isinstance(got, str):
+            if isinstance(got := _load_plan(home, provider), str):
                 raise errors.CannNotFoundError([f"provider {provider!r} = {home}: {got}"])
             _libs, _selected = got, provider
         else:
