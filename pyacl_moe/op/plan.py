@@ -126,9 +126,9 @@ class _PlanCore:
 def _unbind(state: StreamState, core: _PlanCore) -> None:
     with state.lock:
         state.plans.discard(core.key)
-        done = state.keep(tuple(core.allocs.values()))
+        # What became free is dropped at the return, outside the lock.
+        done = state.keep(tuple(core.allocs.values()))  # noqa: F841
     del core.streams[state]
-    del done
 
 
 class Plan(Owner):
@@ -328,8 +328,7 @@ class Plan(Owner):
         todo = self._checked_changes(given)
         c = self._c
         with c.lock:
-            if c.closed:
-                raise ClosedError("plan", "it was closed")
+            self._usable()  # (closed meanwhile?)
             pending = {**c.rebinding, **todo}
             if self._validate and todo:
                 check_no_overlap(c.spec, {**c.arrays, **{n: v[0] for n, v in pending.items()}})
