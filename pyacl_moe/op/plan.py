@@ -114,9 +114,8 @@ class _PlanCore:
             return
         self.let_go()
         for name, (new, alloc, base) in self.rebinding.items():
-            tensor = self.tensors[name]
-            self.executor.set_address(*self.spec.slot(name), tensor.core(), base)
-            tensor.rebound(new)
+            self.executor.set_address(*self.spec.slot(name), self.tensors[name].core(), base)
+            self.tensors[name].rebound(new)
             self.arrays[name], self.allocs[name] = new, alloc
         self.outs = tuple(self.allocs[n] for n in self.spec.outputs if n in self.allocs)
         self.result = self.result_of(self.arrays)
