@@ -114,9 +114,8 @@ class _PlanCore:
             return
         self.let_go()
         for name, (new, alloc, base) in self.rebinding.items():
-            tensor = self.tensors[name]
-            self.executor.set_address(*self.spec.slot(name), tensor.core(), base)
-            tensor.rebound(new)
+            self.executor.set_address(*self.spec.slot(name), self.tensors[name].core(), base)
+            self.tensors[name].rebound(new)
             self.arrays[name], self.allocs[name] = new, alloc
         self.outs = tuple(self.allocs[n] for n in self.spec.outputs if n in self.allocs)
         self.result = self.result_of(self.arrays)
@@ -126,9 +125,9 @@ class _PlanCore:
 def _unbind(state: StreamState, core: _PlanCore) -> None:
     with state.lock:
         state.plans.discard(core.key)
-        done = state.keep(tuple(core.allocs.values()))
+        # What became free is dropped at the return, outside the lock.
+        done = state.keep(tuple(core.allocs.values()))  # noqa: F841
     del core.streams[state]
-    del done
 
 
 class Plan(Owner):
@@ -328,8 +327,7 @@ class Plan(Owner):
         todo = self._checked_changes(given)
         c = self._c
         with c.lock:
-            if c.closed:
-                raise ClosedError("plan", "it was closed")
+            self._usable()  # (closed meanwhile?)
             pending = {**c.rebinding, **todo}
             if self._validate and todo:
                 check_no_overlap(c.spec, {**c.arrays, **{n: v[0] for n, v in pending.items()}})

@@ -52,6 +52,5 @@ class OpSpec:
         """("input" or "output", index) of a tensor parameter, as aclSet*TensorAddr take it: its
         place among the op's tensors of its kind, an optional one passed as a null pointer
         included (nnopbase keeps a slot for it, marked null)."""
-        if name in self.inputs:
-            return "input", self.inputs.index(name)
-        return "output", self.outputs.index(name)
+        kind = "input" if name in self.inputs else "output"
+        return kind, getattr(self, kind + "s").index(name)
