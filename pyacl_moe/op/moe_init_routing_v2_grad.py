@@ -37,8 +37,9 @@ SPEC = OpSpec("aclnnMoeInitRoutingV2Grad", (
 
 def get_workspace_size(grad_expanded_x: AclTensor | DeviceArray | None,
                        expanded_row_idx: AclTensor | DeviceArray | None, top_k: int, drop_pad_mode: int = 0,
-                       active_num: int = 0, out: AclTensor | DeviceArray | None = None,
-                       device: Device | int | None = None) -> tuple[int, Executor]:
+                       active_num: int = 0,
+                       out: AclTensor | DeviceArray | None = None, device: Device | int | None = None
+                       ) -> tuple[int, Executor]:
     """Phase one, as CANN has it: (workspace bytes, executor).
 
     Nothing of the contract is checked on the host (the vendor validates; None passes a null
