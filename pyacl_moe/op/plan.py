@@ -57,10 +57,11 @@ def check_workspace_apart(workspace: DeviceArray, arrays: Mapping[str, DeviceArr
 
 class _PlanCore:
     """A plan's state, the device's holder for it (released when the Plan is gone: it lets go
-    of its streams then). ``lock`` guards ``arrays``, ``allocs``, ``outs``, ``streams``,
-    ``rebinding``, ``closed``, ``spent`` and the executor's addresses. ``last`` (the stream
-    of the last launch, the steady state's test; None once it must not be trusted) is one
-    store under ``lock``, read without it."""
+    of its streams then). ``lock`` guards ``allocs``, ``streams``, ``rebinding``, ``closed``,
+    ``spent`` and the executor's addresses. ``arrays``, ``outs`` and ``result`` are replaced
+    whole under ``lock`` and read without it (published: a reader sees one complete value);
+    so is ``last`` (the stream of the last launch, the steady state's test; None once it must
+    not be trusted)."""
 
     __slots__ = ("lock", "spec", "device", "ctx", "executor", "tensors", "arrays", "allocs", "outs", "streams",
                  "rebinding", "closed", "spent", "last", "key", "result", "result_of", "fn", "ex", "size",
@@ -116,7 +117,8 @@ class _PlanCore:
         for name, (new, alloc, base) in self.rebinding.items():
             self.executor.set_address(*self.spec.slot(name), self.tensors[name].core(), base)
             self.tensors[name].rebound(new)
-            self.arrays[name], self.allocs[name] = new, alloc
+            self.allocs[name] = alloc
+            self.arrays = {**self.arrays, name: new}  # (published whole: read without the lock)
         self.outs = tuple(self.allocs[n] for n in self.spec.outputs if n in self.allocs)
         self.result = self.result_of(self.arrays)
         self.rebinding = {}
