@@ -175,18 +175,18 @@ class StreamState:
 
     def poll(self) -> list[Any]:
         """What the fences that ran release (never waits)."""
+        return self._advance(self.done, True)
+
+    def _advance(self, mark: int, ask: bool = False) -> list[Any]:
+        """What the work up to ``mark`` held. The fences behind it are taken back, and so, with
+        ``ask``, is each next one CANN says ran (a query that fails ends that walk)."""
+        self.done = max(self.done, mark)
         with contextlib.suppress(AclError):
-            if self.fences:
+            if ask and self.fences:
                 acl.use_context(self.ctx)
-            while self.fences and acl.query_event(self.fences[0][1]):
+            while self.fences and (self.fences[0][0] <= self.done or ask and acl.query_event(self.fences[0][1])):
                 self.done = max(self.done, self.fences[0][0])
                 self.spare.append(self.fences.popleft()[1])
-        return self._advance(self.done)
-
-    def _advance(self, mark: int) -> list[Any]:
-        self.done = max(self.done, mark)
-        while self.fences and self.fences[0][0] <= self.done:
-            self.spare.append(self.fences.popleft()[1])
         out = []
         while self.holds and self.holds[0][0] <= self.done:
             out.append(self.holds.popleft())
