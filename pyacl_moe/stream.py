@@ -304,10 +304,10 @@ class StreamState:
             self.plans = set()
 
     def release(self) -> int:
-        """The stream has run everything (its close waited, or its device's): destroy it, after
-        any wait in progress, and drop what it held. Safe again."""
+        """The stream, refusing new work (shut, or dropped), has run everything (its close
+        waited, or its device's): destroy it, after any wait in progress, and drop what it
+        held. Safe again."""
         with self.wait_lock, self.lock:
-            self.closing = True
             # Every fence too (none is pending); what it held goes at the return, outside the lock.
             done = self._advance(self.point)  # noqa: F841
             status = self.handle.release() if self.handle is not None else 0
