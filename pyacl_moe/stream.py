@@ -229,17 +229,6 @@ class StreamState:
         self.completed(mark)
         return False
 
-    def query(self) -> bool:
-        """aclrtStreamQuery: True once everything queued has run (never waits, never reports a
-        fault); what completed work held goes."""
-        self.device.check_open()
-        with self.lock:
-            self.check_open()
-            idle = _idle(self)
-            # (what completed work held goes at the return, outside the lock)
-            done = self._advance(self.point) if idle else self.poll()  # noqa: F841
-        return idle
-
     # -- workspace and caches
 
     def ensure_workspace(self, nbytes: int) -> None:
@@ -449,8 +438,15 @@ class Stream:
 
     def query(self) -> bool:
         """True when every task queued on the stream has run (aclrtStreamQuery); never waits
-        and never reports a fault."""
-        return self.state.query()
+        and never reports a fault; what completed work held goes."""
+        s = self.state
+        s.device.check_open()
+        with s.lock:
+            s.check_open()
+            idle = _idle(s)
+            # (what completed work held goes at the return, outside the lock)
+            done = s._advance(s.point) if idle else s.poll()  # noqa: F841
+        return idle
 
     def wait_event(self, event: Event) -> None:
         """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent).
