@@ -46,8 +46,14 @@ _CODES = {(_KINDS[d.kind], 8 * d.itemsize): d
 _CODES[4, 16] = _BF16
 
 
-def _from_capsule(capsule: Any, name: str) -> np.ndarray:
-    """A NumPy view of an unconsumed ``dltensor`` capsule's host memory."""
+def _from_dlpack(obj: Any, name: str) -> np.ndarray:
+    """A NumPy view of the host memory of a DLPack producer ``obj`` (its refusal, BufferError by
+    the protocol, some producers raising others, turned into one naming the parameter) or of
+    an unconsumed ``dltensor`` capsule."""
+    try:
+        capsule = obj.__dlpack__() if hasattr(obj, "__dlpack__") else obj
+    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidArgument(name, f"cannot export its memory through DLPack ({type(obj).__name__}: {exc})") from None
     if not _capsule_valid(capsule, b"dltensor"):
         raise InvalidArgument(name, "is a DLPack capsule that was already consumed (or is not a 'dltensor' capsule)")
     # DLManagedTensor starts with its DLTensor: the capsule's pointer is the DLTensor's address.
@@ -86,8 +92,6 @@ def host_view(obj: Any, name: str) -> tuple[np.ndarray, Family]:
     """A NumPy array over ``obj``'s host memory (no copy when possible), and its family."""
     if isinstance(obj, np.ndarray):
         return obj, NUMPY
-    if type(obj).__name__ == "PyCapsule":
-        return _from_capsule(obj, name), NUMPY
     if type(obj).__module__.partition(".")[0] == "torch" and "torch" in sys.modules:
         device = getattr(obj, "device", None)
         if getattr(device, "type", "cpu") != "cpu":
@@ -98,13 +102,14 @@ def host_view(obj: Any, name: str) -> tuple[np.ndarray, Family]:
             raise InvalidArgument(name, f"is a torch tensor of layout {layout}, which has no dense memory to read: "
                                         "pass tensor.to_dense()")
         # (a lazily conjugated or negated view is materialized; any other comes back as it is)
-        t = obj.detach().resolve_conj().resolve_neg()
-        return _from_capsule(_export(t, name), name), TORCH
-    if hasattr(obj, "__dlpack__") and not hasattr(obj, "__array_interface__") and not hasattr(obj, "__array__"):
+        return _from_dlpack(obj.detach().resolve_conj().resolve_neg(), name), TORCH
+    # A capsule, or a DLPack producer that NumPy does not read itself.
+    if type(obj).__name__ == "PyCapsule" or (hasattr(obj, "__dlpack__") and not hasattr(obj, "__array_interface__")
+                                             and not hasattr(obj, "__array__")):
         dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else (_DL_CPU, 0)
         if int(dev[0]) not in (_DL_CPU, _DL_CPU_PINNED):
             raise InvalidArgument(name, f"is a DLPack tensor on device type {int(dev[0])}, not host memory")
-        return _from_capsule(_export(obj, name), name), NUMPY
+        return _from_dlpack(obj, name), NUMPY
     try:
         arr = np.asarray(obj)
     except (TypeError, ValueError) as exc:
@@ -113,15 +118,6 @@ def host_view(obj: Any, name: str) -> tuple[np.ndarray, Family]:
     if arr.dtype == object:
         raise InvalidArgument(name, f"must be an array of numbers, got {type(obj).__name__} (dtype object)")
     return arr, NUMPY
-
-
-def _export(obj: Any, name: str) -> Any:
-    """``obj.__dlpack__()``, its refusal (BufferError by the protocol; some producers raise
-    others) turned into one naming the parameter."""
-    try:
-        return obj.__dlpack__()
-    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
-        raise InvalidArgument(name, f"cannot export its memory through DLPack ({type(obj).__name__}: {exc})") from None
 
 
 def in_family(result: np.ndarray, family: Family) -> Any:

@@ -175,18 +175,18 @@ class StreamState:
 
     def poll(self) -> list[Any]:
         """What the fences that ran release (never waits)."""
+        return self._advance(self.done, True)
+
+    def _advance(self, mark: int, ask: bool = False) -> list[Any]:
+        """What the work up to ``mark`` held. The fences behind it are taken back, and so, with
+        ``ask``, is each next one CANN says ran (a query that fails ends that walk)."""
+        self.done = max(self.done, mark)
         with contextlib.suppress(AclError):
-            if self.fences:
+            if ask and self.fences:
                 acl.use_context(self.ctx)
-            while self.fences and acl.query_event(self.fences[0][1]):
+            while self.fences and (self.fences[0][0] <= self.done or ask and acl.query_event(self.fences[0][1])):
                 self.done = max(self.done, self.fences[0][0])
                 self.spare.append(self.fences.popleft()[1])
-        return self._advance(self.done)
-
-    def _advance(self, mark: int) -> list[Any]:
-        self.done = max(self.done, mark)
-        while self.fences and self.fences[0][0] <= self.done:
-            self.spare.append(self.fences.popleft()[1])
         out = []
         while self.holds and self.holds[0][0] <= self.done:
             out.append(self.holds.popleft())
@@ -228,17 +228,6 @@ class StreamState:
                 pass
         self.completed(mark)
         return False
-
-    def query(self) -> bool:
-        """aclrtStreamQuery: True once everything queued has run (never waits, never reports a
-        fault); what completed work held goes."""
-        self.device.check_open()
-        with self.lock:
-            self.check_open()
-            idle = _idle(self)
-            # (what completed work held goes at the return, outside the lock)
-            done = self._advance(self.point) if idle else self.poll()  # noqa: F841
-        return idle
 
     # -- workspace and caches
 
@@ -304,10 +293,10 @@ class StreamState:
             self.plans = set()
 
     def release(self) -> int:
-        """The stream has run everything (its close waited, or its device's): destroy it, after
-        any wait in progress, and drop what it held. Safe again."""
+        """The stream, refusing new work (shut, or dropped), has run everything (its close
+        waited, or its device's): destroy it, after any wait in progress, and drop what it
+        held. Safe again."""
         with self.wait_lock, self.lock:
-            self.closing = True
             # Every fence too (none is pending); what it held goes at the return, outside the lock.
             done = self._advance(self.point)  # noqa: F841
             status = self.handle.release() if self.handle is not None else 0
@@ -449,8 +438,15 @@ class Stream:
 
     def query(self) -> bool:
         """True when every task queued on the stream has run (aclrtStreamQuery); never waits
-        and never reports a fault."""
-        return self.state.query()
+        and never reports a fault; what completed work held goes."""
+        s = self.state
+        s.device.check_open()
+        with s.lock:
+            s.check_open()
+            idle = _idle(s)
+            # (what completed work held goes at the return, outside the lock)
+            done = s._advance(s.point) if idle else s.poll()  # noqa: F841
+        return idle
 
     def wait_event(self, event: Event) -> None:
         """Make later tasks on this stream wait until ``event`` completes (aclrtStreamWaitEvent).
