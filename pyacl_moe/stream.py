@@ -514,7 +514,7 @@ def resolve_stream(stream: Stream | None, device: Device) -> StreamState:
     if stream is None:
         return current_stream(device).state
     state = _args.instance("stream", stream, Stream, "a Stream or None").state
-    state.check_open()
+    state.check_usable()  # (closing is read under the lock)
     if state.device is not device:
         raise InvalidArgument("stream", f"is on device {state.device.device_id}, the arrays on {device.device_id}")
     return state
