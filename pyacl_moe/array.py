@@ -290,25 +290,23 @@ class DeviceArray:
         (:func:`pinned_empty`) CANN copies asynchronously; into pageable memory
         aclrtMemcpyAsync returns once the copy is done.
         """
-        alloc, wait = self.allocation(), out is None
-        if out is None:
-            out = np.empty(self.shape, dtype=self.dtype)
-        elif not isinstance(out, np.ndarray):
-            raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
-        else:
+        alloc, dense = self.allocation(), self.is_contiguous
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise InvalidArgument("out", f"must be a NumPy array, got {type(out).__name__}")
             self._check_like("out", out)
             if not out.flags.c_contiguous or not out.flags.writeable:
                 raise InvalidArgument("out", "must be C-contiguous and writable")
-            if not self.is_contiguous:
+            if not dense:
                 raise InvalidArgument("array", "to_host(out=...) needs a contiguous DeviceArray (copy() it first)")
         lo, hi = self.span
         n = hi - lo + 1  # (0 when empty: an empty view is contiguous, a strided one has elements)
-        host = out if self.is_contiguous else np.empty(n, dtype=np.uint8)
+        # A strided view is read as its bytes from the first to the last, its elements picked out on the host.
+        host = np.empty(n, np.uint8) if not dense else np.empty(self.shape, self.dtype) if out is None else out
         if n:
-            _queued(alloc, stream, host, (host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST"), wait=wait)
-        if host is not out:
-            out[...] = np.lib.stride_tricks.as_strided(host.view(self.dtype), self.shape, self.strides)
-        return out
+            _queued(alloc, stream, host, (host.ctypes.data, n, lo, n, "ACL_MEMCPY_DEVICE_TO_HOST"), wait=out is None)
+        return host if dense else np.lib.stride_tricks.as_strided(host.view(self.dtype), self.shape,
+                                                                  self.strides).copy()
 
     def _check_like(self, name: str, host: np.ndarray) -> None:
         if host.shape != self.shape or host.dtype != self.dtype:

@@ -129,7 +129,7 @@ def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, .
     entry: the positions of the outputs to make, a token naming the entry (a new object: no
     counter to share), their layouts and sizes in bytes, whether an output was given."""
     spec = op.spec
-    attrs = op.spec.attr_values(*values)
+    attrs = spec.attr_values(*values)
     wanted = op.check({name: (a.shape, a.dtype) for name, a in zip(spec.inputs, arrays) if a is not None}, attrs)
     at, makes, given = [], [], False
     for i, name in enumerate(spec.outputs, len(spec.inputs)):
@@ -395,7 +395,7 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
     attributes give), the given outputs fitted to it; the device layouts of the inputs and the
     outputs to write and their sizes in bytes, and each output's (shape, dtype) or None."""
     spec = op.spec
-    attrs = op.spec.attr_values(*values)
+    attrs = spec.attr_values(*values)
     natives = [np.empty((0,), v.dtype.newbyteorder("=")) for v in raw]  # (only their dtypes are read)
     if validate:  # the contract first: its messages name the rule an input breaks
         wanted = op.check({n: (v.shape, d.dtype) for n, v, d in zip(spec.inputs, raw, natives)}, attrs)
@@ -409,10 +409,9 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
         for name, want in wanted.items():
             if want is not None:
                 _args.nbytes(name, want[0], want[1].itemsize)
-    for name, d in zip(spec.inputs, natives):
-        host_array(d, name)  # a dtype CANN has no type for is refused here
+    # (host_array: a dtype CANN has no type for, object's too, is refused here, input by input)
+    layouts = [contiguous_layout(v.shape, host_array(d, n).dtype) for n, v, d in zip(spec.inputs, raw, natives)]
     outs = [wanted[n] for n in spec.outputs]
-    layouts = [contiguous_layout(v.shape, d.dtype) for v, d in zip(raw, natives)]
     layouts += [contiguous_layout(*w) for w in outs if w is not None]
     return attrs, layouts, [m[1] for m in layouts], outs
 
