@@ -96,7 +96,13 @@ class Owner:
         if core is not None:
             device, holder = core.device, core.holder
             del core
-            device.release_if_gone(holder)
+            # Released now, CANN's refusal raised, if nothing else holds the core (queued work,
+            # an executor); otherwise it goes once they let go.
+            with device.lock:
+                token = device._owned.get(holder)
+            if token is not None and token() is None:
+                check(device.release(holder), holder.API)
+            collect()
 
     def __enter__(self: _O) -> _O:
         return self
@@ -334,16 +340,6 @@ class Device:
             with self.lock:
                 self._owned.pop(holder, None)
         return status
-
-    def release_if_gone(self, holder: Any) -> None:
-        """After an owner's ``close()`` dropped its reference to the object that owns
-        ``holder``: release it now, raising CANN's refusal, if nothing else holds that object
-        (queued work, an executor); otherwise it goes once they let go."""
-        with self.lock:
-            token = self._owned.get(holder)
-        if token is not None and token() is None:
-            check(self.release(holder), holder.API)
-        collect()
 
     def holders(self, rank: int) -> list[Any]:
         """The inventory's holders of one rank (STREAMS: the device's stream states)."""
