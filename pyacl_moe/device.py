@@ -562,8 +562,6 @@ class Device:
         collect()  # what was dropped goes first (a release CANN refused is tried again)
         with self.lock:
             self.context.open = False  # no new work: every call checks it before it takes a lock
-        if getattr(_tls, "device", None) is self:
-            _tls.device = None
         if acl.forked():
             return []
         errors: list[BaseException] = []
