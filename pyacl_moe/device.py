@@ -634,11 +634,10 @@ def _free_one(shelf: _Shelf) -> Block | None:
             block.ptr = block.handle.address  # the address is the handle's,
             if not block.ptr:
                 block.token = None  # or none (a stray: the next trim frees it)
-        if block is None or block.token is not dead:
-            del shelf[j]
-        elif _free_for_any(block):
-            del shelf[j]
-            return block
+        if block is None or block.token is not dead or _free_for_any(block):
+            del shelf[j]  # (a token naming no idle block is dropped; a free block taken)
+            if block is not None and block.token is dead:
+                return block
     return None
 
 
