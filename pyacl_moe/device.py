@@ -496,10 +496,11 @@ class Device:
         # (lock held; a loop under a lock is a function of its own)
         out = dict(self._counts)
         for prefix, pinned in (("array_", False), ("pinned_", True)):
-            idle = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None and b.token() is None]
-            used = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None and b.token() is not None]
+            # (each block's token read once: a user dying meanwhile cannot count it as both idle and in use)
+            sized = [(b.size, b.token() is None) for b in self._blocks if b.pinned is pinned and b.token is not None]
+            idle = [n for n, dead in sized if dead]
             out.update({prefix + "bytes_idle": sum(idle), prefix + "blocks_idle": len(idle),
-                        prefix + "bytes_in_use": sum(used)})
+                        prefix + "bytes_in_use": sum(n for n, dead in sized if not dead)})
         return out
 
     # -- waiting
