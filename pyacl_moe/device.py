@@ -96,7 +96,13 @@ class Owner:
         if core is not None:
             device, holder = core.device, core.holder
             del core
-            device.release_if_gone(holder)
+            # Released now, CANN's refusal raised, if nothing else holds the core (queued work,
+            # an executor); otherwise it goes once they let go.
+            with device.lock:
+                token = device._owned.get(holder)
+            if token is not None and token() is None:
+                check(device.release(holder), holder.API)
+            collect()
 
     def __enter__(self: _O) -> _O:
         return self
@@ -335,16 +341,6 @@ class Device:
                 self._owned.pop(holder, None)
         return status
 
-    def release_if_gone(self, holder: Any) -> None:
-        """After an owner's ``close()`` dropped its reference to the object that owns
-        ``holder``: release it now, raising CANN's refusal, if nothing else holds that object
-        (queued work, an executor); otherwise it goes once they let go."""
-        with self.lock:
-            token = self._owned.get(holder)
-        if token is not None and token() is None:
-            check(self.release(holder), holder.API)
-        collect()
-
     def holders(self, rank: int) -> list[Any]:
         """The inventory's holders of one rank (STREAMS: the device's stream states)."""
         with self.lock:
@@ -500,10 +496,11 @@ class Device:
         # (lock held; a loop under a lock is a function of its own)
         out = dict(self._counts)
         for prefix, pinned in (("array_", False), ("pinned_", True)):
-            idle = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None and b.token() is None]
-            used = [b.size for b in self._blocks if b.pinned is pinned and b.token is not None and b.token() is not None]
+            # (each block's token read once: a user dying meanwhile cannot count it as both idle and in use)
+            sized = [(b.size, b.token() is None) for b in self._blocks if b.pinned is pinned and b.token is not None]
+            idle = [n for n, dead in sized if dead]
             out.update({prefix + "bytes_idle": sum(idle), prefix + "blocks_idle": len(idle),
-                        prefix + "bytes_in_use": sum(used)})
+                        prefix + "bytes_in_use": sum(n for n, dead in sized if not dead)})
         return out
 
     # -- waiting
@@ -566,8 +563,6 @@ class Device:
         collect()  # what was dropped goes first (a release CANN refused is tried again)
         with self.lock:
             self.context.open = False  # no new work: every call checks it before it takes a lock
-        if getattr(_tls, "device", None) is self:
-            _tls.device = None
         if acl.forked():
             return []
         errors: list[BaseException] = []
@@ -640,11 +635,10 @@ def _free_one(shelf: _Shelf) -> Block | None:
             block.ptr = block.handle.address  # the address is the handle's,
             if not block.ptr:
                 block.token = None  # or none (a stray: the next trim frees it)
-        if block is None or block.token is not dead:
-            del shelf[j]
-        elif _free_for_any(block):
-            del shelf[j]
-            return block
+        if block is None or block.token is not dead or _free_for_any(block):
+            del shelf[j]  # (a token naming no idle block is dropped; a free block taken)
+            if block is not None and block.token is dead:
+                return block
     return None
 
 
