@@ -9,8 +9,9 @@ Every copy runs on a stream. With ``stream`` (or inside ``with stream:``) it is 
 after the memory's last writer when that is another stream (a read waits for it on the host;
 ordering anything else between streams is the caller's, through events) and the host buffer is
 held until it has run; without, it runs on the default stream once the memory's last writer
-has run (waited for on the host), and is waited for. Memory whose writer the binding cannot know (borrowed) waits for the
-whole device.
+has run (waited for on the host), and is waited for. A fresh array's writer is the stream it
+was made for. Memory whose writer the binding cannot know (borrowed) waits for the whole
+device.
 """
 
 from __future__ import annotations

@@ -430,13 +430,15 @@ class Device:
             with calling(self, ctx):
                 acl.use_context(ctx)
                 try:
-                    block.ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
+                    ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
                 except AclRuntimeError as exc:
                     if exc.status not in _OOM:
                         raise
                     self.reclaim()
                     acl.use_context(ctx)
-                    block.ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
+                    ptr = fill(block.handle, block.size)  # type: ignore[arg-type]
+            with self.lock:  # (an interrupt before this leaves the address in the handle: _free_one reads it)
+                block.ptr = ptr
         except BaseException:
             with self.lock:
                 block.token = None  # a stray: freed by the next trim (an empty handle frees nothing)
@@ -462,6 +464,7 @@ class Device:
             else:
                 with self.lock:
                     self._blocks.pop(block, None)
+                    block.ptr = 0  # (a token of it on a shelf names no idle block: _take passes it over)
         return errors
 
     def _unused(self) -> list[Block]:
@@ -818,16 +821,21 @@ def _close_all_at_exit() -> None:
 
     threading.excepthook = hook
     with _Process.lock:
-        for dev in open_devices():
-            try:
-                dev.close()
-            except Exception as exc:  # nobody is left to catch it: said once on stderr
-                with contextlib.suppress(Exception):
-                    sys.stderr.write(f"pyacl_moe: at exit, closing device {dev.device_id} reported: {exc}\n")
+        _close_each()
         if _Process.owns_init:
             _Process.owns_init = False
             with contextlib.suppress(Exception):
                 acl.finalize()
+
+
+def _close_each() -> None:
+    # (_Process.lock held; a loop under a lock is a function of its own: ARCHITECTURE.md)
+    for dev in open_devices():
+        try:
+            dev.close()
+        except Exception as exc:  # nobody is left to catch it: said once on stderr
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"pyacl_moe: at exit, closing device {dev.device_id} reported: {exc}\n")
 
 
 atexit.register(_close_all_at_exit)
