@@ -481,7 +481,7 @@ class Device:
         cached executors and workspaces, empty_cache), then free the idle blocks (an allocation
         that ran out of memory tries again after this); the errors CANN reported."""
         for s in self.holders(STREAMS):
-            (s.empty if empty else s.reclaim)()
+            s.reclaim(empty)
         collect()
         return self.trim()
 

@@ -252,15 +252,11 @@ class StreamState:
         with self.lock:
             return self.ws_size
 
-    def empty(self) -> None:
-        """empty_cache(): give up the cached executors and the workspace (freed once the work
-        queued so far has run, by a later empty_cache)."""
-        self.reclaim(True)
-
     def reclaim(self, empty: bool = False) -> None:
         """Out of memory: what completed work held, and the workspace of a stream with nothing
-        queued; with ``empty`` (:meth:`empty`), the cached executors and the workspace whatever
-        is queued (a stream that was closed is asked too)."""
+        queued; with ``empty`` (empty_cache), the cached executors and the workspace whatever is
+        queued, freed once the work queued so far has run, by a later empty_cache (a stream
+        that was closed is asked too)."""
         if not self.ctx.open:
             return
         with self.lock:
