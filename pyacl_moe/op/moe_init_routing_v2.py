@@ -183,16 +183,16 @@ def moe_init_routing_v2(x: Any, expert_idx: Any, active_num: int = 0, expert_cap
     """
     values = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
               expert_tokens_before_capacity_flag)
-    given = [None] * 4 if out is None else out
     if type(x) is DeviceArray and type(expert_idx) is DeviceArray and (stream is None or type(stream) is Stream) and (
             workspace is None and validate is True) and (out is None or type(out) is RoutingResult and _DEVICE_OR_NONE
                                                          .issuperset(map(type, out))):  # the common device call
+        arrays = [x, expert_idx, None, None, None, None] if out is None else [x, expert_idx, *out]
         # (tuple.__new__: the NamedTuple's own __new__ is one frame more)
-        return _new(RoutingResult, run_device(ONE_CALL, [x, expert_idx, *given], values, stream, None, True))
+        return _new(RoutingResult, run_device(ONE_CALL, arrays, values, stream, None, True))
     if type(out) is not RoutingResult and (not isinstance(out, tuple) or len(out) != 4) and out is not None:
         raise InvalidArgument("out", f"must be a RoutingResult (or a tuple of 4) of arrays or None, got "
                                      f"{type(out).__name__}")
-    return RoutingResult(*one_call(ONE_CALL, [x, expert_idx], values, list(given),
+    return RoutingResult(*one_call(ONE_CALL, [x, expert_idx], values, [None] * 4 if out is None else list(out),
                                    [f"out.{n}" for n in SPEC.outputs], stream, workspace, validate))
 
 
