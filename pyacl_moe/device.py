@@ -395,7 +395,10 @@ class Device:
             if shelf is None:
                 shelf = shelves[size] = _Shelf()
             dead = shelf.pop() if shelf else None  # (popped first: a user dying meanwhile appends behind it)
-            block = dead.what if dead is not None else None
+            try:
+                block = dead.what if dead is not None else None
+            except AttributeError:  # (a token an interrupt left before its block was set: _free_one drops it)
+                block = None
             if block is None or block.token is not dead or block.home is not home and block.home is not None or (
                     not block.ptr):
                 if dead is not None:
@@ -421,6 +424,7 @@ class Device:
         size = max(_ROUND, -(-alloc.nbytes // _ROUND) * _ROUND)  # (as _take rounds)
         with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
             self.check_open()
+            alloc.check_open()  # (a reset since _take: this device's shelves are new ones)
             token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, token,
                                        home, self._shelves[pinned][size])  # (the shelf: made by _take)
             self._blocks[block] = None
@@ -604,7 +608,7 @@ def collect() -> None:
     blocks of Allocations that are gone go back to their devices' caches. Never waits for
     queued work; never called with a lock of the runtime held."""
     _lifetime.collect()
-    if not _Process.caching[0]:
+    if not _Process.caching[0] and not acl.forked():  # (a fork() child frees nothing it inherited)
         for dev in _Process.live:
             dev.trim()  # what went idle is freed, not kept
 
@@ -633,7 +637,7 @@ def _free_one(shelf: _Shelf) -> Block | None:
     # off it; a token that names no idle block any more is dropped from it on the way.
     for j in reversed(range(len(shelf))):
         dead = shelf[j]
-        block: Block | None = dead.what
+        block: Block | None = getattr(dead, "what", None)
         if block is not None and block.token is dead and not block.ptr:  # an interrupt cut its _malloc short:
             block.ptr = block.handle.address  # the address is the handle's,
             if not block.ptr:

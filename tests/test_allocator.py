@@ -5,6 +5,7 @@ share safely."""
 from __future__ import annotations
 
 import threading
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -207,3 +208,26 @@ def test_device_close_frees_cached_and_pinned_blocks(isolated):
     r = isolated(child_device_close_frees_cached_and_pinned_blocks)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_the_outputs_a_plan_makes_never_take_memory_a_stream_still_writes(device, lazy_streams):
+    """A plan (and the one call with validate=False, a one-shot plan) made its outputs for the
+    default stream, then launched on the stream it was given: an output could take at once a
+    block the default stream let go of with a launch into it still queued there, which then
+    overwrote the result. They are homed on no stream now, free for any."""
+    rng = np.random.default_rng(1)
+    x, idx = rng.standard_normal((64, 32)).astype(np.float32), rng.permutation(64).astype(np.int32)
+    x2 = x * 10
+    want = pm.reference.moe_init_routing_v2_grad(x2, idx, 4)
+    dx, di, dx2 = pm.to_device(x), pm.to_device(idx), pm.to_device(x2)
+    device.synchronize()
+    with closing(pm.Stream(device)) as s:
+        for make in (lambda: pm.moe_init_routing_v2_grad(dx2, di, 4, stream=s, validate=False),
+                     lambda: pm.MoeInitRoutingV2Grad(dx2, di, 4)(s)):
+            old = pm.moe_init_routing_v2_grad(dx, di, 4)  # on the default stream, queued, not run
+            ptr = old.data_ptr
+            del old  # its block idle, homed on the default stream, a launch into it still queued
+            out = make()
+            assert out.data_ptr != ptr
+            device.synchronize()  # the default stream's launch runs now
+            np.testing.assert_array_equal(out.to_host(s), want)

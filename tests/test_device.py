@@ -376,3 +376,36 @@ def test_emulator_children_never_die_at_exit(isolated, count):
     died = [(k, r.returncode, r.stderr[-500:]) for k, r in enumerate(done)
             if r.returncode or "Traceback" in r.stderr]
     assert not died, died[:3]
+
+
+def child_a_reset_inside_an_allocation() -> None:
+    pm.use_emulator()
+    from pyacl_moe import device as device_mod
+
+    dev = pm.Device(0)
+    real = device_mod.Device._malloc
+
+    def reset_first(self, *args):  # another thread's reset, landing between _take and _malloc
+        device_mod.Device._malloc = real
+        self.reset()
+        return real(self, *args)
+
+    device_mod.Device._malloc = reset_first
+    try:
+        pm.empty((12345,), np.uint8)
+    except pm.ClosedError as exc:
+        print("ClosedError:", exc)
+    a = pm.empty((12345,), np.uint8)  # the reset device allocates as ever
+    a.copy_from_host(np.full(12345, 7, np.uint8))
+    assert (a.to_host() == 7).all()
+    print("ok")
+
+
+def test_a_reset_inside_an_allocation_is_a_closed_error(isolated):
+    """A reset between taking the cache's blocks and making a missing one raised KeyError (the
+    new device's shelves had no shelf of that size): the allocation of the reset device's
+    memory is a ClosedError, as every use of it is, and the device allocates again after."""
+    r = isolated(child_a_reset_inside_an_allocation)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ClosedError: array is closed: its memory went with device 0" in r.stdout, r.stdout
+    assert r.stdout.strip().endswith("ok"), r.stdout

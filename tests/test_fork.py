@@ -299,3 +299,36 @@ def test_a_fork_child_gets_closed_error_from_every_stream_use_never_a_parent_thr
     r = isolated(child_fork_while_a_thread_holds_the_streams_locks, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+def child_fork_with_caching_off_while_a_thread_holds_the_devices_lock() -> None:
+    pm.use_emulator()
+    dev = pm.Device(0)
+    pm.set_caching(False)  # every safe point frees what went idle: it must not do so in the child
+    a = pm.empty((1024,), np.uint8)
+    held, go = threading.Event(), threading.Event()
+
+    def hold():
+        with dev.lock:  # as a thread inside an allocation would
+            held.set()
+            go.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        a.close()  # a safe point: it took the lock a parent thread held, and hung
+        os._exit(0)
+    go.set()
+    t.join()
+    print("child exit", wait_child(pid, 10))
+    print("ok")
+
+
+def test_a_fork_child_with_caching_off_frees_nothing_and_never_waits_at_a_safe_point(isolated):
+    """With caching off every safe point frees what went idle; in a fork() child it took the
+    device's lock, which a parent thread held at fork(), and hung."""
+    r = isolated(child_fork_with_caching_off_while_a_thread_holds_the_devices_lock)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "child exit 0" in r.stdout and r.stdout.strip().endswith("ok"), r.stdout

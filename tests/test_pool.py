@@ -264,3 +264,31 @@ def test_out_of_memory_gives_back_idle_streams_workspaces(isolated):
     assert r.returncode == 0, r.stderr
     held, allocated = r.stdout.split("\n")[:2]
     assert held == "held 224" and allocated.startswith("allocated 64 "), r.stdout
+
+
+def test_a_plans_queued_launch_keeps_its_streams_workspace(device, lazy_streams):
+    """A plan's launch in its steady state took no point of its stream: once the stream had
+    been waited for, its workspace looked unused while a launch using it was still queued, so
+    empty_cache() freed it (the kernel faulted on freed memory) and a grown workspace's old
+    block went to another stream at once."""
+    rng = np.random.default_rng(0)
+    x, idx = rng.standard_normal((64, 32)).astype(np.float32), rng.permutation(64).astype(np.int32)
+    want = pm.reference.moe_init_routing_v2_grad(x, idx, 4)
+    with closing(pm.Stream(device)) as s1, closing(pm.Stream(device)) as s2:
+        dx, di = pm.to_device(x, stream=s1), pm.to_device(idx, stream=s1)
+        with pm.MoeInitRoutingV2Grad(dx, di, 4) as plan:
+            plan(s1)  # binds the plan to s1 and its workspace
+            s1.synchronize()
+            out = plan(s1)  # the steady state: queued (lazy), on s1's workspace
+            pm.empty_cache()  # s1's workspace given up: kept until the launch has run
+            s1.synchronize()
+            np.testing.assert_array_equal(out.to_host(s1), want)
+            plan(s1)
+            s1.synchronize()
+            out = plan(s1)  # queued again, on the new workspace
+            old = s1.state.workspace.ptr
+            s1.state.ensure_workspace(plan.workspace_size + 1)  # grown (as a bigger op's launch would)
+            other = pm.empty((plan.workspace_size,), np.uint8, stream=s2)
+            assert other.data_ptr != old, "another stream took a workspace block a queued launch uses"
+            s1.synchronize()
+            np.testing.assert_array_equal(out.to_host(s1), want)

@@ -21,7 +21,7 @@ from typing import Any
 from .. import _args
 from .._cann import acl, aclnn
 from .._cann.errcheck import check
-from ..array import DeviceArray, empty, may_overlap
+from ..array import DeviceArray, contiguous_layout, empty_from, may_overlap
 from ..device import PLANS, Allocation, Device, Owner, collect
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream, thread_current, written
@@ -167,7 +167,10 @@ class Plan(Owner):
                 check_output_layout(name, a)
             elif a is None and want is not None:
                 _args.nbytes(name, want[0], want[1].itemsize)
-                arrays[name] = empty(want[0], want[1], dev)
+                # Homed on no stream, free for any: the plan launches on whichever it is given
+                # (the plan keeps it alive until the work it queued has run).
+                m = contiguous_layout(*want)
+                arrays[name] = empty_from((m,), (m[1],), dev, None)[0]
         if validate:
             check_no_overlap(spec, arrays)
         collect()
@@ -225,6 +228,9 @@ class Plan(Owner):
                 if c.key in state.plans:
                     if _thread.context is not state.ctx:
                         acl.use_context(state.ctx)
+                    # A point for the launch: the stream's workspace it uses (and a block it
+                    # lets go of) is free for another stream only once a wait or fence covers it.
+                    state.point += 1
                     st = c.fn(state.ws_arg, c.size, c.ex, state.arg)
                     if not st:
                         if len(c.outs) == 1:  # (the backward: its one output, without a loop's frame)
@@ -275,6 +281,7 @@ class Plan(Owner):
                         state.plans.add(c.key)
                         c.streams[state] = None
                         acl.use_context(state.ctx)
+                        state.point += 1  # (as the steady state's launch)
                         check(c.fn(state.ws_arg, c.size, c.ex, state.arg), c.spec.api)
                         written(c.outs, state)
                         c.last = state
