@@ -803,7 +803,8 @@ def is_pinned(array: np.ndarray) -> bool:
 def pinned_empty(shape: Any, dtype: Any, device: Device | int | None = None) -> np.ndarray:
     """A NumPy array in pinned (page-locked) host memory, aclrtMallocHost: copies between it
     and the device are asynchronous. Its block goes back to the device's cache when the array
-    is gone."""
+    is gone. The device's close() or reset() frees it even while the array lives: do not use
+    the array after either."""
     shp, dt = _args.shape("shape", shape), _args.dtype("dtype", dtype)
     nbytes = _args.nbytes("shape", shp, dt.itemsize)
     return pinned_block(resolve_device(device), nbytes)[:nbytes].view(dt).reshape(shp)
