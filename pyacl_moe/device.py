@@ -142,11 +142,11 @@ class _Shelf(collections.deque):  # type: ignore[type-arg]
     """The idle blocks of one kind and size, as the dead tokens of their users, newest last:
     ``put`` (its append, bound once) is their tokens' callback."""
 
-    __slots__ = ("put",)
+    __slots__ = ("put", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
         super().__init__()
-        self.put = self.append
+        self.put, self.size = self.append, size  # (size: its blocks', rounded up)
 
 
 class Allocation:
@@ -246,11 +246,13 @@ class Device:
         self.sync_lock, self.free_lock = threading.Lock(), threading.Lock()
         self.fault: tuple[int, str, str, str] | None = None  # (status, api, message, which wait learned it)
         self._blocks: dict[Block, None] = {}  # every block made and not yet freed
-        # [pinned][size] -> its shelf: the tokens of the blocks' users that are gone, newest
-        # last. A dying user's token appends itself (a deque's append is thread-safe by its
-        # documentation); only a holder of ``lock`` pops or removes.
+        # [pinned][size] -> its shelf (by the rounded size, and by each size asked for that rounds
+        # to it): the tokens of the blocks' users that are gone, newest last. A dying user's token
+        # appends itself (a deque's append is thread-safe by its documentation); only a holder of
+        # ``lock`` pops or removes.
         self._shelves: tuple[dict[int, _Shelf], dict[int, _Shelf]] = ({}, {})
         self._counts = dict.fromkeys(_COUNTS, 0)  # memory_stats' counts, by its names
+        self._taken = [0, 0]  # the blocks taken, not pinned and pinned
         self.context = ctx
         self._default: Any = Device.stream_class.default(self)
         _tls.device = self
@@ -390,16 +392,15 @@ class Device:
         missing: list[tuple[int, _lifetime.Token]] = []
         shelves, token, new, ctx = self._shelves[pinned], _lifetime.Token, object.__new__, self.context
         for i, n in enumerate(sizes):
-            size = -(-n // _ROUND) * _ROUND or _ROUND
-            shelf = shelves.get(size)
+            shelf = shelves.get(n)
             if shelf is None:
-                shelf = shelves[size] = _Shelf()
+                shelf = _shelf(shelves, n)
             dead = shelf.pop() if shelf else None  # (popped first: a user dying meanwhile appends behind it)
             try:
                 block = dead.what if dead is not None else None
             except AttributeError:  # (a token an interrupt left before its block was set: _free_one drops it)
                 block = None
-            if block is None or block.token is not dead or block.home is not home and block.home is not None or (
+            if block is None or block.token is not dead or (was := block.home) is not home and was is not None or (
                     not block.ptr):
                 if dead is not None:
                     shelf.append(dead)
@@ -413,22 +414,22 @@ class Device:
             if block is None:  # (its block: made by _malloc)
                 a.ptr = 0
                 missing.append((i, mine))
+                self._counts["pinned_misses" if pinned else "array_misses"] += 1
             else:
                 a.ptr = block.ptr
                 block.token, block.home, block.since = mine, home, -1
-        self._counts["pinned_hits" if pinned else "array_hits"] += len(allocs) - len(missing)
+        self._taken[pinned] += len(sizes)  # (the hits are what was taken less the misses: _figures)
         return allocs, missing
 
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
         ctx = self.context
-        size = max(_ROUND, -(-alloc.nbytes // _ROUND) * _ROUND)  # (as _take rounds)
         with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
             self.check_open()
             alloc.check_open()  # (a reset since _take: this device's shelves are new ones)
-            token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), size, pinned, token,
-                                       home, self._shelves[pinned][size])  # (the shelf: made by _take)
+            shelf = self._shelves[pinned][alloc.nbytes]  # (made by _take)
+            token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), shelf.size, pinned,
+                                       token, home, shelf)
             self._blocks[block] = None
-            self._counts["pinned_misses" if pinned else "array_misses"] += 1
         fill = acl.malloc_host if pinned else acl.malloc
         try:
             with calling(self, ctx):
@@ -502,6 +503,7 @@ class Device:
     def _figures(self) -> dict[str, int]:
         # (lock held; a loop under a lock is a function of its own)
         out = dict(self._counts)
+        out["array_hits"], out["pinned_hits"] = self._taken[0] - out["array_misses"], self._taken[1] - out["pinned_misses"]
         for prefix, pinned in (("array_", False), ("pinned_", True)):
             # (each block's token read once: a user dying meanwhile cannot count it as both idle and in use)
             sized = [(b.size, b.token() is None) for b in self._blocks if b.pinned is pinned and b.token is not None]
@@ -630,6 +632,14 @@ def _owned_by(owned: dict[Any, Any], tokens: Sequence[_lifetime.Token]) -> list[
     # (the device's lock held; a loop under a lock is a function of its own) The tokens that
     # are their holders' in the inventory (one taken already is not).
     return [t for t in tokens if owned.get(t.what) is t]
+
+
+def _shelf(shelves: dict[int, _Shelf], n: int) -> _Shelf:
+    # (the device's lock held) The shelf of the blocks n bytes round up to, made if there is none
+    # yet, and found by n itself from then on: a size asked for again is not rounded again.
+    size = -(-n // _ROUND) * _ROUND or _ROUND
+    shelf = shelves[n] = shelves.setdefault(size, _Shelf(size))
+    return shelf
 
 
 def _free_one(shelf: _Shelf) -> Block | None:
