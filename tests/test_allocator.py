@@ -32,13 +32,29 @@ def test_the_numpy_call_makes_no_malloc_or_free_in_steady_state(device):
     assert pm.memory_stats()["array_hits"] >= hits + 60  # x, idx and out, every call
 
 
+def test_memory_stats_count_each_take_a_hit_or_a_miss(device):
+    pm.empty_cache()
+    kinds = ("array_hits", "array_misses", "pinned_hits", "pinned_misses")
+    st0 = pm.memory_stats()
+    arrays = [pm.empty((12345 + i,), np.uint8) for i in range(3)]  # sizes of one rounded size, none cached
+    pinned = pm.pinned_empty((777,), np.uint8)
+    st1 = pm.memory_stats()
+    assert [st1[k] - st0[k] for k in kinds] == [0, 3, 0, 1]
+    del arrays, pinned
+    arrays = [pm.empty((12340 + i,), np.uint8) for i in range(3)]  # other sizes that round the same way
+    pinned = pm.pinned_empty((770,), np.uint8)
+    st2 = pm.memory_stats()
+    assert [st2[k] - st1[k] for k in kinds] == [3, 0, 1, 0]
+    del arrays, pinned
+
+
 def test_empty_cache_and_set_caching_give_blocks_back(device):
     pm.empty_cache()
     live = _frees()
     a = pm.empty((1000,), np.float32)
     del a
     assert _frees() == live + 1 and pm.memory_stats()["array_bytes_idle"] >= 4000  # cached
-    b = pm.empty((1000,), np.float32)  # the same rounded size: the cached block
+    b = pm.empty((999,), np.float32)  # another size of the same rounded size: the cached block
     assert pm.memory_stats()["array_hits"] >= 1 and _frees() == live + 1
     del b
     pm.empty_cache()
