@@ -80,7 +80,7 @@ class _PlanCore:
         self.closed = self.spent = False
         self.last: StreamState | None = None
         self.key = next(_keys)
-        self.tensors = {n: AclTensor(a) for n, a in arrays.items()}
+        self.tensors = {n: AclTensor(arrays[n]) for n in spec.tensors if n in arrays}  # (the op's order: Plan.executor)
         self.executor = build(spec, device, {n: t.core() for n, t in self.tensors.items()}, attrs)
         if repeatable:
             self.executor.set_repeatable()
@@ -189,8 +189,7 @@ class Plan(Owner):
     @property
     def executor(self) -> Executor:
         """The plan's executor (closing it is the plan's business: use ``plan.close()``)."""
-        c = self._c
-        return Executor(c.executor, tuple(c.tensors[n] for n in c.spec.tensors if n in c.tensors))
+        return Executor(self._c.executor, tuple(self._c.tensors.values()))
 
     @property
     def closed(self) -> bool:
