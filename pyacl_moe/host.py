@@ -66,12 +66,11 @@ def _from_dlpack(obj: Any, name: str) -> np.ndarray:
         raise InvalidArgument(name, f"has a DLPack dtype (code {code}, {bits} bits, "
                                     f"{lanes} lanes) that CANN's tensors do not take")
     dtype = _CODES[code, bits]
-    # The array interface cannot name bfloat16: view its bits as uint16, then reinterpret.
-    carrier = np.dtype(np.uint16) if dtype == _BF16 else dtype
     interface = {
         "version": 3,
         "shape": tuple(ctypes.cast(shape, _INT64S)[:ndim]),
-        "typestr": carrier.str,
+        # The array interface cannot name bfloat16: view its bits as uint16, then reinterpret.
+        "typestr": np.dtype(np.uint16).str if dtype == _BF16 else dtype.str,
         "data": (data + offset, False),
         # NULL strides: compact row-major, as DLPack says.
         "strides": tuple(s * dtype.itemsize for s in ctypes.cast(strides, _INT64S)[:ndim]) if strides else None,

@@ -337,7 +337,8 @@ def _idle(state: StreamState) -> bool:
 
 def _create(device: Device, holder: Any, owner: Any, create: Any) -> None:
     """Make a stream's or an event's CANN object, ``create(holder.handle)``, owned before it
-    exists (released once ``owner`` is gone)."""
+    exists (released once ``owner`` is gone), after a safe point."""
+    collect()
     device.own(holder, owner)
     with calling(device, holder.handle.context):  # (the context it is made in: the device's may be a reset's since)
         acl.use_context(holder.handle.context)
@@ -359,7 +360,6 @@ class Stream:
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
-        collect()
         self.state = s = StreamState(dev, acl.StreamHandle(dev.context))
         _create(dev, s, self, acl.create_stream)
         s.arg = acl.raw(s.handle)  # (one store before the stream is anyone else's: read without a lock)
@@ -451,16 +451,14 @@ class Stream:
         core = _args.instance("event", event, Event, "an Event").core()
         s = self.state
         if core.device is not s.device:
-            raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on "
-                                           f"{s.device.device_id}")
+            raise InvalidArgument("event", f"is on device {core.device.device_id}, the stream on {s.device.device_id}")
         s.enqueue(core, [(acl.stream_wait_event, (core.holder.handle,))])
         with s.lock:
             s.after_events = True  # (only ever set: read without the lock, ARCHITECTURE.md)
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) on this stream and return it."""
-        ev = Event(self.state.device) if event is None else _args.instance("event", event, Event,
-                                                                           "an Event or None")
+        ev = Event(self.state.device) if event is None else _args.instance("event", event, Event, "an Event or None")
         return ev.record(self)
 
     def close(self) -> None:
@@ -538,7 +536,6 @@ class Event(Owner):
 
     def __init__(self, device: Device | int | None = None) -> None:
         dev = resolve_device(device)
-        collect()
         core = _EventCore(dev)
         _create(dev, core.holder, core, acl.create_event)
         self._device = dev

@@ -405,7 +405,6 @@ def test_two_rebinds_at_once_never_make_two_outputs_share_memory(device, monkeyp
     import threading
 
     from pyacl_moe.array import may_overlap
-    from pyacl_moe.op.plan import Plan
 
     x, ids = forward_inputs(18)
     with pm.MoeInitRoutingV2(pm.to_device(x), pm.to_device(ids), expert_num=4,
@@ -413,14 +412,18 @@ def test_two_rebinds_at_once_never_make_two_outputs_share_memory(device, monkeyp
         mem = pm.empty((20,), np.int32)
         row_idx, counts = mem[:16], mem[15:19]  # one element in common
         both = threading.Barrier(2)
-        real = Plan._checked_changes
+        real, threads = plan._c.lock, []
 
-        def checked_then_both(self, given):
-            changes = real(self, given)
-            both.wait(10)  # each has checked its arrays before either rebinds
-            return changes
+        class CheckedThenBoth:  # the plan's lock, as a rebind takes it once it has checked its arrays
+            def __enter__(self):
+                if threading.current_thread() in threads:
+                    both.wait(10)  # each has checked its arrays before either rebinds
+                real.acquire()
 
-        monkeypatch.setattr(Plan, "_checked_changes", checked_then_both)
+            def __exit__(self, *exc):
+                real.release()
+
+        monkeypatch.setattr(plan._c, "lock", CheckedThenBoth())
         outcomes: list[str] = []
 
         def rebind(**kw):

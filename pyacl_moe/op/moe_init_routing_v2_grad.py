@@ -62,10 +62,10 @@ def _sizes(arrays: Mapping[str, Any], attrs: Mapping[str, Any]) -> Outputs:
 
 
 def _check_values(hosts: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> None:
-    # (the shapes passed the contract already: the geometry is theirs)
+    # (the shapes passed the contract already: the geometry is theirs, H > 0, and the rows are
+    # grad_expanded_x's seen as [rows, H] in every mode)
     x, idx, k, mode, active = hosts["grad_expanded_x"], hosts["expanded_row_idx"], *attrs.values()
-    rows = x.shape[0] * x.shape[1] if mode == 1 else x.shape[0]
-    geo = _contract.Geometry(idx.shape[0] // k, x.shape[-1], rows, _contract.scenario(mode, active))
+    geo = _contract.Geometry(idx.shape[0] // k, x.shape[-1], x.size // x.shape[-1], _contract.scenario(mode, active))
     _contract.check_indices(idx, geo, k, active, chip())
 
 

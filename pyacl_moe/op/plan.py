@@ -80,7 +80,7 @@ class _PlanCore:
         self.closed = self.spent = False
         self.last: StreamState | None = None
         self.key = next(_keys)
-        self.tensors = {n: AclTensor(a) for n, a in arrays.items()}
+        self.tensors = {n: AclTensor(arrays[n]) for n in spec.tensors if n in arrays}  # (the op's order: Plan.executor)
         self.executor = build(spec, device, {n: t.core() for n, t in self.tensors.items()}, attrs)
         if repeatable:
             self.executor.set_repeatable()
@@ -189,8 +189,7 @@ class Plan(Owner):
     @property
     def executor(self) -> Executor:
         """The plan's executor (closing it is the plan's business: use ``plan.close()``)."""
-        c = self._c
-        return Executor(c.executor, tuple(c.tensors[n] for n in c.spec.tensors if n in c.tensors))
+        return Executor(self._c.executor, tuple(self._c.tensors.values()))
 
     @property
     def closed(self) -> bool:
@@ -301,16 +300,17 @@ class Plan(Owner):
 
     # -- rebinding and release
 
-    def _checked_changes(self, given: Sequence[Any]) -> dict[str, tuple[DeviceArray, Allocation, int]]:
-        """The arrays a rebind was given (the op's tensors in order, None: unchanged), each
-        checked to have the layout the plan was built for and to be on its device, with its
-        allocation and the base to set: CANN keeps the tensor's view offset, so the base puts
-        the first element where the new array has it."""
+    def _rebind(self, given: Sequence[Any]) -> None:
+        """Point the executor at the arrays ``given`` (the op's tensors in order, None:
+        unchanged), each checked to have the layout the plan was built for and to be on its
+        device (for overlap under the lock), with its allocation and the base to set: CANN
+        keeps the tensor's view offset, so the base puts the first element where the new array
+        has it. Launches already queued keep theirs."""
         if not self._repeatable and not self._c.closed:
             raise InvalidArgument("plan", "is one-shot (repeatable=False): rebinding needs a repeatable executor")
         self._usable()
         c = self._c
-        changes: dict[str, tuple[DeviceArray, Allocation, int]] = {}
+        todo: dict[str, tuple[DeviceArray, Allocation, int]] = {}
         for name, new in zip(c.spec.tensors, given):
             if new is None:
                 continue
@@ -326,15 +326,7 @@ class Plan(Owner):
             alloc = new.allocation(name)
             if alloc.device is not c.device:
                 raise InvalidArgument(name, f"is on device {new.device.device_id}, the plan on {c.device.device_id}")
-            changes[name] = (new, alloc, new.address - self._view_offsets[name] * new.itemsize)
-        return changes
-
-    def _rebind(self, given: Sequence[Any]) -> None:
-        """Point the executor at the arrays ``given`` (the op's tensors in order, None:
-        unchanged), each checked for its layout and device (for overlap under the lock).
-        Launches already queued keep theirs."""
-        todo = self._checked_changes(given)
-        c = self._c
+            todo[name] = (new, alloc, new.address - self._view_offsets[name] * new.itemsize)
         with c.lock:
             self._usable()  # (closed meanwhile?)
             pending = {**c.rebinding, **todo}
