@@ -240,7 +240,7 @@ class Device:
         if self._id >= count:
             raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {self._id}")
         ctx = acl.open_device(self._id)
-        # ``lock`` also guards _blocks, _shelves, _counts and fault (fault: one store, read without
+        # ``lock`` also guards _blocks, _shelves, _counts, _taken and fault (fault: one store, read without
         # it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns;
         # ``free_lock`` across every aclrtFree(Host), so that a block is freed once.
         self.sync_lock, self.free_lock = threading.Lock(), threading.Lock()
@@ -503,8 +503,8 @@ class Device:
     def _figures(self) -> dict[str, int]:
         # (lock held; a loop under a lock is a function of its own)
         out = dict(self._counts)
-        out["array_hits"], out["pinned_hits"] = self._taken[0] - out["array_misses"], self._taken[1] - out["pinned_misses"]
         for prefix, pinned in (("array_", False), ("pinned_", True)):
+            out[prefix + "hits"] = self._taken[pinned] - out[prefix + "misses"]  # (every take less the misses)
             # (each block's token read once: a user dying meanwhile cannot count it as both idle and in use)
             sized = [(b.size, b.token() is None) for b in self._blocks if b.pinned is pinned and b.token is not None]
             idle = [n for n, dead in sized if dead]
