@@ -10,9 +10,10 @@ __all__ = ["check", "null_result", "recent_message"]
 
 def recent_message() -> str:
     """CANN's text for the calling thread's latest failure (aclGetRecentErrMsg), or ''."""
-    # (a failure status comes from a call into the loaded libraries, so libs() loads nothing here;
-    # every library loaded has aclGetRecentErrMsg: the loader resolved it)
-    p = loader.libs().acl.aclGetRecentErrMsg()
+    lib = loader.loaded_libraries()
+    if lib is None:
+        return ""
+    p = lib.acl.aclGetRecentErrMsg()  # (every library loaded has it: the loader resolved it)
     return declare.text(p) if p != declare.NULL else ""
 
 

@@ -101,7 +101,8 @@ def register_provider(provider: Provider) -> None:
     with _lock:
         if provider.name not in _providers:
             _providers[provider.name] = provider
-            declare.add_declarations(provider.declarations, provider.types)  # (none: an empty text declares nothing)
+            if provider.declarations:
+                declare.add_declarations(provider.declarations, provider.types)
 
 
 def register_finder(name: str, find: Callable[[], object]) -> None:
@@ -299,9 +300,10 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
             return _libs.info
         declare.declare()
         if provider is not None:
-            # (registered: select_provider takes only a registered one, and the emulator's finder
-            # registered it above)
-            home = _providers[provider].home()
+            p = _providers.get(provider)
+            if p is None:
+                raise RuntimeError(f"no provider named {provider!r} is registered")
+            home = p.home()
             if isinstance(got := _load_plan(home, provider), str):
                 raise errors.CannNotFoundError([f"provider {provider!r} = {home}: {got}"])
             _libs, _selected = got, provider
