@@ -40,6 +40,7 @@ __all__ = ["Allocation", "Device", "Holder", "Owner", "acl_version", "calling", 
            "resolve_device", "set_caching", "soc_name"]
 
 _ROUND = 512  # CANN aligns blocks to at least this; rounding makes sizes meet in the caches
+_SIZES_KEPT = 4096  # the sizes a device's shelves are found by, rounded or as asked for
 _OOM = (207001, 207018)  # ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_DEVICE_OOM
 _NOT_FAULTS = (507046, 507047)  # a wait that timed out: about the wait, not the work
 NOT_YET = -1  # what a holder's dropped() returns when its release must wait (for queued work)
@@ -240,19 +241,19 @@ class Device:
         if self._id >= count:
             raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {self._id}")
         ctx = acl.open_device(self._id)
-        # ``lock`` also guards _blocks, _shelves, _counts, _taken and fault (fault: one store, read without
+        # ``lock`` also guards _blocks, _shelves, _counts, _hits and fault (fault: one store, read without
         # it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns;
         # ``free_lock`` across every aclrtFree(Host), so that a block is freed once.
         self.sync_lock, self.free_lock = threading.Lock(), threading.Lock()
         self.fault: tuple[int, str, str, str] | None = None  # (status, api, message, which wait learned it)
         self._blocks: dict[Block, None] = {}  # every block made and not yet freed
-        # [pinned][size] -> its shelf (by the rounded size, and by each size asked for that rounds
-        # to it): the tokens of the blocks' users that are gone, newest last. A dying user's token
+        # [pinned][size] -> its shelf (by the rounded size, and by up to _SIZES_KEPT sizes asked
+        # for that round to one): the tokens of the blocks' users that are gone, newest last. A dying user's token
         # appends itself (a deque's append is thread-safe by its documentation); only a holder of
         # ``lock`` pops or removes.
         self._shelves: tuple[dict[int, _Shelf], dict[int, _Shelf]] = ({}, {})
         self._counts = dict.fromkeys(_COUNTS, 0)  # memory_stats' counts, by its names
-        self._taken = [0, 0]  # the blocks taken, not pinned and pinned
+        self._hits = [0, 0]  # memory_stats' array_hits and pinned_hits
         self.context = ctx
         self._default: Any = Device.stream_class.default(self)
         _tls.device = self
@@ -414,11 +415,10 @@ class Device:
             if block is None:  # (its block: made by _malloc)
                 a.ptr = 0
                 missing.append((i, mine))
-                self._counts["pinned_misses" if pinned else "array_misses"] += 1
             else:
                 a.ptr = block.ptr
                 block.token, block.home, block.since = mine, home, -1
-        self._taken[pinned] += len(sizes)  # (the hits are what was taken less the misses: _figures)
+        self._hits[pinned] += len(allocs) - len(missing)  # (one store: an interrupt before it counts nothing)
         return allocs, missing
 
     def _malloc(self, alloc: Allocation, token: _lifetime.Token, pinned: bool, home: Any) -> None:
@@ -430,6 +430,7 @@ class Device:
             token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), shelf.size, pinned,
                                        token, home, shelf)
             self._blocks[block] = None
+            self._counts["pinned_misses" if pinned else "array_misses"] += 1
         fill = acl.malloc_host if pinned else acl.malloc
         try:
             with calling(self, ctx):
@@ -504,7 +505,7 @@ class Device:
         # (lock held; a loop under a lock is a function of its own)
         out = dict(self._counts)
         for prefix, pinned in (("array_", False), ("pinned_", True)):
-            out[prefix + "hits"] = self._taken[pinned] - out[prefix + "misses"]  # (every take less the misses)
+            out[prefix + "hits"] = self._hits[pinned]
             # (each block's token read once: a user dying meanwhile cannot count it as both idle and in use)
             sized = [(b.size, b.token() is None) for b in self._blocks if b.pinned is pinned and b.token is not None]
             idle = [n for n, dead in sized if dead]
@@ -636,9 +637,14 @@ def _owned_by(owned: dict[Any, Any], tokens: Sequence[_lifetime.Token]) -> list[
 
 def _shelf(shelves: dict[int, _Shelf], n: int) -> _Shelf:
     # (the device's lock held) The shelf of the blocks n bytes round up to, made if there is none
-    # yet, and found by n itself from then on: a size asked for again is not rounded again.
+    # yet, and found by n itself from then on (for the first _SIZES_KEPT sizes: past them a size
+    # is rounded each time), so that a size asked for again is not rounded again.
     size = -(-n // _ROUND) * _ROUND or _ROUND
-    shelf = shelves[n] = shelves.setdefault(size, _Shelf(size))
+    shelf = shelves.get(size)
+    if shelf is None:
+        shelf = shelves[size] = _Shelf(size)
+    if len(shelves) < _SIZES_KEPT:
+        shelves[n] = shelf
     return shelf
 
 

@@ -611,6 +611,42 @@ def test_an_interrupt_at_a_one_shot_launch_loses_no_executor(device, no_leaks, m
     assert pm.emulator.stats()["executors"] == executors  # consumed by its launch, not lost
 
 
+def test_an_interrupted_allocation_counts_no_hit_and_no_miss_it_did_not_make(device, monkeypatch):
+    """memory_stats' hits are blocks taken from a shelf, its misses mallocs made: an interrupt
+    inside a take (at its second token) or before a block is made counts neither (the hits went
+    negative when a take counted its misses before its takes)."""
+    from pyacl_moe import _lifetime
+    from pyacl_moe import device as device_mod
+
+    dev = pm.current_device()
+    kinds = ("array_hits", "array_misses")
+    for where in ("token", "_malloc"):
+        pm.empty_cache()
+        st0, mallocs = pm.memory_stats(), pm.emulator.stats()["mallocs_total"]
+        if where == "token":
+            real, calls = _lifetime.Token, []
+
+            def token(*args: object) -> object:
+                calls.append(1)
+                if len(calls) == 2:
+                    raise KeyboardInterrupt
+                return real(*args)
+            monkeypatch.setattr(device_mod._lifetime, "Token", token)
+        else:
+            def refuse(*args: object) -> None:
+                raise KeyboardInterrupt
+            monkeypatch.setattr(device_mod.Device, "_malloc", refuse)
+        with pytest.raises(KeyboardInterrupt):
+            dev.allocate([123457, 223457])  # two sizes not cached: two misses, had it run
+        monkeypatch.undo()
+        st1 = pm.memory_stats()
+        assert [st1[k] - st0[k] for k in kinds] == [0, 0], where
+        assert st1["array_hits"] >= 0 and pm.emulator.stats()["mallocs_total"] == mallocs
+    gc.collect()
+    pm.empty_cache()
+    assert pm.memory_stats()["array_bytes_in_use"] == 0
+
+
 def test_an_interrupted_allocation_or_give_back_leaves_memory_stats_true(device, monkeypatch):
     """An interrupt inside the allocator (taking a block, making one, the NumPy call's blocks
     going back) leaves no block lost and memory_stats true once the caches are emptied (it was
