@@ -426,7 +426,7 @@ class Device:
         with self.lock:  # owned before it exists: an interrupt after the C call loses nothing
             self.check_open()
             alloc.check_open()  # (a reset since _take: this device's shelves are new ones)
-            shelf = self._shelves[pinned][alloc.nbytes]  # (made by _take)
+            shelf = _shelf(self._shelves[pinned], alloc.nbytes)  # (_take's: found again, by n or past the sizes kept)
             token.what = block = Block(acl.HostMemory(ctx) if pinned else acl.DeviceMemory(ctx), shelf.size, pinned,
                                        token, home, shelf)
             self._blocks[block] = None

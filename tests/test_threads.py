@@ -520,22 +520,27 @@ def test_blocks_that_go_back_on_other_threads_are_never_handed_out_twice(device,
     is: makers take blocks while droppers let go of the makers' arrays on their own threads
     (the shelf is appended to without the device's lock, popped under it). No block is handed
     out twice (each array reads back what was written to it), and afterwards the figures add
-    up: nothing in use, the idle blocks freed by empty_cache."""
+    up: each array one hit or one miss, nothing in use, the idle blocks freed by empty_cache.
+    Sizes of their own vary step by step, so the shelves gain sizes they are found by meanwhile."""
     handed: list[list[pm.DeviceArray]] = [[] for _ in range(THREADS)]
     locks = [threading.Lock() for _ in range(THREADS)]
     progress = Progress()
+    made, made_lock = [0], threading.Lock()
+    st0 = pm.memory_stats()
 
     def maker(i, steps):
         for n in progress.steps(steps):
             for size in (128, 640, 128):  # one size all share, one of its own
                 v = float(i * 100000 + n * 10 + size % 7)
-                a = pm.to_device(np.full(size + 8 * i * (size == 640), v, np.float32))
+                a = pm.to_device(np.full(size + (8 * i + n % 9) * (size == 640), v, np.float32))
                 b = pm.empty((size,), np.float32)
                 b.fill(v + 0.5)
                 if not ((a.to_host() == v).all() and (b.to_host() == v + 0.5).all()):
                     raise AssertionError(f"maker {i} step {n}: a block was handed out twice")
                 with locks[i]:
                     handed[i] += [a, b]  # let go of by a dropper, on its thread
+                with made_lock:
+                    made[0] += 2
                 del a, b
 
     def dropper(i, steps):
@@ -553,5 +558,6 @@ def test_blocks_that_go_back_on_other_threads_are_never_handed_out_twice(device,
         h.clear()
     pm.empty_cache()
     st = pm.memory_stats()
+    assert st["array_hits"] + st["array_misses"] - st0["array_hits"] - st0["array_misses"] == made[0], (st, made)
     assert st["array_bytes_in_use"] == 0 or st["array_bytes_in_use"] == st["workspace_bytes"], st
     assert st["array_bytes_idle"] == 0 and st["array_blocks_idle"] == 0, st
