@@ -241,16 +241,16 @@ class Device:
         if self._id >= count:
             raise InvalidArgument("device_id", f"must be in [0, {count}): CANN sees {count} device(s), got {self._id}")
         ctx = acl.open_device(self._id)
-        # ``lock`` also guards _blocks, _shelves, _counts, _hits and fault (fault: one store, read without
-        # it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns;
+        # ``lock`` also guards _blocks, _shelves, _counts, _hits and fault (fault: one store, read
+        # without it); ``sync_lock`` is held across every aclrtSynchronizeDevice and what it learns;
         # ``free_lock`` across every aclrtFree(Host), so that a block is freed once.
         self.sync_lock, self.free_lock = threading.Lock(), threading.Lock()
         self.fault: tuple[int, str, str, str] | None = None  # (status, api, message, which wait learned it)
         self._blocks: dict[Block, None] = {}  # every block made and not yet freed
         # [pinned][size] -> its shelf (by the rounded size, and by up to _SIZES_KEPT sizes asked
-        # for that round to one): the tokens of the blocks' users that are gone, newest last. A dying user's token
-        # appends itself (a deque's append is thread-safe by its documentation); only a holder of
-        # ``lock`` pops or removes.
+        # for that round to one): the tokens of the blocks' users that are gone, newest last. A
+        # dying user's token appends itself (a deque's append is thread-safe by its
+        # documentation); only a holder of ``lock`` pops or removes.
         self._shelves: tuple[dict[int, _Shelf], dict[int, _Shelf]] = ({}, {})
         self._counts = dict.fromkeys(_COUNTS, 0)  # memory_stats' counts, by its names
         self._hits = [0, 0]  # memory_stats' array_hits and pinned_hits
