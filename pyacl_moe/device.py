@@ -401,7 +401,7 @@ class Device:
                 block = dead.what if dead is not None else None
             except AttributeError:  # (a token an interrupt left before its block was set: _free_one drops it)
                 block = None
-            if block is None or block.token is not dead or (was := block.home) is not home and was is not None or (
+            if block is None or block.token is not dead or block.home is not home and block.home is not None or (
                     not block.ptr):
                 if dead is not None:
                     shelf.append(dead)
