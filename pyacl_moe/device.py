@@ -525,8 +525,9 @@ class Device:
 
     def wait_all(self, where: str) -> None:
         """aclrtSynchronizeDevice, learning a fault it reports; what the streams' work held is
-        given back. A stream's wait that finds this in progress waits for it to learn what it
-        was told (CANN reports a fault to one wait only)."""
+        given back. CANN reports a fault to one wait only: a stream's wait that finds this in
+        progress waits for it to learn what it was told, and this, once clean, waits for each
+        stream's wait in progress to learn what it was told (its ``wait_lock``)."""
         streams = self.holders(STREAMS)
         marks = [s.mark() for s in streams]
         with self.sync_lock:
@@ -538,6 +539,9 @@ class Device:
                     raise
                 self.learn(exc, where)
                 return
+        for s in self.holders(STREAMS):
+            with s.wait_lock:
+                pass
         for s, mark in zip(streams, marks):
             s.completed(mark)
 

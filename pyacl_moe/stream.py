@@ -303,14 +303,24 @@ class StreamState:
 
     def dropped(self) -> int:
         """The Stream is gone (a safe point): destroyed once its work has run, never waited for
-        (a query that fails is a status: asked again at a later safe point)."""
+        (a query that fails is a status: asked again at a later safe point). A fault CANN keeps
+        for it is learned first: its destroy would drop it (docs/emulator.md, aclrtDestroyStream)."""
         with self.lock:
             self.closing = True
             try:
                 idle = not self.live() or _idle(self)
             except AclError as exc:
                 return exc.status
-        return self.release() if idle else NOT_YET
+        if not idle:
+            return NOT_YET
+        if self.ctx.open:  # (else the device's teardown waits for it)
+            try:
+                self.synchronize(closing=True)  # (it ran everything: this returns at once)
+            except AclError as exc:
+                return exc.status
+            except ClosedError:  # (its device closes meanwhile: the teardown releases it)
+                return NOT_YET
+        return self.release()
 
 
 _NOTHING: list[Any] = []  # what most enqueues free (never appended to)

@@ -4,9 +4,11 @@ every path (README, "Threads and lifetimes")."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import threading
+import time
 from contextlib import closing
 
 import numpy as np
@@ -185,4 +187,54 @@ def test_a_synchronize_learns_the_fault_once_and_every_later_wait_raises_it(devi
             with pytest.raises(pm.AclRuntimeError, match="507015"):
                 s.synchronize()
         assert pm.emulator.stats()["device_faults"] == faults + 1
+    device.reset()
+
+
+def test_a_stream_dropped_unclosed_after_a_fault_does_not_take_the_fault_with_it(device):
+    # A dropped stream is destroyed at a safe point once idle; CANN's destroy drops the fault it
+    # keeps for the stream, so the faulted output, and a kernel ordered after it by an event,
+    # read back as garbage with no error.
+    s1, s2 = pm.Stream(device), pm.Stream(device)
+    garbage = _faulted_output(device, s1)
+    s2.wait_event(s1.record())
+    idx = pm.to_device(np.arange(N, dtype=np.int32), stream=s2)
+    after = pm.moe_init_routing_v2_grad(garbage, idx, 1, stream=s2)
+    while not s1.query():  # (idle: its release at the safe point does not wait for it)
+        pass
+    del s1
+    gc.collect()
+    pm.empty_cache()  # a safe point: the dropped stream is released
+    assert device.fault is not None and device.fault[0] == 507015
+    for read in (garbage.to_host, after.to_host, device.synchronize):
+        with pytest.raises(pm.AclRuntimeError, match="507015"):
+            read()
+    s2.close()
+
+
+def test_a_device_wide_wait_waits_for_a_stream_wait_that_is_learning_a_fault(device, monkeypatch):
+    # CANN reports a fault to one wait only. Thread A's synchronize of s1 has the report and has
+    # not recorded it yet; thread B reads what s2 wrote after s1 through an event: its wait for
+    # s2 and its device-wide wait come back clean, and it read garbage without an error.
+    s1, s2 = pm.Stream(device), pm.Stream(device)
+    garbage = _faulted_output(device, s1)
+    s2.wait_event(s1.record())
+    idx = pm.to_device(np.arange(N, dtype=np.int32), stream=s2)
+    after = pm.moe_init_routing_v2_grad(garbage, idx, 1, stream=s2)
+    s2.synchronize()  # (CANN tells s2 nothing)
+    told = threading.Event()
+    learn = pm.Device.learn
+
+    def slow_learn(self, error, where):
+        told.set()
+        time.sleep(0.3)  # (the window between CANN's answer and its record, widened)
+        return learn(self, error, where)
+
+    monkeypatch.setattr(pm.Device, "learn", slow_learn)
+    a = threading.Thread(target=lambda: pytest.raises(pm.AclRuntimeError, s1.synchronize))
+    a.start()
+    assert told.wait(30)
+    with pytest.raises(pm.AclRuntimeError, match="507015"):
+        after.to_host()
+    a.join(30)
+    monkeypatch.undo()
     device.reset()
