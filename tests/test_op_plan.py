@@ -475,3 +475,31 @@ def test_a_plan_whose_device_closed_raises_closed_error_whatever_it_is_given(iso
     r = isolated(child_a_plan_whose_device_closed)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["closed"] * 5, r.stdout
+
+
+@pytest.mark.parametrize("how", ["validate=False", "repeatable=False"])
+def test_a_one_shot_launch_takes_the_stream_workspace_it_finds_under_the_lock(device, monkeypatch, how):
+    # A one-shot launch read the stream's workspace without the stream's lock after growing it:
+    # an empty_cache() on another thread in between took it, and the launch went out with a
+    # null workspace (161001) for a valid call. The empty_cache is made right there, once.
+    case = make_case(8, 2, 16, "float32", "dropless", seed=4)
+    x, idx = _on_device(case)
+    grow = pm.stream.StreamState.ensure_workspace
+    taken = []
+
+    def grow_then_lose(self, nbytes):
+        grow(self, nbytes)
+        if not taken:
+            taken.append(nbytes)
+            pm.empty_cache()  # (as another thread's would, between the growth and the launch)
+
+    with closing(pm.Stream(device)) as s:
+        monkeypatch.setattr(pm.stream.StreamState, "ensure_workspace", grow_then_lose)
+        if how == "validate=False":
+            out = pm.moe_init_routing_v2_grad(x, idx, 2, stream=s, validate=False)
+        else:
+            with pm.MoeInitRoutingV2Grad(x, idx, 2, repeatable=False) as plan:
+                out = plan(s)
+        monkeypatch.undo()
+        assert taken
+        assert compare(out.to_host(s), _ref(case)).passed

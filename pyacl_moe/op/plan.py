@@ -124,6 +124,13 @@ class _PlanCore:
         self.rebinding = {}
 
 
+def _workspace(state: StreamState, size: int) -> Allocation | None:
+    """The stream's workspace when it holds ``size`` bytes (read under its lock: another
+    thread's empty_cache may take it, or a smaller one replace it)."""
+    with state.lock:
+        return state.workspace if state.ws_size >= size else None
+
+
 def _unbind(state: StreamState, core: _PlanCore) -> None:
     with state.lock:
         state.plans.discard(core.key)
@@ -266,7 +273,9 @@ class Plan(Owner):
                 self._usable()
                 c.finish_rebind()
                 if ws_alloc is not None or not self._repeatable:  # a launch of its own, not bound to the stream
-                    ws = ws_alloc or state.workspace
+                    ws = ws_alloc or _workspace(state, c.size)
+                    if c.size and ws is None:
+                        continue  # the stream's workspace went meanwhile (empty_cache): grow it again
                     c.spent = not self._repeatable
                     launch(c.executor, state, ws.ptr if ws is not None else 0, c.size, (ws, tuple(c.allocs.values())),
                            c.outs)
