@@ -199,3 +199,16 @@ def test_a_load_that_fails_half_way_leaves_nothing_mapped(isolated, emu_home, tm
     assert "cannot be loaded" in out["failed"][0] and "libpyaclmoe_gone.so.1" in out["failed"][0], out
     assert out["right"], out
     assert len(out["mapped"]) == 1 and str(tree) not in out["mapped"][0], out
+
+
+def test_a_home_whose_path_is_not_utf8_is_refused_by_name(emu_home, tmp_path):
+    # The home passes every check, then cffi's dlopen encodes the path as strict UTF-8: a
+    # UnicodeEncodeError escaped load(), and `pyacl-moe info` died with a traceback.
+    home = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9-home")
+    _copy_home(emu_home, Path(home))
+    code = ("import sys, pyacl_moe as pm\ntry:\n    pm.load(ascend_home=sys.argv[1])\n"
+            "except pm.CannNotFoundError as e:\n    print('refused', *e.tried)\n")
+    r = subprocess.run([sys.executable, "-c", code, home], env={**os.environ, **CLEAN}, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("refused"), r.stderr[-500:]
+    assert "not valid UTF-8" in r.stdout

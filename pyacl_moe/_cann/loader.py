@@ -180,6 +180,9 @@ def _opened(names: list[str], three: Sequence[str], backend: str, home: str | No
                 handles[name] = declare.ffi.dlopen(name)
             except OSError as exc:
                 raise errors.CannNotFoundError([f"{name}: cannot be loaded: {exc}"]) from None
+            except UnicodeEncodeError:  # (cffi encodes a path as strict UTF-8: os.fsdecode's escapes fail)
+                raise errors.CannNotFoundError([f"{name!r}: cannot be loaded: its path is not valid UTF-8, which "
+                                                "cffi's dlopen cannot open (rename the folder)"]) from None
         acl, nn, op = (handles[n] for n in three)
         # (hasattr first: it is what resolves a function, an optional one too)
         where = (*three[:2], info.op_library)  # (the op library by its real path)
