@@ -16,6 +16,7 @@ device.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -391,14 +392,17 @@ class DeviceArray:
         n = host.nbytes
         if not n:
             return
+        fn = acl.memcpy_async
         if _given(stream, alloc.device) is not None and not is_pinned(host):
             # Queued, not waited for: a snapshot in pinned memory now, so that later writes to the
             # caller's array cannot change what is copied (and CANN copies pinned memory
-            # asynchronously).
-            stage = pinned_block(alloc.device, n)
-            np.copyto(stage[:n], host.reshape(-1).view(np.uint8))
+            # asynchronously). It is filled under the stream's lock, once the stream is known
+            # open: a teardown (close, reset), which frees every pinned block, shuts the stream
+            # under that lock first, so the fill never writes freed memory.
+            stage, src = pinned_block(alloc.device, n), host.reshape(-1).view(np.uint8)
+            fn = functools.partial(_staged, stage[:n], src)
             host = stage
-        _queued(alloc, stream, host, (self.address, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc)
+        _queued(alloc, stream, host, (self.address, n, host.ctypes.data, n, "ACL_MEMCPY_HOST_TO_DEVICE"), alloc, fn=fn)
 
     def close(self) -> None:
         """Drop this array's hold on the memory; it goes back once no array views it and no
@@ -456,6 +460,12 @@ def _queued(alloc: Allocation, stream: Stream | None, hold: Any, args: tuple[Any
     on.enqueue((hold, alloc), [(fn, args)], (writes,))
     if wait or given is None:
         wait_for(on)
+
+
+def _staged(stage: np.ndarray, src: np.ndarray, *args: Any) -> None:
+    # (the stream's lock held, the stream open) The snapshot, then its copy.
+    np.copyto(stage, src)
+    acl.memcpy_async(*args)
 
 
 def may_overlap(a: DeviceArray, b: DeviceArray) -> bool:

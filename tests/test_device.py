@@ -409,3 +409,29 @@ def test_a_reset_inside_an_allocation_is_a_closed_error(isolated):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ClosedError: array is closed: its memory went with device 0" in r.stdout, r.stdout
     assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+def test_a_reset_while_a_queued_copy_stages_never_writes_the_freed_staging_block(device, monkeypatch):
+    """A copy queued from pageable memory snapshots it into a pinned block; a reset (or close)
+    on another thread frees every pinned block. The snapshot was written after the teardown
+    had freed the block (heap corruption, or a crash). It is now written under the stream's
+    lock once the stream is known open, which the teardown shuts first: the copy is a
+    ClosedError and the block is never written. The stand-in for the freed block here is
+    NumPy memory, so that the test itself writes nothing it does not own."""
+    from pyacl_moe import array as array_mod
+    stream, arr = pm.Stream(device), pm.empty((4096,), np.uint8, device)
+    freed = np.zeros(4096, np.uint8)
+
+    def take_then_reset(dev, nbytes):
+        array_mod.__dict__["_real_pinned_block"](dev, nbytes)
+        dev.reset()  # what another thread may do right after the block is taken
+        return freed
+
+    monkeypatch.setitem(array_mod.__dict__, "_real_pinned_block", array_mod.pinned_block)
+    monkeypatch.setattr(array_mod, "pinned_block", take_then_reset)
+    with pytest.raises(pm.ClosedError):
+        arr.copy_from_host(np.ones(4096, np.uint8), stream)
+    assert not freed.any(), "the snapshot was written into the block the reset freed"
+    monkeypatch.undo()
+    b = pm.to_device(np.full(4096, 3, np.uint8), pm.Stream(device), device)  # the reset device works
+    assert (b.to_host() == 3).all()
