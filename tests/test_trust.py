@@ -212,3 +212,71 @@ def test_a_home_whose_path_is_not_utf8_is_refused_by_name(emu_home, tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("refused"), r.stderr[-500:]
     assert "not valid UTF-8" in r.stdout
+
+
+@needs_cc
+@pytest.mark.parametrize("entries", [":/nonexistent", "/nonexistent:.", "/nonexistent"], ids=["empty", "dot", "none"])
+def test_a_dependency_a_relative_library_path_entry_would_give_the_loader_is_refused(tmp_path, monkeypatch, entries):
+    """A library whose versioned DT_NEEDED (librt.so.1, say) is in neither the home nor an
+    absolute LD_LIBRARY_PATH entry was left to the dynamic loader, which maps it from the
+    current directory when an entry is relative or empty. The home is refused, naming the file;
+    a name the process has mapped already (libc.so.6) is the loaded library, searched for by
+    nobody, and passes."""
+    from pyacl_moe._cann import loader
+    build, home, here = tmp_path / "build", tmp_path / "home", tmp_path / "here"
+    for d in (build, home / "lib64", here):
+        d.mkdir(parents=True)
+    _planted(build, "libplanted.so.1", tmp_path / "unused")
+    src = build / "top.c"
+    src.write_text("int top(void) { return 1; }\n")
+    subprocess.run([CC, "-shared", "-fPIC", "-o", str(home / "lib64" / "libtop.so"), str(src), "-Wl,--no-as-needed",
+                    f"-L{build}", "-l:libplanted.so.1", "-lc"], check=True, capture_output=True)
+    shutil.rmtree(build)  # found nowhere now, but for the one planted below
+    marker = tmp_path / "ran"
+    _planted(here, "libplanted.so.1", marker)
+    _planted(here, "libc.so.6", marker)
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("LD_LIBRARY_PATH", entries)
+    got = loader._fits(str(home), "lib64/libtop.so", [], set())
+    if entries == "/nonexistent":
+        assert got == [str(home / "lib64" / "libtop.so")], got
+    else:
+        assert isinstance(got, str) and "refused" in got and str(here / "libplanted.so.1") in got, got
+        assert "libc.so.6" not in got, got
+    assert not marker.exists(), "a planted library's constructor ran"
+
+
+@pytest.mark.parametrize("how", ["lib64", "link"])
+def test_a_default_home_whose_library_others_can_replace_is_refused(isolated, emu_home, tmp_path, how):
+    """A default home passed its trust rule when it and the folders above it did, though a
+    folder inside it others can write to (``lib64``), or a library linked to such a place,
+    chooses what is loaded. Each library loaded, and every folder above it as written and as
+    its links resolve, must pass the rule too; named in ASCEND_HOME_PATH, the tree loads."""
+    from pyacl_moe._paths import untrusted_above
+    top = Path(emu_home).parents[2]  # (inside the emulator's cache: this user's, writable by no one else)
+    if untrusted_above(top):
+        pytest.skip(f"no trusted folder to lay a home out in ({untrusted_above(top)})")
+    scratch = top / f"trust-{os.getpid()}-{how}"
+    try:
+        scratch.mkdir()
+        tree = _copy_home(emu_home, scratch / "Ascend" / "cann")
+        lib64 = Path(os.path.realpath(tree / "lib64"))
+        if how == "lib64":
+            os.chmod(lib64, 0o777)
+            shown = "lib64 is writable by group or others"
+        else:
+            elsewhere = tmp_path / "libnnopbase.so"
+            shutil.move(lib64 / "libnnopbase.so", elsewhere)
+            os.symlink(elsewhere, lib64 / "libnnopbase.so")
+            shown = str(tmp_path.parents[len(tmp_path.parents) - 2])  # the first folder others may write to
+        r = isolated(child_info, env={**CLEAN, "HOME": str(scratch)})
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        refused = [t for t in out.get("not_found", []) if str(tree) in t]
+        assert refused and "refused" in refused[0] and "writable" in refused[0], out
+        assert shown in refused[0], (shown, refused)
+        r = isolated(child_info, env={**CLEAN, "HOME": str(scratch), "ASCEND_HOME_PATH": str(tree)})
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == {"home": str(tree), "backend": "cann"}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

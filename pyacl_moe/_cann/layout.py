@@ -26,8 +26,9 @@ dynamic loader looks; :func:`dependency_order` finds each one in the home's libr
 (``lib64``, the library's own folder) and the driver's (what set_env.sh adds, used when
 trusted), so the loader can load them by path first and no environment is needed. It never
 searches ``$LD_LIBRARY_PATH`` to load from it: a dependency found only in one of its absolute
-entries is left to the dynamic loader (which reads the variable itself), and relative or empty
-entries (the current directory) are not looked at. A dependency with an unversioned name
+entries is left to the dynamic loader (which reads the variable itself), and one that a relative
+or empty entry holds (the current directory, to the dynamic loader) makes the library unfit,
+whatever its name: the dynamic loader would map that file. A dependency with an unversioned name
 (``libX.so``, the form every CANN library has) found nowhere makes the library unfit;
 versioned names (``libc.so.6``) are the system's, left to the dynamic loader.
 
@@ -143,7 +144,7 @@ _SHDR = struct.Struct(_END + ("4xI16xQQI20x" if _WIDE else "4xI8xIII12x"))
 _SYM = struct.Struct(_END + ("IBxH16x" if _WIDE else "I8xBxH"))
 _DYN = struct.Struct(_END + ("qQ" if _WIDE else "iI"))
 _MACHINES = {"x86_64": 62, "aarch64": 183}  # ELF e_machine: EM_X86_64, EM_AARCH64
-_ET_DYN, _PT_LOAD, _SHT_DYNSYM, _SHT_DYNAMIC, _DT_NEEDED = 3, 1, 11, 6, 1
+_ET_DYN, _PT_LOAD, _SHT_DYNSYM, _SHT_DYNAMIC, _DT_NEEDED, _DT_SONAME = 3, 1, 11, 6, 1, 14
 _MAX_TABLE = 64 << 20  # a symbol or string table larger than this is not read (not a sane library)
 
 
@@ -205,14 +206,27 @@ def _string(strtab: bytes, at: int) -> bytes:
     return strtab[at:end if end >= 0 else len(strtab)]
 
 
-def needed(path: str) -> tuple[str, ...] | None:
-    """The DT_NEEDED entries of a shared library, in order; None when it cannot be read."""
+def needed(path: str, kind: int = _DT_NEEDED) -> tuple[str, ...] | None:
+    """The DT_NEEDED entries of a shared library, in order (``kind``: the entries of another
+    name tag, DT_SONAME); None when it cannot be read."""
     tables, why = _tables(path, _SHT_DYNAMIC)
     dyn, strtab = tables[0] if tables else (b"", b"")  # (the first dynamic section; its entries end at DT_NULL)
     entries = itertools.takewhile(lambda e: e[0] != 0, _DYN.iter_unpack(dyn[:len(dyn) // _DYN.size * _DYN.size]))
     names = [_string(strtab, v).decode("utf-8", "replace") for tag, v in entries
-             if tag == _DT_NEEDED and v < len(strtab)]
+             if tag == kind and v < len(strtab)]
     return None if why else tuple(names)
+
+
+def mapped_names() -> set[str]:
+    """The file names and sonames of the libraries this process has mapped (/proc/self/maps):
+    the dynamic loader gives a DT_NEEDED name that one of them answers to that library, and
+    searches for nothing."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and ".so" in line}
+    except OSError:
+        return set()
+    return {n for p in paths if p.startswith("/") for n in (os.path.basename(p), *(needed(p, _DT_SONAME) or ()))}
 
 
 def defined_symbols(path: str, wanted: Iterable[str]) -> set[str] | None:
@@ -232,11 +246,14 @@ _UNVERSIONED = re.compile(r"lib[^/]*\.so")
 class Dependencies(NamedTuple):
     """A library's dependency closure: ``order`` the paths to load first (dependencies before
     what needs them), ``missing`` (name, needed by) for CANN-style names found nowhere, ``left``
-    those found only through ``$LD_LIBRARY_PATH`` (the dynamic loader's to load)."""
+    those found only through ``$LD_LIBRARY_PATH``'s absolute entries (the dynamic loader's to
+    load), ``planted`` those a relative or empty entry of it holds (the dynamic loader would map
+    a file of the current directory, or one below it: refused)."""
 
     order: list[str]
     missing: list[tuple[str, str]]
     left: list[str]
+    planted: list[str]
 
 
 def find(name: str, folders: list[str]) -> str | None:
@@ -247,23 +264,29 @@ def find(name: str, folders: list[str]) -> str | None:
 def dependency_order(path: str, folders: list[str], loaded: set[str]) -> Dependencies:
     """Every dependency of ``path`` found in ``folders``, transitively, in load order.
     ``loaded`` are the names of the libraries already loaded by us (they are not looked for
-    again). A library whose ELF cannot be read is left for dlopen to judge."""
-    deps = Dependencies([], [], [])
+    again). A library whose ELF cannot be read is left for dlopen to judge; the dependencies of
+    one left to the dynamic loader are walked too, for what a relative entry would give them."""
+    deps = Dependencies([], [], [], [])
     seen = set(loaded)
-    absolute = loader_path()[0]
+    absolute, relative = loader_path()
+    mapped = mapped_names() if relative else set()  # (what the process has mapped is not looked for)
 
-    def visit(lib: str) -> None:
+    def visit(lib: str, ours: bool) -> None:
         for name in needed(lib) or ():
             if name in seen:
                 continue
             seen.add(name)
+            left = find(name, absolute)
             if (where := find(name, folders)) is not None:
-                visit(where)
+                visit(where, ours)
                 deps.order.append(where)
-            elif (left := find(name, absolute)) is not None:
+            elif (here := find(name, relative)) and name not in mapped and not (left and os.path.samefile(here, left)):
+                deps.planted.append(os.path.abspath(here))
+            elif left is not None:
+                visit(left, False)
                 deps.left.append(left)
-            elif _UNVERSIONED.fullmatch(name):
+            elif ours and _UNVERSIONED.fullmatch(name):
                 deps.missing.append((name, os.path.basename(lib)))
 
-    visit(path)
+    visit(path, True)
     return deps

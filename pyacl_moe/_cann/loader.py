@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
+from .._paths import untrusted_above
 from . import declare, layout
 
 __all__ = ["Libraries", "LibraryInfo", "Provider", "libs", "library_info", "load", "loaded_info",
@@ -147,6 +148,10 @@ def _fits(home: str, rel: str, wanted: list[str], loaded: set[str]) -> list[str]
         names = ", ".join(sorted({f"{name} (needed by {by})" for name, by in deps.missing}))
         return f"{rel}: a dependency is missing: {names}, in none of {', '.join(folders[:3])} (nor the driver's " \
                "folders or LD_LIBRARY_PATH)"
+    if deps.planted:
+        return f"{rel}: refused: the dynamic loader would map {', '.join(deps.planted)}, which LD_LIBRARY_PATH's " \
+               "relative or empty entry gives it (the current directory, or one below it): drop that entry, " \
+               "or put the library in an absolute folder of LD_LIBRARY_PATH"
     for lib in [path, *deps.order, *deps.left]:  # (left to the dynamic loader: read, never loaded by path here)
         if why := layout.elf_problem(lib):
             return f"{rel}: {lib if lib != path else 'the library'} is {why}"
@@ -199,9 +204,12 @@ def _opened(names: list[str], three: Sequence[str], backend: str, home: str | No
         raise
 
 
-def _load_plan(home: str, backend: str) -> Libraries | str:
+def _load_plan(home: str, backend: str, named: bool = True) -> Libraries | str:
     """The libraries of ``home`` loaded, or what they lacked: for each of acl, nn and op the
-    first of its candidates that fits, every path dlopened in order (dependencies first)."""
+    first of its candidates that fits, every path dlopened in order (dependencies first). In a
+    home found by default (not ``named``), each library to load, and every folder above it as
+    written and as its links resolve, must pass the home's trust rule too: a folder inside the
+    home, or a link out of it, that others can write to chooses what is loaded."""
     problems: list[str] = []
     order: list[str] = []
     three: list[str] = []  # the path of each library (acl, nn, op)
@@ -220,6 +228,10 @@ def _load_plan(home: str, backend: str) -> Libraries | str:
         else:
             problems += passed_over or [f"no op library with the op's four entry points (looked for "
                                         f"{', '.join(candidates)})"]
+    if not named and not problems:
+        problems += [f"refused: {why}: a library of a home found by default is loaded only when it and every folder "
+                     "above it are owned by root or this user and writable by no one else (name the home in "
+                     "ASCEND_HOME_PATH to use it anyway)" for why in map(untrusted_above, order) if why][:1]
     if problems:
         return "; ".join(problems)
     return _opened(order, three, backend, str(Path(home)))
@@ -258,7 +270,7 @@ def _search(ascend_home: str | None) -> Libraries:
             tried.append(f"{label} = {home}: no such folder")
         elif why := layout.home_problem(home, named):
             tried.append(f"{label} = {home}: refused: {why}")
-        elif isinstance(libs := _load_plan(home, "cann"), Libraries):
+        elif isinstance(libs := _load_plan(home, "cann", named), Libraries):
             return libs
         else:
             tried.append(f"{label} = {home}: {libs}")
