@@ -1,5 +1,5 @@
-"""Where the package's data lives (the C declarations in headers/), and whether a place may be
-trusted to hold code the process loads.
+"""Where the package's data lives (the C declarations in headers/), whether a place may be
+trusted to hold code the process loads, and how a file named from outside is read (bounded).
 
 In a source checkout (and an editable install) headers/ sits next to the package; in a wheel
 the build backend maps it to pyacl_moe/headers. Both are looked for, wheel layout first.
@@ -7,6 +7,7 @@ the build backend maps it to pyacl_moe/headers. Both are looked for, wheel layou
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -67,3 +68,22 @@ def untrusted_above(path: str | os.PathLike[str]) -> str | None:
                 break
             p = parent
     return None
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the regular file at ``path`` (one more than ``limit``
+    says it is longer). Anything else is an OSError before a byte is read: a FIFO would block
+    the read for good, a device such as /dev/zero would never end, and neither is opened so
+    that it could (O_NONBLOCK)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a folder, a FIFO or a device)")
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

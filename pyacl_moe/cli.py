@@ -52,26 +52,31 @@ def _info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"pyacl-moe {__version__}")
-    print(f"backend      {lib.backend}" + (f" ({report['emulator']})" if "emulator" in report else ""))
-    print(f"home         {lib.home or '(dynamic loader path)'}")
-    print(f"toolkit      {version.toolkit_version or '(not recorded)'}")
-    print(f"ops          {version.ops_version or '(part of the toolkit)'}")
-    print(f"runtime      {version.runtime_version or '(not recorded)'}")
-    print(f"op library   {version.op_library}")
+    from .tools.conformance import printable
+
+    def say(line: str) -> None:  # (what the install's files say is shown, never sent to the terminal)
+        print(printable(line))
+
+    say(f"pyacl-moe {__version__}")
+    say(f"backend      {lib.backend}" + (f" ({report['emulator']})" if "emulator" in report else ""))
+    say(f"home         {lib.home or '(dynamic loader path)'}")
+    say(f"toolkit      {version.toolkit_version or '(not recorded)'}")
+    say(f"ops          {version.ops_version or '(part of the toolkit)'}")
+    say(f"runtime      {version.runtime_version or '(not recorded)'}")
+    say(f"op library   {version.op_library}")
     width = max(13, *(len(name) + 7 for name in lib.paths))  # a library's name, a space, then its path
     for name, path in lib.paths.items():
-        print(f"{'lib' + name + '.so':<{width}}{path}")
+        say(f"{'lib' + name + '.so':<{width}}{path}")
     for path in lib.dependencies:
-        print(f"{'  needs':<{width}}{path}")
-    print(f"ACL version  {report['acl_version']}")
+        say(f"{'  needs':<{width}}{path}")
+    say(f"ACL version  {report['acl_version']}")
     note = f" ({applies.note})" if applies.note else ""
-    print(f"expects      the op of {applies.behaviour.since} and later{note}")
-    print(f"SoC          {report['soc']}")
-    print(f"chip         {c.describe()}")
-    print(f"devices      {count}")
+    say(f"expects      the op of {applies.behaviour.since} and later{note}")
+    say(f"SoC          {report['soc']}")
+    say(f"chip         {c.describe()}")
+    say(f"devices      {count}")
     for d in report["devices"]:
-        print(f"  device {d['id']}: {d['memory_free'] / 2**30:.2f} GiB free of {d['memory_total'] / 2**30:.2f} GiB")
+        say(f"  device {d['id']}: {d['memory_free'] / 2**30:.2f} GiB free of {d['memory_total'] / 2**30:.2f} GiB")
     return 0
 
 

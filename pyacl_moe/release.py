@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ._cann.layout import arch
 from ._contract import Chip, chip_named
+from ._paths import read_regular
 
 __all__ = ["BEHAVIOURS", "CHIP_RULES", "CannVersion", "OpBehaviour", "Release", "Versions", "behaviour_for",
            "cann_version", "chip_for", "parse_release", "read_versions"]
@@ -315,9 +316,12 @@ class Versions:
     sources: dict[str, str] = field(default_factory=dict)
 
 
+MAX_INFO_FILE = 64 << 10  # bytes read of a version.info, install.info or version.cfg
+
+
 def _key(path: Path, key: str) -> str | None:
-    try:
-        text = path.read_text(errors="replace")
+    try:  # (a release file is a few lines: a longer one, a FIFO or a device is not one)
+        text = read_regular(path, MAX_INFO_FILE)[:MAX_INFO_FILE].decode(errors="replace")
     except OSError:
         return None
     for line in text.splitlines():

@@ -93,6 +93,8 @@ def test_a_wrong_kernel_fails_the_rows(device, clean_emulator, kit_files):
     ("precision_tolerances", '"((0.001,),)"', "column precision_tolerances: must be (rtol, ptol) pairs"),
     ("absolute_precision", "-1", "column absolute_precision: must be a number >= 0"),
     ("input_data_ranges", '"((10, -10),)"', "column input_data_ranges: the first input's range"),
+    # a width past the largest float: an OverflowError traceback of the uniform draw, once running
+    ("input_data_ranges", '"((-1e308, 1e308),)"', "column input_data_ranges: the first input's range"),
 ])
 def test_a_malformed_row_exits_2_naming_the_file_row_and_column_before_anything_runs(main, tmp_path, column, cell,
                                                                                       says):

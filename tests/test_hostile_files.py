@@ -7,8 +7,10 @@ The sweeps at the end mutate thousands of rows and names at random (seeded)."""
 from __future__ import annotations
 
 import csv
+import os
 import random
 import re
+import threading
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -177,3 +179,80 @@ def test_a_sweep_of_random_names_keeps_every_report_well_formed(tmp_path):
         list("=+-@\t\r\"'<>&abc ")
     names = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 24))) + str(i) for i in range(2000)]
     _check_reports(_report(names), tmp_path, names)
+
+
+def _fifo(path) -> str:
+    os.mkfifo(path)
+    return str(path)
+
+
+def _in_time(fn, *args):
+    """fn(*args), or a failure when it has not returned in 20 s (a read that blocks for good)."""
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(_raised(fn, *args)), daemon=True)
+    t.start()
+    t.join(20)
+    assert got, f"{fn.__name__} blocked"
+    return got[0]
+
+
+def _raised(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # (returned, to be judged by the test)
+        return exc
+
+
+@pytest.mark.parametrize("name", ["cases.csv", "cases.json"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
+def test_a_case_file_that_is_not_a_regular_file_is_one_line_never_a_hang(tmp_path, name, kind):
+    """A FIFO blocked the read for good (its open waits for a writer); a link to /dev/zero read
+    until memory ran out. Only a regular file is read."""
+    path = tmp_path / name
+    if kind == "fifo":
+        _fifo(path)
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)
+    else:
+        path.mkdir()
+    exc = _in_time(kitcases.load, [str(path)])
+    assert isinstance(exc, kitcases.CaseFileError), exc
+    text = _one_line(exc)
+    assert text.startswith(f"{path}: cannot read it (") and ("not a regular file" in text or "directory" in text), text
+
+
+@pytest.mark.parametrize("name", ["cases.csv", "cases.json"])
+def test_a_case_file_past_the_size_limit_is_refused_before_it_is_parsed(tmp_path, name):
+    """A CSV was read whole into lists of cells, about 72 times its size in memory, and a JSON
+    file of small objects under the old 64 MiB limit held 1.7 GiB while parsed: past
+    MAX_CASE_FILE either is one line, before any parse."""
+    path = tmp_path / name
+    with open(path, "w") as f:
+        f.write(HEADER + "\n" if name.endswith(".csv") else "[")
+        f.write(("\n" if name.endswith(".csv") else "{},") * (kitcases.MAX_CASE_FILE + 1))
+    text = _one_line(_in_time(kitcases.load, [str(path)]))
+    assert text == f"{path}: larger than {kitcases.MAX_CASE_FILE} bytes", text
+
+
+def test_a_csv_is_checked_row_by_row_and_the_first_bad_row_ends_the_read(tmp_path):
+    rows = [BACKWARD_ROWS[0]] + ["x,y"] * 100_000
+    exc = _in_time(kitcases.load, [_write(tmp_path / "x.csv", rows)])
+    assert isinstance(exc, kitcases.CaseFileError) and "row 3: 2 cells for" in _one_line(exc), exc
+
+
+@pytest.mark.parametrize("what", ["fifo", "deep", "dev-zero"])
+def test_a_baseline_or_a_report_that_is_hostile_is_one_line(tmp_path, what):
+    """--baseline and merge's reports: a FIFO blocked for good; a deeply nested document raised
+    RecursionError out of load_baseline (a traceback); a link to /dev/zero read until memory ran out."""
+    from pyacl_moe.tools import cluster
+    path = tmp_path / "report.json"
+    if what == "fifo":
+        _fifo(path)
+    elif what == "deep":
+        path.write_text("[" * 200_000 + "]" * 200_000)
+    else:
+        os.symlink("/dev/zero", path)
+    exc = _in_time(conformance.load_baseline, str(path))
+    assert isinstance(exc, ValueError) and _one_line(exc).startswith(f"{path}: "), exc
+    exc = _in_time(cluster.read_report, str(path))
+    assert isinstance(exc, cluster.ClusterError) and _one_line(exc).startswith(f"{path}: "), exc

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,33 @@ def test_conformance_passes_on_each_emulated_release_and_names_it(homes, name, t
     assert data["expectations"]["since"] == ("9.1.0.pre" if name == "9.1.0" else "8.0.0")
     statuses = {c["name"]: c["status"] for c in data["cases"]}
     assert statuses["neg-not-divisible"] == (561103 if name == "9.1.0" else 561002)
+
+
+def test_a_release_file_that_is_a_fifo_or_a_device_is_not_read(tmp_path):
+    """version.info read with read_text(): a FIFO hung the read (and `pyacl-moe info`) for good,
+    a link to /dev/zero read until memory ran out. A release file is read only when it is a
+    regular file, and at most its first 64 KiB; the others read as not recorded, and a long
+    file gives its first lines."""
+    home = tmp_path / "cann-9.1.0"
+    _write(home / "share" / "info" / "ops_transformer" / "version.info", "Version=9.1.0\n" + "#" * (1 << 20))
+    (home / "share" / "info" / "runtime").mkdir()
+    os.mkfifo(home / "share" / "info" / "runtime" / "version.info")
+    os.symlink("/dev/zero", home / "version.cfg")
+    got: list[release.Versions] = []
+    t = threading.Thread(target=lambda: got.append(release.read_versions(str(home))), daemon=True)
+    t.start()
+    t.join(20)
+    assert got, "reading the release files of a home hung"
+    assert (got[0].ops, got[0].runtime, got[0].toolkit) == ("9.1.0", None, None), got[0]
+
+
+def test_info_shows_what_an_install_records_escaped_never_sent_to_the_terminal(homes, tmp_path):
+    """An install's version.info is anyone's text: `pyacl-moe info` printed it raw, so an escape
+    sequence in it reached the terminal (a title, a cleared screen, a forged line)."""
+    home = _copy_home(homes, "9.0.0", tmp_path)
+    info = home / "share" / "info" / "ops_transformer" / "version.info"
+    info.write_text("Version=9.0.0\x1b]0;owned\x07\x1b[2J\rforged\n")
+    r = _python(["-m", "pyacl_moe.cli", "info"], ASCEND_HOME_PATH=str(home))
+    assert r.returncode == 0, r.stderr
+    assert not any(c in r.stdout for c in "\x1b\x07\r"), repr(r.stdout)
+    assert "9.0.0\\x1b]0;owned\\x07\\x1b[2J\\rforged" in r.stdout, r.stdout

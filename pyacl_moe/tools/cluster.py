@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from typing import Any, TextIO
 
 from .. import __version__
+from .._paths import read_regular
 from . import conformance, visible
 from .harness import OUTCOMES, Case
 
@@ -42,7 +43,7 @@ __all__ = ["MERGED_KIND", "RAY_HINT", "ClusterError", "check_report", "exit_stat
 
 MERGED_KIND = "pyacl-moe merged conformance report"
 RAY_HINT = "--ray needs Ray: pip install 'pyacl-moe[ray]' (Python 3.10 and later)"
-MAX_REPORT_BYTES = 1 << 30  # a report of the full profile is a few MiB
+MAX_REPORT_BYTES = conformance.MAX_REPORT_BYTES
 MAX_CASES = 1 << 20
 NOT_RUN = "not run: "  # how a case that never ran begins its detail (as conformance's workers write it)
 SHOWN = 10  # failing cases (per host) and differing outputs the table names; the reports hold all
@@ -71,11 +72,10 @@ def read_report(path: str) -> dict[str, Any]:
     else is a ClusterError naming the file."""
     where = conformance.printable(path)
     try:
-        size = os.path.getsize(path)
-        if size > MAX_REPORT_BYTES:
-            raise ClusterError(f"{where}: {size} bytes, more than a report holds ({MAX_REPORT_BYTES})")
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        raw = read_regular(path, MAX_REPORT_BYTES)
+        if len(raw) > MAX_REPORT_BYTES:
+            raise ClusterError(f"{where}: more than a report holds ({MAX_REPORT_BYTES} bytes)")
+        data = json.loads(raw.decode("utf-8"))
     except OSError as exc:
         raise ClusterError(f"{where}: cannot read it ({exc.strerror or exc})") from None
     except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)

@@ -42,6 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import __version__, reference
+from .._paths import read_regular
 from .._cann.loader import library_info, load
 from .._contract import scenario as scenario_of
 from ..array import DeviceArray, empty, to_device
@@ -1061,16 +1062,22 @@ def _csv_value(v: Any) -> str:
 _LABEL = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "differs": "DIFFERS", "skipped": "SKIP"}
 
 
+MAX_REPORT_BYTES = 64 << 20  # a report of the full profile is a few MiB
+
+
 def load_baseline(path: str) -> dict[str, Any]:
     """A report written by ``write_json``, checked enough to compare with (ValueError saying
     what is wrong otherwise)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        raw = read_regular(path, MAX_REPORT_BYTES)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ValueError(f"{path}: not a JSON report ({exc})") from None
+    if len(raw) > MAX_REPORT_BYTES:
+        raise ValueError(f"{path}: more than a report holds ({MAX_REPORT_BYTES} bytes)")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise ValueError(f"{path}: not a JSON report ({printable(str(exc))[:200]})") from None
     cases = data.get("cases") if isinstance(data, dict) else None
     if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c for c in cases):
         raise ValueError(f"{path}: not a conformance report (no list of cases with names)")

@@ -19,6 +19,7 @@ naming the file, the row and the column (the case, in an ATK file).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import re
@@ -32,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import reference
+from .._paths import read_regular
 from .._contract import forward_scenario, scenario
 from ..array import to_device
 from ..device import chip
@@ -237,8 +239,9 @@ def _parse_row(file: str, line: int, cells: dict[str, str]) -> KitRow:
         raise bad("input_data_ranges", f"must be (low, high) pairs, got {_shown(cells.get('input_data_ranges'))}")
     spans = [(float(_DEFAULT_RANGE[0] if lo is None else lo), float(_DEFAULT_RANGE[1] if hi is None else hi))
              for lo, hi in ranges]
-    if any(lo > hi or not (math.isfinite(lo) and math.isfinite(hi)) for lo, hi in spans[:1]):
-        raise bad("input_data_ranges", f"the first input's range must be finite with low <= high, got {spans[0]}")
+    if any(lo > hi or not math.isfinite(hi - lo) for lo, hi in spans[:1]):  # (an infinite width: no uniform draw)
+        raise bad("input_data_ranges", f"the first input's range must be finite with low <= high and high - low "
+                                       f"finite, got {spans[0]}")
     row = KitRow(file, line, name, api, [tuple(s) for s in shapes], dts, dict(attrs),
                  [(float(a), float(b)) for a, b in tols], None if atol is None else float(atol), spans,
                  {k: (cells.get(k) or "").strip() for k in ("tensor_view_shapes", "tensor_dtypes", "attributes")})
@@ -294,33 +297,45 @@ def load(paths: Sequence[str], own_standards: bool = True) -> list[Case]:
                     row.standard = None
                 rows.append(row)
             continue
-        try:
-            with open(path, newline="") as f:
-                lines = list(csv.reader(f))
-        except OSError as exc:
-            raise CaseFileError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        names: list[str] | None = None
+        before = len(rows)
+        try:  # (row by row: each is checked as it is read, and what is kept is the parsed rows)
+            for line, cells in enumerate(csv.reader(io.StringIO(_read(path).decode("utf-8"), newline="")), 1):
+                if not any(c.strip() for c in cells):
+                    continue
+                if names is None:
+                    names = [h.strip() for h in cells]
+                    if missing := [c for c in REQUIRED if c not in names]:
+                        raise CaseFileError(f"{path}: row {line}, the header lacks the column(s) {', '.join(missing)}")
+                    continue
+                if len(cells) != len(names):
+                    raise CaseFileError(f"{path}: row {line}: {len(cells)} cells for {len(names)} columns")
+                if len(rows) >= MAX_CASES:
+                    raise CaseFileError(f"{path}: more than {MAX_CASES} cases in all")
+                row = _parse_row(path, line, dict(zip(names, cells)))
+                if row.name in seen:
+                    raise CaseFileError(f"{path}: row {line}, column testcase_name: {_shown(row.name)} is also a case "
+                                        f"of {seen[row.name]}")
+                seen[row.name] = f"{path} row {line}"
+                rows.append(row)
         except (csv.Error, UnicodeDecodeError) as exc:
-            raise CaseFileError(f"{path}: not a CSV file ({exc})") from None
-        numbered = [(i + 1, r) for i, r in enumerate(lines) if any(c.strip() for c in r)]
-        if not numbered:
+            raise CaseFileError(f"{path}: not a CSV file ({_shown(str(exc), 160)})") from None
+        if names is None:
             raise CaseFileError(f"{path}: empty")
-        header_line, header = numbered[0]
-        names = [h.strip() for h in header]
-        missing = [c for c in REQUIRED if c not in names]
-        if missing:
-            raise CaseFileError(f"{path}: row {header_line}, the header lacks the column(s) {', '.join(missing)}")
-        if not numbered[1:]:
+        if len(rows) == before:
             raise CaseFileError(f"{path}: no case rows")
-        for line, cells in numbered[1:]:
-            if len(cells) != len(names):
-                raise CaseFileError(f"{path}: row {line}: {len(cells)} cells for {len(names)} columns")
-            row = _parse_row(path, line, dict(zip(names, cells)))
-            if row.name in seen:
-                raise CaseFileError(f"{path}: row {line}, column testcase_name: {_shown(row.name)} is also a case of "
-                                    f"{seen[row.name]}")
-            seen[row.name] = f"{path} row {line}"
-            rows.append(row)
     return [_case(r) for r in rows]
+
+
+def _read(path: str) -> bytes:
+    """A case file's bytes, at most MAX_CASE_FILE of them, from a regular file only."""
+    try:
+        data = read_regular(path, MAX_CASE_FILE)
+    except OSError as exc:
+        raise CaseFileError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if len(data) > MAX_CASE_FILE:
+        raise CaseFileError(f"{path}: larger than {MAX_CASE_FILE} bytes")
+    return data
 
 
 def _uniform(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, span: tuple[float, float]) -> np.ndarray:
@@ -481,8 +496,10 @@ _ATK_DTYPES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16
 # the kit's routing by output dtype (ttk/core_modules/comparison/resolve.py, resolve_tolerance:
 # integer outputs binary_equal, floating ones stat_rel_err).
 ATK_STANDARDS = {"single_bm": "stat-rel-err", "default": "stat-rel-err"}
-MAX_ATK_FILE = 64 << 20  # bytes: the vendor's largest file is 216 KB
-MAX_ATK_CASES = 100_000
+# A case file, either format: the vendor's largest is 216 KB. At 8 MiB a file of nothing but
+# empty JSON objects, the worst for its parse, holds about 200 MB while it is read.
+MAX_CASE_FILE = 8 << 20  # bytes
+MAX_CASES = 100_000  # in all the files of one run
 _SPECIAL = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
 
 
@@ -500,13 +517,7 @@ def _no_constant(name: str) -> float:
 def load_atk(path: str) -> list[KitRow]:
     """The cases of an ATK JSON file, each checked before any runs: CaseFileError naming the
     file and the case (by its id, or its place when it has none) and what is wrong."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_ATK_FILE + 1)
-    except OSError as exc:
-        raise CaseFileError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    if len(data) > MAX_ATK_FILE:
-        raise CaseFileError(f"{path}: larger than {MAX_ATK_FILE} bytes")
+    data = _read(path)
     try:
         doc = json.loads(data.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
@@ -514,8 +525,8 @@ def load_atk(path: str) -> list[KitRow]:
     if not isinstance(doc, list) or not doc:
         raise CaseFileError(f"{path}: an ATK file is a non-empty list of cases, got {type(doc).__name__}"
                             f"{'' if doc else ' (empty)'}")
-    if len(doc) > MAX_ATK_CASES:
-        raise CaseFileError(f"{path}: more than {MAX_ATK_CASES} cases")
+    if len(doc) > MAX_CASES:
+        raise CaseFileError(f"{path}: more than {MAX_CASES} cases")
     return [_atk_row(path, i, case) for i, case in enumerate(doc)]
 
 
