@@ -253,7 +253,9 @@ def test_a_default_home_whose_library_others_can_replace_is_refused(isolated, em
     chooses what is loaded. Each library loaded, and every folder above it as written and as
     its links resolve, must pass the rule too; named in ASCEND_HOME_PATH, the tree loads."""
     from pyacl_moe._paths import untrusted_above
-    top = Path(emu_home).parents[2]  # (inside the emulator's cache: this user's, writable by no one else)
+    # The emulator's cache root: this user's, writable by no one else. Not inside its build, which
+    # every load judges whole (a writable folder there sets the build aside for other tests).
+    top = Path(emu_home).parents[3]
     if untrusted_above(top):
         pytest.skip(f"no trusted folder to lay a home out in ({untrusted_above(top)})")
     scratch = top / f"trust-{os.getpid()}-{how}"
