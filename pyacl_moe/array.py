@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _args
-from ._cann import acl, aclnn, declare
+from ._cann import acl, declare
 from .device import Allocation, Device, collect, is_pinned, pinned_block, resolve_device
 from .errors import ClosedError, InvalidArgument
 from .host import host_view
@@ -101,16 +101,14 @@ class DeviceArray:
     ``close()`` (or ``with``) drops this array's hold on the memory.
     """
 
-    __slots__ = ("alloc", "_layout", "_offset", "_desc", "span", "layout_id", "__weakref__")
-    _desc: aclnn.TensorDesc  # (set by the first tensor_desc)
+    __slots__ = ("alloc", "_layout", "_offset", "span", "layout_id", "__weakref__")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int) -> None:
         #: the Allocation the view is of (None once closed); :meth:`allocation` checks it
         self.alloc: Allocation | None = alloc
         self._offset = offset
-        self._layout = (shape, dtype, strides)  # (element strides)
-        acl_data_type(dtype)  # (one CANN has no type for is refused)
+        self._layout = (shape, dtype, strides)  # (element strides; every caller checked the dtype)
         lo = alloc.ptr + offset * dtype.itemsize
         #: (first, last) device byte addresses the view touches (last < first when empty)
         self.span = (lo, lo + _extent(shape, strides) * dtype.itemsize - 1)
@@ -126,15 +124,6 @@ class DeviceArray:
             raise ClosedError(what, "this DeviceArray was closed")
         a.check_open(what)
         return a
-
-    def tensor_desc(self) -> aclnn.TensorDesc:
-        """What aclCreateTensor needs for this view, built once."""
-        try:
-            return self._desc
-        except AttributeError:
-            d = self._desc = aclnn.TensorDesc(self.shape, self.acl_data_type, self._layout[2], self._offset,
-                                              (self.storage_size,))
-            return d
 
     @classmethod
     def from_pointer(cls, ptr: int, shape: Sequence[int], dtype: Any, strides: Sequence[int] | None = None,
@@ -501,9 +490,9 @@ def _dtype(dtype: Any) -> np.dtype:
 
 
 def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...]:
-    """Everything a contiguous DeviceArray of ``shape`` and ``dtype`` (both checked) is made of
-    but its memory, for :func:`empty_from`: a caller making many keeps it."""
-    acl_data_type(dtype)
+    """Everything a contiguous DeviceArray of ``shape`` and ``dtype`` (both checked: a dtype CANN
+    has a type for) is made of but its memory, for :func:`empty_from`: a caller making many
+    keeps it."""
     layout = (shape, dtype, _contiguous_strides(shape))
     return layout, math.prod(shape, start=dtype.itemsize), _layout_id(layout)
 

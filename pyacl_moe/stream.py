@@ -305,21 +305,18 @@ class StreamState:
         """The Stream is gone (a safe point): destroyed once its work has run, never waited for
         (a query that fails is a status: asked again at a later safe point). A fault CANN keeps
         for it is learned first: its destroy would drop it (docs/emulator.md, aclrtDestroyStream)."""
-        with self.lock:
-            self.closing = True
-            try:
+        try:
+            with self.lock:
+                self.closing = True
                 idle = not self.live() or _idle(self)
-            except AclError as exc:
-                return exc.status
-        if not idle:
-            return NOT_YET
-        if self.ctx.open:  # (else the device's teardown waits for it)
-            try:
-                self.synchronize(closing=True)  # (it ran everything: this returns at once)
-            except AclError as exc:
-                return exc.status
-            except ClosedError:  # (its device closes meanwhile: the teardown releases it)
+            if not idle:
                 return NOT_YET
+            if self.ctx.open:  # (else the device's teardown waits for it)
+                self.synchronize(closing=True)  # (it ran everything: this returns at once)
+        except AclError as exc:
+            return exc.status
+        except ClosedError:  # (its device closes meanwhile: the teardown releases it)
+            return NOT_YET
         return self.release()
 
 

@@ -32,7 +32,8 @@ class TensorCore:
         self.alloc: Allocation | None = alloc if keep else None
         self.holder = Holder(aclnn.TensorHandle(), TENSORS)
         self.device.own(self.holder, self)
-        aclnn.create_tensor(self.holder.handle, array.tensor_desc(), alloc.ptr, fmt)  # type: ignore[arg-type]
+        aclnn.create_tensor(self.holder.handle, array.shape, array.acl_data_type,  # type: ignore[arg-type]
+                            array.element_strides, array.offset, array.storage_size, alloc.ptr, fmt)
 
     @property
     def handle(self) -> aclnn.TensorHandle:

@@ -15,7 +15,7 @@ from . import declare, loader
 from .acl import Handle, StreamHandle, interrupts_deferred, raw, void
 from .errcheck import check, null_result
 
-__all__ = ["ExecutorHandle", "TensorDesc", "TensorHandle", "create_tensor", "get_workspace_size",
+__all__ = ["ExecutorHandle", "TensorHandle", "create_tensor", "get_workspace_size",
            "launch", "second_phase", "set_input_addr", "set_output_addr", "set_repeatable", "tensor_query"]
 
 _ffi = declare.ffi
@@ -24,30 +24,19 @@ _NULL = declare.NULL
 
 # ---------------------------------------------------------------------------- aclTensor
 
-class TensorDesc:
-    """aclCreateTensor's array arguments, built once per view and reused."""
-
-    __slots__ = ("dims", "ndim", "dtype", "strides", "offset", "sdims", "sndim")
-
-    def __init__(self, shape: Sequence[int], dtype: int, strides: Sequence[int], offset: int,
-                 storage_shape: Sequence[int]) -> None:
-        arr = declare.ctype("int64_t[]")
-        self.dims, self.ndim, self.dtype = _ffi.new(arr, list(shape) or [0]), len(shape), dtype
-        self.strides, self.offset = _ffi.new(arr, list(strides) or [0]), offset
-        self.sdims, self.sndim = _ffi.new(arr, list(storage_shape) or [0]), len(storage_shape)
-
-
 class TensorHandle(Handle):
     __slots__ = ()
     SLOT_TYPE, LIBRARY, API = "aclTensor **", "nn", "aclDestroyTensor"
 
 
-def create_tensor(h: TensorHandle, desc: TensorDesc, addr: int, fmt: int) -> None:
-    """aclCreateTensor over device memory at ``addr`` into ``h`` (``fmt``: an aclFormat)."""
-    fn = loader.libs().nn.aclCreateTensor
+def create_tensor(h: TensorHandle, shape: Sequence[int], dtype: int, strides: Sequence[int], offset: int,
+                  storage_size: int, addr: int, fmt: int) -> None:
+    """aclCreateTensor of a view (element strides and offset, over ``storage_size`` elements)
+    of device memory at ``addr`` into ``h`` (``fmt``: an aclFormat)."""
+    fn, arr = loader.libs().nn.aclCreateTensor, declare.ctype("int64_t[]")
+    dims, steps = _ffi.new(arr, list(shape) or [0]), _ffi.new(arr, list(strides) or [0])
     with interrupts_deferred():  # the pointer it returns is stored before anything is raised
-        h._slot[0] = fn(desc.dims, desc.ndim, desc.dtype, desc.strides, desc.offset, fmt, desc.sdims, desc.sndim,
-                        void(addr))
+        h._slot[0] = fn(dims, len(shape), dtype, steps, offset, fmt, _ffi.new(arr, [storage_size]), 1, void(addr))
     if not h:
         raise null_result("aclCreateTensor")
 
