@@ -569,8 +569,18 @@ def test_an_interrupt_storm_in_releases_leaves_nothing_allocated_after_empty_cac
     assert r.stdout.strip().endswith("ok"), r.stdout
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test: a run started in the background of a
+    non-interactive shell inherits SIGINT ignored, and Python then installs none, so a SIGINT
+    the test sends would be lost."""
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, saved)
+
+
 @pytest.mark.parametrize("how", ["validate=False", "execute", "one-shot plan"])
-def test_an_interrupt_at_a_one_shot_launch_loses_no_executor(device, no_leaks, monkeypatch, how):
+def test_an_interrupt_at_a_one_shot_launch_loses_no_executor(device, no_leaks, monkeypatch, python_sigint, how):
     """A one-shot executor is CANN's from its launch on: the binding forgot it before the
     call, so an interrupt in between lost it for good (never launched, never destroyed), even
     past Device.close(). The launch and the forgetting are now one step for SIGINT."""
