@@ -72,9 +72,9 @@ def add_declarations(text: str, type_names: tuple[str, ...] = ()) -> None:
 
 
 def text(p: Any) -> str:
-    """A C string (char *) as str; undecodable bytes replaced."""
-    raw = ffi.string(p)
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    """A C string (char *, char[]) as str ('' for NULL); undecodable bytes replaced."""
+    # (a char string is bytes: cffi gives str for wchar_t only)
+    return ffi.string(p).decode("utf-8", "replace") if p != NULL else ""  # type: ignore[union-attr]
 
 
 def ctype(name: str) -> Any:

@@ -9,12 +9,9 @@ __all__ = ["check", "null_result", "recent_message"]
 
 
 def recent_message() -> str:
-    """CANN's text for the calling thread's latest failure (aclGetRecentErrMsg), or ''."""
-    lib = loader.loaded_libraries()
-    if lib is None:
-        return ""
-    p = lib.acl.aclGetRecentErrMsg()  # (every library loaded has it: the loader resolved it)
-    return declare.text(p) if p != declare.NULL else ""
+    """CANN's text for the calling thread's latest failure (aclGetRecentErrMsg), or ''. Only
+    called after a call into the loaded libraries (every status checked comes from one)."""
+    return declare.text(loader.libs().acl.aclGetRecentErrMsg())  # (every library loaded has it: the loader resolved it)
 
 
 def check(status: int, api: str) -> None:
