@@ -315,10 +315,9 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
             return _libs.info
         declare.declare()
         if provider is not None:
-            p = _providers.get(provider)
-            if p is None:
-                raise RuntimeError(f"no provider named {provider!r} is registered")
-            home = p.home()
+            # (registered: select_provider refuses an unknown name, and the emulator's finder,
+            # which the package's top always registers, ran above)
+            home = _providers[provider].home()
             if isinstance(got := _load_plan(home, provider), str):
                 raise errors.CannNotFoundError([f"provider {provider!r} = {home}: {got}"])
             _libs, _selected = got, provider
