@@ -5,10 +5,11 @@ very same files; :mod:`pyacl_moe._paths` finds them). Constants and enum values 
 from cffi, never copied by hand: :func:`const` answers ``const("ACL_FORMAT_ND") == 2`` from the
 parsed headers.
 
-Declaring is lazy (importing the package reads no file) and happens once, under a lock. Every C
-type the bindings build values of is parsed at that moment too: cffi parses a type given as a
-string under an internal lock, and a finalizer run by the garbage collector in the middle of
-such a parse would take that lock again and hang the thread.
+Declaring is lazy (importing the package reads no file) and happens once, under a lock; a
+provider's declarations follow the headers' when it registers. Every C type the bindings build
+values of is parsed at that moment too: cffi parses a type given as a string under an internal
+lock, and a finalizer run by the garbage collector in the middle of such a parse would take that
+lock again and hang the thread.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ _TYPE_NAMES = (
 
 _lock = threading.Lock()  # guards _texts and _types; cdef itself is not thread-safe
 _texts: list[str] = []  # every text given to cdef, in order: the headers', then each provider's
-_pending: list[tuple[str, tuple[str, ...]]] = []  # provider declarations not yet given to cdef
 _types: dict[str, Any] = {}
 
 
@@ -49,8 +49,8 @@ def _cdef_locked(text: str, type_names: tuple[str, ...]) -> None:
 
 
 def declare() -> None:
-    """Give headers/ (and any provider's declarations) to cdef, once."""
-    if _pending or not _texts:
+    """Give headers/ to cdef, once."""
+    if not _texts:
         with _lock:
             _declare_locked()
 
@@ -60,15 +60,14 @@ def _declare_locked() -> None:
     if not _texts:  # (the headers, in order, and the C library's free: one text)
         headers = [(headers_dir() / name).read_text() for name in HEADER_FILES]
         _cdef_locked("\n".join([*headers, "void free(void *);"]), _TYPE_NAMES)
-    while _pending:
-        _cdef_locked(*_pending.pop(0))
 
 
 def add_declarations(text: str, type_names: tuple[str, ...] = ()) -> None:
     """Declarations a provider adds (the emulator's aclemu* extras), and the types of them the
-    bindings build values of. Given to cdef with the headers."""
+    bindings build values of. Given to cdef now, after the headers (whose types they use)."""
+    declare()
     with _lock:
-        _pending.append((text, tuple(type_names)))
+        _cdef_locked(text, type_names)
 
 
 def text(p: Any) -> str:
@@ -112,8 +111,8 @@ def functions_in(header: str) -> list[str]:
 
 
 def extra_functions() -> list[str]:
-    """The functions providers added (the emulator's aclemu* extras)."""
-    declare()
+    """The functions providers added (the emulator's aclemu* extras): each added them when it
+    registered."""
     with _lock:
         text = "".join(_texts[1:])
     return _functions(text)
