@@ -148,34 +148,34 @@ _ET_DYN, _PT_LOAD, _SHT_DYNSYM, _SHT_DYNAMIC, _DT_NEEDED, _DT_SONAME = 3, 1, 11,
 _MAX_TABLE = 64 << 20  # a symbol or string table larger than this is not read (not a sane library)
 
 
-def _sections(fd: int) -> list[tuple[int, int, int, int]] | str:
-    """The section headers (type, offset, size, link) of the shared library open at ``fd``
-    (nothing is mapped), or why it must not be mapped."""
+def _sections(fd: int) -> tuple[list[tuple[int, int, int, int]], str | None]:
+    """(the section headers (type, offset, size, link) of the shared library open at ``fd``
+    (nothing is mapped), None), or ([], why it must not be mapped)."""
     size = os.fstat(fd).st_size
     head = os.pread(fd, _EHDR.size, 0)
     if head[:4] != b"\x7fELF":
-        return "not an ELF file"
+        return [], "not an ELF file"
     if len(head) >= 6 and (head[4] != (2 if _WIDE else 1) or head[5] != (1 if _END == "<" else 2)):
-        return "an ELF file of another class or byte order than this process"
+        return [], "an ELF file of another class or byte order than this process"
     if len(head) < _EHDR.size:
-        return f"cut short ({size} bytes: not even its ELF header)"
+        return [], f"cut short ({size} bytes: not even its ELF header)"
     e_type, machine, phoff, shoff, phentsize, phnum, shentsize, shnum = _EHDR.unpack(head)
     if e_type != _ET_DYN:
-        return f"not a shared object (ELF type {e_type})"
+        return [], f"not a shared object (ELF type {e_type})"
     want = _MACHINES.get(arch())
     if want is not None and machine != want:
-        return f"built for another machine (ELF machine {machine}; this one is {arch()}, {want})"
+        return [], f"built for another machine (ELF machine {machine}; this one is {arch()}, {want})"
     if phnum == 0 or phentsize < _PHDR.size or phoff + phnum * phentsize > size:
-        return f"cut short or damaged ({size} bytes: its program headers are not all there)"
+        return [], f"cut short or damaged ({size} bytes: its program headers are not all there)"
     table = os.pread(fd, phnum * phentsize, phoff)
     for i in range(phnum):
         p_type, offset, filesz = _PHDR.unpack_from(table, i * phentsize)
         if p_type == _PT_LOAD and offset + filesz > size:
-            return f"cut short ({size} bytes; its segments need {offset + filesz})"
+            return [], f"cut short ({size} bytes; its segments need {offset + filesz})"
     if shoff and (shentsize < _SHDR.size or shoff + shnum * shentsize > size or shnum > 1 << 20):
-        return f"cut short ({size} bytes; its section table ends at {shoff + shnum * shentsize})"
+        return [], f"cut short ({size} bytes; its section table ends at {shoff + shnum * shentsize})"
     raw = os.pread(fd, shnum * shentsize, shoff) if shoff else b""
-    return [_SHDR.unpack_from(raw, i * shentsize) for i in range(shnum)]
+    return [_SHDR.unpack_from(raw, i * shentsize) for i in range(shnum)], None
 
 
 def _tables(path: str, kind: int) -> tuple[list[tuple[bytes, bytes]], str | None]:
@@ -183,11 +183,9 @@ def _tables(path: str, kind: int) -> tuple[list[tuple[bytes, bytes]], str | None
     section's link is its strings), None), or ([], why it cannot be read as one)."""
     try:
         with open(path, "rb") as f:
-            s = _sections(fd := f.fileno())
-            if isinstance(s, str):
-                return [], s
+            s, why = _sections(fd := f.fileno())  # (no sections when it must not be mapped)
             return [(os.pread(fd, size, offset), os.pread(fd, s[link][2], s[link][1])) for t, offset, size, link in s
-                    if t == kind and link < len(s) and max(size, s[link][2]) <= _MAX_TABLE], None
+                    if t == kind and link < len(s) and max(size, s[link][2]) <= _MAX_TABLE], why
     except (OSError, struct.error) as exc:
         return [], f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
 
