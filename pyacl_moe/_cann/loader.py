@@ -33,8 +33,8 @@ from .. import errors
 from .._paths import untrusted_above
 from . import declare, layout
 
-__all__ = ["Libraries", "LibraryInfo", "Provider", "libs", "library_info", "load", "loaded_info",
-           "loaded_libraries", "register_provider", "select_provider"]
+__all__ = ["Libraries", "LibraryInfo", "Provider", "libs", "library_info", "load", "loaded_info", "register_provider",
+           "select_provider"]
 
 EMULATOR = "emulator"
 
@@ -331,11 +331,6 @@ def libs() -> Libraries:
     if _libs is None:
         load()
     return _libs  # type: ignore[return-value]
-
-
-def loaded_libraries() -> Libraries | None:
-    """The loaded libraries, or None if nothing is loaded yet (loads nothing)."""
-    return _libs
 
 
 def library_info() -> LibraryInfo:
