@@ -88,6 +88,30 @@ class OneCall:
     check_values: Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
     memo: _Memo = field(default_factory=_Memo, compare=False)
 
+    def outputs(self, arrays: Sequence[Any], values: tuple[Any, ...],
+                validate: bool) -> tuple[dict[str, Any], Outputs, list[int], list[tuple[Any, ...]]]:
+        """The attributes in their C types and the outputs of a call on ``arrays`` (every tensor
+        in ``spec.tensors`` order, None for an output to make): by the contract, given outputs
+        fitted to it (with ``validate``), else as the attributes size them. With them the
+        positions of the outputs to make and their contiguous_layouts, each refused when its
+        bytes cannot be addressed."""
+        spec = self.spec
+        attrs = spec.attr_values(*values)
+        inputs = dict(zip(spec.inputs, arrays))
+        wanted = self.check({n: (a.shape, a.dtype) for n, a in inputs.items()}, attrs) if validate else \
+            self.sizes(inputs, attrs)
+        at, makes = [], []
+        for i, name in enumerate(spec.outputs, len(spec.inputs)):
+            a, want = arrays[i], wanted[name]
+            if a is not None and validate:
+                fits(name, want, a.shape, a.dtype)
+                check_output_layout(name, a)
+            elif a is None and want is not None:
+                _args.nbytes(name, want[0], want[1].itemsize)
+                at.append(i)
+                makes.append(contiguous_layout(*want))
+        return attrs, wanted, at, makes
+
 
 class _Cached:
     """A repeatable executor for one memo entry on one stream (in the stream's ``executors``,
@@ -128,19 +152,8 @@ def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, .
     """A memo miss: the contract on the inputs and attributes, given outputs fit it. The memo
     entry: the positions of the outputs to make, a token naming the entry (a new object: no
     counter to share), their layouts and sizes in bytes, whether an output was given."""
-    spec = op.spec
-    attrs = spec.attr_values(*values)
-    wanted = op.check({name: (a.shape, a.dtype) for name, a in zip(spec.inputs, arrays) if a is not None}, attrs)
-    at, makes, given = [], [], False
-    for i, name in enumerate(spec.outputs, len(spec.inputs)):
-        a, want = arrays[i], wanted[name]
-        if a is not None:
-            fits(name, want, a.shape, a.dtype)
-            check_output_layout(name, a)
-            given = True
-        elif want is not None:
-            at.append(i)
-            makes.append(contiguous_layout(*want))
+    _, _, at, makes = op.outputs(arrays, values, True)
+    given = any(a is not None for a in arrays[len(op.spec.inputs):])
     return tuple(at), object(), tuple(makes), tuple(m[1] for m in makes), given
 
 
@@ -395,25 +408,20 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
     attributes give), the given outputs fitted to it; the device layouts of the inputs and the
     outputs to write and their sizes in bytes, and each output's (shape, dtype) or None."""
     spec = op.spec
-    attrs = spec.attr_values(*values)
     natives = [np.empty((0,), v.dtype.newbyteorder("=")) for v in raw]  # (only their dtypes are read)
-    if validate:  # the contract first: its messages name the rule an input breaks
-        wanted = op.check({n: (v.shape, d.dtype) for n, v, d in zip(spec.inputs, raw, natives)}, attrs)
+    # (arrays of the inputs' shapes and native dtypes that hold no memory: what the contract and the sizes read)
+    shaped = [np.broadcast_to(np.empty((), d.dtype), v.shape) for v, d in zip(raw, natives)]
+    # The contract first: its messages name the rule an input breaks. Every output is made on
+    # the device, a given one too (it is copied back into the host array).
+    attrs, wanted, _, makes = op.outputs([*shaped, *[None] * len(given)], values, validate)
+    if validate:
         for name, host in zip(spec.outputs, given):
             if host is not None:
                 fits(name, wanted[name], host.shape, host.dtype)
-    else:
-        # (arrays of the inputs' shapes and native dtypes that hold no memory: what sizes reads)
-        shaped = {n: np.broadcast_to(np.empty((), d.dtype), v.shape) for n, v, d in zip(spec.inputs, raw, natives)}
-        wanted = op.sizes(shaped, attrs)
-        for name, want in wanted.items():
-            if want is not None:
-                _args.nbytes(name, want[0], want[1].itemsize)
     # (host_array: a dtype CANN has no type for, object's too, is refused here, input by input)
     layouts = [contiguous_layout(v.shape, host_array(d, n).dtype) for n, v, d in zip(spec.inputs, raw, natives)]
-    outs = [wanted[n] for n in spec.outputs]
-    layouts += [contiguous_layout(*w) for w in outs if w is not None]
-    return attrs, layouts, [m[1] for m in layouts], outs
+    layouts += makes
+    return attrs, layouts, [m[1] for m in layouts], [wanted[n] for n in spec.outputs]
 
 
 def _copies(arrays: list[DeviceArray], hosts: list[np.ndarray], inward: bool) -> list[tuple[Any, tuple[Any, ...]]]:

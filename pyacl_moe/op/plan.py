@@ -21,12 +21,12 @@ from typing import Any
 from .. import _args
 from .._cann import acl, aclnn
 from .._cann.errcheck import check
-from ..array import DeviceArray, contiguous_layout, empty_from, may_overlap
+from ..array import DeviceArray, empty_from, may_overlap
 from ..device import PLANS, Allocation, Device, Owner, collect
 from ..errors import ClosedError, InvalidArgument
 from ..stream import Stream, StreamState, resolve_stream, thread_current, written
 from ..tensor import AclTensor
-from .executor import Executor, build, check_output_layout, checked_workspace, device_of, fits, launch
+from .executor import Executor, build, checked_workspace, device_of, launch
 from .spec import OpSpec
 
 __all__ = ["Plan", "check_no_overlap", "check_workspace_apart"]
@@ -164,20 +164,11 @@ class Plan(Owner):
         arrays = {name: _args.instance(name, a, DeviceArray, "a DeviceArray" if i < n_in else "a DeviceArray or None")
                   for i, (name, a) in enumerate(zip(spec.tensors, given)) if a is not None or i < n_in}
         dev = device_of(arrays)
-        attrs = spec.attr_values(*values)
-        wanted = op.check({n: (arrays[n].shape, arrays[n].dtype) for n in spec.inputs}, attrs) if validate else \
-            op.sizes(arrays, attrs)
-        for name in spec.outputs:
-            a, want = arrays.get(name), wanted[name]
-            if a is not None and validate:
-                fits(name, want, a.shape, a.dtype)
-                check_output_layout(name, a)
-            elif a is None and want is not None:
-                _args.nbytes(name, want[0], want[1].itemsize)
-                # Homed on no stream, free for any: the plan launches on whichever it is given
-                # (the plan keeps it alive until the work it queued has run).
-                m = contiguous_layout(*want)
-                arrays[name] = empty_from((m,), (m[1],), dev, None)[0]
+        attrs, _, at, makes = op.outputs(given, values, validate)
+        # Homed on no stream, free for any: the plan launches on whichever it is given (the plan
+        # keeps them alive until the work it queued has run).
+        for i, made in zip(at, empty_from(makes, [m[1] for m in makes], dev, None)):
+            arrays[spec.tensors[i]] = made
         if validate:
             check_no_overlap(spec, arrays)
         collect()
