@@ -47,7 +47,7 @@ class _Memo:
     """Calls that passed the contract, by the layouts of their arrays (a given output's too)
     and their attribute values: the outputs to make (their contiguous_layouts), and a token
     naming the entry (an object of its own: no other entry's while anything holds it), the key
-    of the streams' executor caches (see :func:`_checked`). A call that passed once passes
+    of the streams' executor caches (see :func:`run_device`). A call that passed once passes
     again. Bounded (it starts over when full). ``checked`` and ``host`` are published whole:
     readers take them without a lock and see a complete dict; a writer copies one under
     ``lock`` (a miss, rare), adds, and publishes the copy. ``apart`` likewise (a stale read
@@ -148,15 +148,6 @@ class _Cached:
         self.core.destroy()
 
 
-def _checked(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A memo miss: the contract on the inputs and attributes, given outputs fit it. The memo
-    entry: the positions of the outputs to make, a token naming the entry (a new object: no
-    counter to share), their layouts and sizes in bytes, whether an output was given."""
-    _, _, at, makes = op.outputs(arrays, values, True)
-    given = any(a is not None for a in arrays[len(op.spec.inputs):])
-    return tuple(at), object(), tuple(makes), tuple(m[1] for m in makes), given
-
-
 def one_call(op: OneCall, inputs: list[Any], values: tuple[Any, ...], out: list[Any], names: list[str],
              stream: Stream | None, workspace: DeviceArray | None, validate: bool) -> list[Any]:
     """An op's one-call function, its arguments checked by name (``names``: the outputs'):
@@ -231,7 +222,12 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         raise
     n_in = len(spec.inputs)
     if entry is None:
-        entry = memo.put("checked", tuple(key), _checked(op, arrays, values))
+        # A miss: the contract on the inputs and attributes, given outputs fit it. The entry: the
+        # positions of the outputs to make, a token naming it (a new object: no counter to
+        # share), their layouts and sizes in bytes, whether an output was given.
+        _, _, at, makes = op.outputs(arrays, values, True)
+        entry = memo.put("checked", tuple(key), (tuple(at), object(), tuple(makes), tuple(m[1] for m in makes),
+                                                 any(a is not None for a in arrays[n_in:])))
     at, number, makes, sizes, given = entry
     if makes:
         # The outputs it makes are homed on its stream, which is their writer from the start:
@@ -243,7 +239,11 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         # the layouts and the addresses, so the last pair that passed is not checked again.
         apart = memo.apart
         if apart[0] != number or apart[1] != firsts:
-            _check_outputs_apart(spec, arrays)
+            # (check_no_overlap runs only when a given output's bytes meet another array's)
+            spans = [a.span for a in arrays if a is not None]
+            if any(o is not None and sum(1 for lo, hi in spans if lo <= o.span[1] and o.span[0] <= hi) > 1  # (itself)
+                   for o in arrays[n_in:]):
+                check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
             with memo.lock:
                 memo.apart = (number, firsts)
     held: Any = allocs  # what the launch keeps alive
@@ -307,14 +307,6 @@ def _cache(op: OneCall, number: object, arrays: list[DeviceArray | None], values
         extra = [e] if state.executors.setdefault(number, e) is not e else _evict(state.executors)
     for old in extra:
         old.destroy()
-
-
-def _check_outputs_apart(spec: OpSpec, arrays: list[DeviceArray | None]) -> None:
-    """check_no_overlap, run only when a given output's bytes meet another array's."""
-    spans = [a.span for a in arrays if a is not None]
-    if any(o is not None and sum(1 for lo, hi in spans if lo <= o.span[1] and o.span[0] <= hi) > 1  # (itself)
-           for o in arrays[len(spec.inputs):]):
-        check_no_overlap(spec, dict(zip(spec.tensors, arrays)))
 
 
 def _evict(entries: collections.OrderedDict[Any, _Cached]) -> list[_Cached]:
