@@ -105,7 +105,8 @@ class OneCall:
             a, want = arrays[i], wanted[name]
             if a is not None and validate:
                 fits(name, want, a.shape, a.dtype)
-                check_output_layout(name, a)
+                if isinstance(a, DeviceArray):  # (a host output is written densely: copied back)
+                    check_output_layout(name, a)
             elif a is None and want is not None:
                 _args.nbytes(name, want[0], want[1].itemsize)
                 at.append(i)
@@ -404,16 +405,14 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
     # (arrays of the inputs' shapes and native dtypes that hold no memory: what the contract and the sizes read)
     shaped = [np.broadcast_to(np.empty((), d.dtype), v.shape) for v, d in zip(raw, natives)]
     # The contract first: its messages name the rule an input breaks. Every output is made on
-    # the device, a given one too (it is copied back into the host array).
-    attrs, wanted, _, makes = op.outputs([*shaped, *[None] * len(given)], values, validate)
-    if validate:
-        for name, host in zip(spec.outputs, given):
-            if host is not None:
-                fits(name, wanted[name], host.shape, host.dtype)
+    # the device, a given one too (it is copied back into the host array): without validate,
+    # each is checked addressable.
+    attrs, wanted, _, _ = op.outputs([*shaped, *(given if validate else [None] * len(given))], values, validate)
+    outs = [wanted[n] for n in spec.outputs]
     # (host_array: a dtype CANN has no type for, object's too, is refused here, input by input)
     layouts = [contiguous_layout(v.shape, host_array(d, n).dtype) for n, v, d in zip(spec.inputs, raw, natives)]
-    layouts += makes
-    return attrs, layouts, [m[1] for m in layouts], [wanted[n] for n in spec.outputs]
+    layouts += [contiguous_layout(*w) for w in outs if w is not None]
+    return attrs, layouts, [m[1] for m in layouts], outs
 
 
 def _copies(arrays: list[DeviceArray], hosts: list[np.ndarray], inward: bool) -> list[tuple[Any, tuple[Any, ...]]]:
