@@ -66,15 +66,14 @@ class StreamState:
 
     ``lock`` guards every field below but ``device``, ``ctx``, ``handle``, ``arg`` and
     ``wait_lock``: the points, holds and fences, ``closing``, ``workspace`` (with ``ws_arg``
-    and ``ws_size``), ``executors`` (the one call's cached executors, by memo entry), ``plans``
-    (the keys of the plans bound here: each fits the workspace, which only grows while they are
-    bound) and ``after_events``. ``wait_lock`` is held across every CANN wait on
+    and ``ws_size``), ``executors`` (the one call's cached executors, by memo entry) and
+    ``after_events``. ``wait_lock`` is held across every CANN wait on
     the stream and across its destroy, so the destroy waits for a wait in progress; a query and
     every enqueue run under ``lock``.
     """
 
     __slots__ = ("device", "ctx", "handle", "arg", "lock", "wait_lock", "point", "done", "holds", "fences", "spare",
-                 "events", "next_fence", "closing", "workspace", "ws_arg", "ws_size", "executors", "plans",
+                 "events", "next_fence", "closing", "workspace", "ws_arg", "ws_size", "executors",
                  "after_events", "owner", "__weakref__")
     RANK = STREAMS
     API = "aclrtDestroyStream"
@@ -97,7 +96,6 @@ class StreamState:
         self.workspace: Allocation | None = None  # the stream's block for its launches' workspace
         self.ws_arg, self.ws_size = acl.void(0), 0  # its address as a second phase is passed it; its bytes
         self.executors: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        self.plans: set[int] = set()
         self.after_events = False  # it waited on another stream's event: a read waits for the device
 
     def check_open(self) -> None:
@@ -244,8 +242,8 @@ class StreamState:
         # (the block it replaced, or the one it did not take, goes back at the return: outside the lock)
 
     def _drop_workspace(self) -> Allocation | None:
-        # (lock held) No workspace from now on, the plans unbound (they may not fit the next); the one it had.
-        old, self.workspace, self.ws_arg, self.ws_size, self.plans = self.workspace, None, acl.void(0), 0, set()
+        # (lock held) No workspace from now on; the one it had.
+        old, self.workspace, self.ws_arg, self.ws_size = self.workspace, None, acl.void(0), 0
         return old
 
     def workspace_size(self) -> int:
@@ -286,7 +284,6 @@ class StreamState:
         """Refuse new work (launches in progress end first: they hold the lock)."""
         with self.lock:
             self.closing = True
-            self.plans = set()
 
     def release(self) -> int:
         """The stream, refusing new work (shut, or dropped), has run everything (its close

@@ -1,12 +1,12 @@
 """Prepared launches of any aclnn operator.
 
 A :class:`Plan` runs the first phase once over fixed DeviceArrays and relaunches its
-(repeatable) executor. On each stream it launches on, it binds the second phase with every
-argument (the stream's workspace included) into the stream's ``plans``; a launch is that one
-foreign call under the stream's lock. The plan keeps its arrays; when it lets go of a stream (a
-rebind, a close, the plan dropped) it unbinds there under that same lock, so no launch through
-it is in flight afterwards, and hands its arrays to the stream to keep until the work queued
-there so far has run.
+(repeatable) executor. A launch on the stream of its last launch (``last``), open and with a
+workspace that holds the plan's, is that one foreign call under the stream's lock. The plan
+keeps its arrays and the streams it launched on; when it lets go of them (a rebind, a close,
+the plan dropped) it clears ``last`` and hands its arrays to each stream, under that stream's
+lock, to keep until the work queued there so far has run: no launch through it is in flight
+afterwards.
 
 Lock order: a plan's lock, an executor's lock, a stream's lock.
 """
@@ -32,7 +32,6 @@ from .spec import OpSpec
 __all__ = ["Plan", "check_no_overlap", "check_workspace_apart"]
 
 _thread = acl.thread_state  # the calling thread's current context (read only)
-_keys = itertools.count(1)  # a plan's key in its streams' ``plans`` (next() on a count is one C call)
 
 
 def check_no_overlap(spec: OpSpec, arrays: Mapping[str, DeviceArray | None]) -> None:
@@ -64,7 +63,7 @@ class _PlanCore:
     not be trusted)."""
 
     __slots__ = ("lock", "spec", "device", "ctx", "executor", "tensors", "arrays", "allocs", "outs", "streams",
-                 "rebinding", "closed", "spent", "last", "key", "result", "result_of", "fn", "ex", "size",
+                 "rebinding", "closed", "spent", "last", "result", "result_of", "fn", "ex", "size",
                  "__weakref__")
     RANK = PLANS
     API = "aclDestroyAclOpExecutor"
@@ -79,7 +78,6 @@ class _PlanCore:
         self.rebinding: dict[str, tuple[DeviceArray, Allocation, int]] = {}
         self.closed = self.spent = False
         self.last: StreamState | None = None
-        self.key = next(_keys)
         self.tensors = {n: AclTensor(arrays[n]) for n in spec.tensors if n in arrays}  # (the op's order: Plan.executor)
         self.executor = build(spec, device, {n: t.core() for n, t in self.tensors.items()}, attrs)
         if repeatable:
@@ -133,7 +131,6 @@ def _workspace(state: StreamState, size: int) -> Allocation | None:
 
 def _unbind(state: StreamState, core: _PlanCore) -> None:
     with state.lock:
-        state.plans.discard(core.key)
         # What became free is dropped at the return, outside the lock.
         done = state.keep(tuple(core.allocs.values()))  # noqa: F841
     del core.streams[state]
@@ -222,7 +219,7 @@ class Plan(Owner):
         # lock: in a fork() child a parent thread may have held it) and not faulted.
         if state is not None and state is c.last and workspace is None and c.ctx.open and c.device.fault is None:
             with state.lock:
-                if c.key in state.plans:
+                if c.last is state and not state.closing and state.ws_size >= c.size:  # (let go of: last is None)
                     if _thread.context is not state.ctx:
                         acl.use_context(state.ctx)
                     # A point for the launch: the stream's workspace it uses (and a block it
@@ -277,7 +274,6 @@ class Plan(Owner):
                     state.check_open()
                     c.executor.check_live()
                     if state.ws_size >= c.size:
-                        state.plans.add(c.key)
                         c.streams[state] = None
                         acl.use_context(state.ctx)
                         state.point += 1  # (as the steady state's launch)
