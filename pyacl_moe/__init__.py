@@ -48,8 +48,10 @@ from .tensor import AclTensor
 
 __version__ = "0.2.0"
 
-# The loader finds the bundled emulator, when asked for it, through this registration.
-_loader.register_finder(_loader.EMULATOR, lambda: importlib.import_module(".emulator", __name__))
+# The loader finds the bundled emulator, when asked for it, through this registration: its
+# home imports the emulator's package (which adds its declarations) and builds it, then only.
+_loader.register_provider(_loader.Provider(_loader.EMULATOR,
+                                           lambda: importlib.import_module(".emulator", __name__).build()))
 
 
 def use_emulator() -> None:

@@ -13,11 +13,11 @@ The first home that passes is loaded, dependencies first and each by path, so no
 :class:`~pyacl_moe.errors.CannNotFoundError` names every home and library tried and what each
 lacked.
 
-A *provider* is another home, registered by name. The bundled emulator registers itself as
-the provider "emulator" when its package is imported (this layer never imports it);
-``PYACL_MOE_EMULATOR=1``, ``select_provider("emulator")`` or ``load(emulator=True)`` pick it.
-Its home is judged and loaded exactly as a CANN's; a provider may add declarations of its own
-extras.
+A *provider* is another home, registered by name. The package's top registers the bundled
+emulator as the provider "emulator", whose home imports and builds it when it is asked for
+(this layer never imports it); ``PYACL_MOE_EMULATOR=1``, ``select_provider("emulator")`` or
+``load(emulator=True)`` pick it. Its home is judged and loaded exactly as a CANN's; a provider
+may add declarations of its own extras when its home is asked for.
 """
 
 from __future__ import annotations
@@ -61,14 +61,12 @@ class LibraryInfo:
 
 @dataclass(frozen=True)
 class Provider:
-    """Another home of CANN's libraries. ``home()`` returns it (building it first if it must);
-    ``declarations`` are extra C declarations (with the types the bindings build values of)
-    given to cdef before loading."""
+    """Another home of CANN's libraries. ``home()`` returns it (building it first if it must,
+    and adding the provider's own C declarations, :func:`declare.add_declarations`, if it has
+    any)."""
 
     name: str
     home: Callable[[], str]
-    declarations: str = ""
-    types: tuple[str, ...] = ()
 
 
 class Libraries:
@@ -85,9 +83,6 @@ _lock = threading.Lock()  # guards every name below
 _providers: dict[str, Provider] = {}
 _selected: str | None = None  # a provider chosen before loading
 _libs: Libraries | None = None
-# name -> how to make that provider register itself: each stored once under _lock (by the
-# package's import), read without it (load calls it before taking the lock).
-_finders: dict[str, Callable[[], object]] = {}
 
 
 def after_fork_in_child() -> None:
@@ -98,20 +93,10 @@ def after_fork_in_child() -> None:
 
 
 def register_provider(provider: Provider) -> None:
-    """Make a provider available by name (done once, at the provider's import)."""
+    """Make a provider available by name (the first registration of a name stands)."""
     with _lock:
         if provider.name not in _providers:
             _providers[provider.name] = provider
-            if provider.declarations:
-                declare.add_declarations(provider.declarations, provider.types)
-
-
-def register_finder(name: str, find: Callable[[], object]) -> None:
-    """How to make the provider ``name`` register itself when it is asked for and not yet
-    registered (pyacl_moe's top registers the emulator's import: this layer imports nothing
-    above it)."""
-    with _lock:
-        _finders[name] = find
 
 
 def select_provider(name: str) -> None:
@@ -298,11 +283,6 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
     home_arg = os.fspath(ascend_home) if ascend_home is not None else None
     wants = emulator if emulator is not None else \
         os.environ.get("PYACL_MOE_EMULATOR", "").strip().lower() in ("1", "true", "yes", "on")
-    if wants and EMULATOR in _finders:
-        # The bundled emulator registers itself when its package is imported: asked for (the
-        # environment, load(emulator=True)), the finder registered for it (the package's top
-        # imports it) runs here, and only then (before the lock: the registration takes it).
-        _finders[EMULATOR]()
     with _lock:
         # (the argument first, then a provider selected before, then the environment)
         provider = _selected if emulator is None and _selected is not None else EMULATOR if wants else None
@@ -315,8 +295,8 @@ def load(ascend_home: str | os.PathLike[str] | None = None, *, emulator: bool | 
             return _libs.info
         declare.declare()
         if provider is not None:
-            # (registered: select_provider refuses an unknown name, and the emulator's finder,
-            # which the package's top always registers, ran above)
+            # (registered: select_provider refuses an unknown name, and the package's top
+            # registers the emulator)
             home = _providers[provider].home()
             if isinstance(got := _load_plan(home, provider), str):
                 raise errors.CannNotFoundError([f"provider {provider!r} = {home}: {got}"])

@@ -12,7 +12,7 @@ process is bound to a real CANN instead.
 
 from __future__ import annotations
 
-from .._cann import aclemu, loader
+from .._cann import aclemu, declare, loader
 from ..device import collect
 from ..errors import InvalidArgument
 from . import _build, _releases
@@ -68,12 +68,9 @@ __all__ = [
     "weaken_validation",
 ]
 
-loader.register_provider(loader.Provider(
-    name=loader.EMULATOR,
-    home=build,
-    declarations=(SRC_DIR / "aclemu.h").read_text(),
-    types=(aclemu.STATS_TYPE,),
-))
+# The emulator's extras (aclemu.h), declared with the headers when this package is imported:
+# the provider the package's top registers imports it before loading its home.
+declare.add_declarations((SRC_DIR / "aclemu.h").read_text(), (aclemu.STATS_TYPE,))
 
 
 def announce_builds(on: bool) -> None:
