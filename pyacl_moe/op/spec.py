@@ -18,7 +18,8 @@ __all__ = ["OpSpec", "Param"]
 @dataclass(frozen=True)
 class Param:
     """One parameter of the first phase: ``kind`` is "input", "output" or "attr"; ``c_name`` is
-    the vendor's name for it (used in messages); ``convert`` an attribute's check of its C type
+    the vendor's name for it in the C prototype (for a reader matching the table against the
+    vendor's header); ``convert`` an attribute's check of its C type
     (``convert(name, value)``, raising InvalidArgument by name)."""
 
     name: str
