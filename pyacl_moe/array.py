@@ -86,7 +86,8 @@ class DeviceArray:
         self.alloc: Allocation | None = alloc
         self._offset = offset
         #: (shape, dtype, element strides): what an aclTensor of the view depends on, its
-        #: address aside; hashable, the key of the caches of checks and executors
+        #: address aside; hashable, the key of the caches of checks and executors (set here
+        #: once, as ``span``: read it, never assign it)
         self.layout = (shape, dtype, strides)  # (every caller checked the dtype)
         lo = alloc.ptr + offset * dtype.itemsize
         #: (first, last) device byte addresses the view touches (last < first when empty)

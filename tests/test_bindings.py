@@ -148,6 +148,24 @@ def test_use_emulator_after_cann_loaded_is_refused(isolated, emu_home):
     assert r.stdout.split() == ["refused", "refused", "cann"] + ["unavailable"] * 3
 
 
+def child_emulator_imported_twice() -> None:
+    import importlib
+
+    importlib.import_module("pyacl_moe.emulator")  # (adds the emulator's declarations)
+    del sys.modules["pyacl_moe.emulator"]  # as an import that failed after them leaves it
+    pm.__dict__.pop("emulator", None)
+    print(pm.load(emulator=True).backend, pm.emulator.stats()["streams"])
+
+
+def test_the_emulator_loads_after_its_package_was_imported_twice(isolated):
+    """The emulator's package declares its extras when it is imported: a second import (a
+    reload, or an import that failed after the declarations) gave cdef the same struct again,
+    and the emulator could not be loaded in that process (CDefError)."""
+    r = isolated(child_emulator_imported_twice, env=_clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["emulator", "0"], r.stdout
+
+
 def child_registered_providers(empty_home: str, emu_home: str) -> None:
     loader.register_provider(loader.Provider(name="empty", home=lambda: empty_home))
     loader.select_provider("empty")

@@ -82,6 +82,19 @@ def test_numpy_out_parameter(device):
         pm.moe_init_routing_v2_grad(*case.args(), out=ro)
 
 
+def test_a_host_out_that_is_not_what_the_op_writes_is_refused_with_validate_false_too(device, no_leaks):
+    """The NumPy call copies its result back from the output it makes on the device: an out of
+    another size was copied from past the end of that block (the emulator refused the copy;
+    CANN would read the memory beyond), validate or not."""
+    case = make_case(8, 2, 4, "float32", "dropless", seed=2)
+    for wrong in (np.empty((16, 4), np.float32), np.empty((8, 4), np.float64), np.empty((4, 4), np.float32)):
+        with pytest.raises(pm.InvalidArgument, match=r"^out: must have shape \(8, 4\) and dtype float32"):
+            pm.moe_init_routing_v2_grad(*case.args(), out=wrong, validate=False)
+    out = np.empty((8, 4), np.float32)
+    assert pm.moe_init_routing_v2_grad(*case.args(), out=out, validate=False) is out
+    np.testing.assert_allclose(out, loop_reference(case), rtol=1e-5, atol=1e-6)
+
+
 def test_non_contiguous_inputs_are_honoured(device, no_leaks):
     case = make_case(12, 3, 10, "float32", "dropless", seed=5)
     wide = np.zeros((36, 30), np.float32)

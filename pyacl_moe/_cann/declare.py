@@ -6,7 +6,8 @@ from cffi, never copied by hand: :func:`const` answers ``const("ACL_FORMAT_ND") 
 parsed headers.
 
 Declaring is lazy (importing the package reads no file) and happens once, under a lock; a
-provider's declarations follow the headers' when it registers. Every C type the bindings build
+provider's declarations follow the headers' when the provider adds them (the emulator's
+package, when it is imported). Every C type the bindings build
 values of is parsed at that moment too: cffi parses a type given as a string under an internal
 lock, and a finalizer run by the garbage collector in the middle of such a parse would take that
 lock again and hang the thread.
@@ -64,10 +65,13 @@ def _declare_locked() -> None:
 
 def add_declarations(text: str, type_names: tuple[str, ...] = ()) -> None:
     """Declarations a provider adds (the emulator's aclemu* extras), and the types of them the
-    bindings build values of. Given to cdef now, after the headers (whose types they use)."""
+    bindings build values of. Given to cdef now, after the headers (whose types they use); a
+    text given already is not given again (cdef refuses a second declaration of a struct, and a
+    module imported again, or whose first import failed, adds its text again)."""
     declare()
     with _lock:
-        _cdef_locked(text, type_names)
+        if text not in _texts:
+            _cdef_locked(text, type_names)
 
 
 def text(p: Any) -> str:
@@ -111,8 +115,7 @@ def functions_in(header: str) -> list[str]:
 
 
 def extra_functions() -> list[str]:
-    """The functions providers added (the emulator's aclemu* extras): each added them when it
-    registered."""
+    """The functions providers added (the emulator's aclemu* extras)."""
     with _lock:
         text = "".join(_texts[1:])
     return _functions(text)

@@ -17,7 +17,7 @@ A *provider* is another home, registered by name. The package's top registers th
 emulator as the provider "emulator", whose home imports and builds it when it is asked for
 (this layer never imports it); ``PYACL_MOE_EMULATOR=1``, ``select_provider("emulator")`` or
 ``load(emulator=True)`` pick it. Its home is judged and loaded exactly as a CANN's; a provider
-may add declarations of its own extras when its home is asked for.
+may add declarations of its own extras (the emulator's package does when it is imported).
 """
 
 from __future__ import annotations

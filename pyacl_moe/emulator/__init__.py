@@ -1,9 +1,10 @@
 """The bundled host emulator of the part of CANN this project binds.
 
 ``build()`` compiles it (once, cached) into a directory laid out like a CANN install and
-returns that directory. Importing this package registers the emulator with the bindings layer
-as the provider "emulator" (the bindings never import it): :func:`use_emulator`,
-``PYACL_MOE_EMULATOR=1`` or the CLI's ``--emulator`` select it.
+returns that directory. The package's top registers the emulator with the bindings layer as the
+provider "emulator", whose home imports this package (which declares the emulator's extras)
+and builds it: the bindings never import it. :func:`use_emulator`, ``PYACL_MOE_EMULATOR=1`` or
+the CLI's ``--emulator`` select it.
 
 The other functions talk to the emulator the process has loaded: its live-object counters,
 fault injection, deliberately wrong kernels and stream mode. They raise RuntimeError when the

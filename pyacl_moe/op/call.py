@@ -103,9 +103,11 @@ class OneCall:
         at, makes = [], []
         for i, name in enumerate(spec.outputs, len(spec.inputs)):
             a, want = arrays[i], wanted[name]
-            if a is not None and validate:
+            if a is not None and (validate or not isinstance(a, DeviceArray)):
+                # (a host output, validated or not, is copied back from the one made on the
+                # device, of the shape and dtype wanted: it must be that; it is written densely)
                 fits(name, want, a.shape, a.dtype)
-                if isinstance(a, DeviceArray):  # (a host output is written densely: copied back)
+                if isinstance(a, DeviceArray):
                     check_output_layout(name, a)
             elif a is None and want is not None:
                 _args.nbytes(name, want[0], want[1].itemsize)
@@ -405,9 +407,8 @@ def _host_checked(op: OneCall, raw: list[np.ndarray], given: list[np.ndarray | N
     # (arrays of the inputs' shapes and native dtypes that hold no memory: what the contract and the sizes read)
     shaped = [np.broadcast_to(np.empty((), d.dtype), v.shape) for v, d in zip(raw, natives)]
     # The contract first: its messages name the rule an input breaks. Every output is made on
-    # the device, a given one too (it is copied back into the host array): without validate,
-    # each is checked addressable.
-    attrs, wanted, _, _ = op.outputs([*shaped, *(given if validate else [None] * len(given))], values, validate)
+    # the device, a given one too (it is copied back into the host array, which must fit it).
+    attrs, wanted, _, _ = op.outputs([*shaped, *given], values, validate)
     outs = [wanted[n] for n in spec.outputs]
     # (host_array: a dtype CANN has no type for, object's too, is refused here, input by input)
     layouts = [contiguous_layout(v.shape, host_array(d, n).dtype) for n, v, d in zip(spec.inputs, raw, natives)]
