@@ -17,7 +17,9 @@ device.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import threading
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +63,27 @@ def _extent(shape: Sequence[int], strides: Sequence[int]) -> int:
     return sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 0
 
 
+# layout -> its id, a cheap key for the caches of executors and checks. Bounded: when full it
+# starts over (ids are never reused, so a layout seen again gets a new id, and its caches a
+# miss). ``_layout_ids`` is published whole: readers take it without a lock and see a
+# complete dict that never changes; a new layout (rare) is added to a copy under
+# ``_layout_lock``, which also guards ``_layout_counter``.
+_layout_lock = threading.Lock()
+_layout_ids: dict[tuple[Any, ...], int] = {}
+_layout_counter = itertools.count()
+_LAYOUTS_MAX = 1024
+
+
+def _layout_id(layout: tuple[Any, ...]) -> int:
+    global _layout_ids
+    if (got := _layout_ids.get(layout)) is not None:
+        return got
+    with _layout_lock:
+        if layout not in _layout_ids:  # (another thread may have added it meanwhile)
+            _layout_ids = {**(_layout_ids if len(_layout_ids) < _LAYOUTS_MAX else {}), layout: next(_layout_counter)}
+        return _layout_ids[layout]
+
+
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides = [1] * len(shape)
     for i in range(len(shape) - 1, 0, -1):  # (an axis of no elements strides as one of one)
@@ -78,20 +101,19 @@ class DeviceArray:
     ``close()`` (or ``with``) drops this array's hold on the memory.
     """
 
-    __slots__ = ("alloc", "layout", "_offset", "span", "__weakref__")
+    __slots__ = ("alloc", "_layout", "_offset", "span", "layout_id", "__weakref__")
 
     def __init__(self, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...],
                  offset: int) -> None:
         #: the Allocation the view is of (None once closed); :meth:`allocation` checks it
         self.alloc: Allocation | None = alloc
         self._offset = offset
-        #: (shape, dtype, element strides): what an aclTensor of the view depends on, its
-        #: address aside; hashable, the key of the caches of checks and executors (set here
-        #: once, as ``span``: read it, never assign it)
-        self.layout = (shape, dtype, strides)  # (every caller checked the dtype)
+        self._layout = (shape, dtype, strides)  # (element strides; every caller checked the dtype)
         lo = alloc.ptr + offset * dtype.itemsize
         #: (first, last) device byte addresses the view touches (last < first when empty)
         self.span = (lo, lo + _extent(shape, strides) * dtype.itemsize - 1)
+        #: a small int naming :attr:`layout` in this process: a cheap key for caches
+        self.layout_id = _layout_id(self._layout)
 
     # -- for pyacl_moe's own layers
 
@@ -119,27 +141,33 @@ class DeviceArray:
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape, as in NumPy."""
-        return self.layout[0]
+        return self._layout[0]
 
     @property
     def dtype(self) -> np.dtype:
         """The element type, as in NumPy (bfloat16 is ml_dtypes.bfloat16)."""
-        return self.layout[1]
+        return self._layout[1]
 
     @property
     def strides(self) -> tuple[int, ...]:
         """Strides in bytes, as NumPy and CuPy have them."""
-        return tuple(s * self.layout[1].itemsize for s in self.layout[2])
+        return tuple(s * self._layout[1].itemsize for s in self._layout[2])
 
     @property
     def element_strides(self) -> tuple[int, ...]:
         """Strides in elements: what the aclTensor of the view gets (aclCreateTensor's unit)."""
-        return self.layout[2]
+        return self._layout[2]
 
     @property
     def offset(self) -> int:
         """Offset of the first element from the storage base, in elements."""
         return self._offset
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
+        """(shape, dtype, element strides): what an aclTensor of the view depends on, its
+        address aside."""
+        return self._layout
 
     @property
     def ndim(self) -> int:
@@ -189,7 +217,7 @@ class DeviceArray:
     @property
     def is_contiguous(self) -> bool:
         """True when the view is C-contiguous."""
-        shape, _, strides = self.layout
+        shape, _, strides = self._layout
         # (no elements: nothing is laid out; an axis of one has no stride that matters)
         return not all(shape) or all(n == 1 or s == c for n, s, c in zip(shape, strides, _contiguous_strides(shape)))
 
@@ -207,7 +235,7 @@ class DeviceArray:
     def __repr__(self) -> str:
         if self.closed:
             return f"<DeviceArray closed shape={self.shape} dtype={self.dtype}>"
-        return (f"<DeviceArray shape={self.shape} dtype={self.dtype} element_strides={self.layout[2]} "
+        return (f"<DeviceArray shape={self.shape} dtype={self.dtype} element_strides={self._layout[2]} "
                 f"offset={self._offset} device={self.device.device_id} address={self.address:#x}>")
 
     # -- views
@@ -232,7 +260,7 @@ class DeviceArray:
         # NumPy's own basic indexing, on an array that only describes the view (nothing is
         # read), of one-byte items so that its strides and offsets are in elements; a leading
         # axis of one keeps every result an array, never a scalar.
-        whole = np.lib.stride_tricks.as_strided(np.empty(1, "V1"), (1, *self.shape), (1, *self.layout[2]))
+        whole = np.lib.stride_tricks.as_strided(np.empty(1, "V1"), (1, *self.shape), (1, *self._layout[2]))
         view = whole[(slice(None), *keys)]
         moved = view.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
         return DeviceArray(alloc, view.shape[1:], self.dtype, view.strides[1:], self._offset + moved)
@@ -465,7 +493,8 @@ def contiguous_layout(shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, ...
     """Everything a contiguous DeviceArray of ``shape`` and ``dtype`` (both checked: a dtype CANN
     has a type for) is made of but its memory, for :func:`empty_from`: a caller making many
     keeps it."""
-    return (shape, dtype, _contiguous_strides(shape)), math.prod(shape, start=dtype.itemsize)
+    layout = (shape, dtype, _contiguous_strides(shape))
+    return layout, math.prod(shape, start=dtype.itemsize), _layout_id(layout)
 
 
 def empty_from(made: Sequence[tuple[Any, ...]], sizes: Sequence[int], device: Device,
@@ -477,7 +506,7 @@ def empty_from(made: Sequence[tuple[Any, ...]], sizes: Sequence[int], device: De
     for a, m in zip(device.allocate(sizes, home), made):
         # (DeviceArray.__init__ inline, nothing looked up again: a one call makes three)
         d = new(DeviceArray)
-        d.alloc, d._offset, d.layout = a, 0, m[0]
+        d.alloc, d._offset, d._layout, d.layout_id = a, 0, m[0], m[2]
         d.span = (a.ptr, a.ptr + m[1] - 1)
         out.append(d)
     return out

@@ -486,6 +486,35 @@ def test_the_executor_cache_never_destroys_an_executor_in_use(device):
 
 
 @stress_iterations
+def test_layout_ids_stay_one_per_layout_while_threads_add_new_ones(device, iterations):
+    """The layout-id table is published whole (readers take no lock, a new layout is added to a
+    copy): threads making views of new shapes, and of shapes the others make, never see one id
+    for two layouts, nor lose a layout another thread added (only a start-over of the full
+    table gives a layout a new id, a higher one)."""
+    base = pm.empty((4 * iterations * THREADS + 64,), np.float32)
+    seen: dict[int, tuple] = {}
+    lock = threading.Lock()
+    clashes: list[str] = []
+    fills = len(pm.array._layout_ids) + 2 * iterations * THREADS + 64 >= pm.array._LAYOUTS_MAX  # ids start over
+
+    def worker(i, steps):
+        for n in range(steps):
+            for length in (1 + i * steps + n, 1 + n):  # one shape of its own, one the others make too
+                v = base[:length]
+                again = base[1:length + 1]  # the same layout at another address
+                same = again.layout_id >= v.layout_id if fills else again.layout_id == v.layout_id
+                assert again.layout == v.layout and same, (length, v.layout_id, again.layout_id)
+                with lock:
+                    known = seen.setdefault(v.layout_id, v.layout)
+                if known != v.layout:
+                    clashes.append(f"id {v.layout_id} names {known} and {v.layout}")
+
+    errors = hammer([worker] * THREADS, iterations)
+    assert not errors, errors[0]
+    assert not clashes, clashes[:3]
+
+
+@stress_iterations
 def test_blocks_that_go_back_on_other_threads_are_never_handed_out_twice(device, no_leaks, iterations):
     """A block goes back to its shelf the moment its last user goes, on whatever thread that
     is: makers take blocks while droppers let go of the makers' arrays on their own threads

@@ -198,7 +198,7 @@ def run_device(op: OneCall, arrays: list[DeviceArray | None], values: tuple[Any,
         alloc = a.alloc
         if alloc is None or alloc.context is not ctx:
             ctx = None  # device_of below raises, naming the array
-        key.append(a.layout)
+        key.append(a.layout_id)
         allocs.append(alloc)
         firsts.append(a.span[0])
     dev = first.device if first is not None and ctx is not None and ctx.open and workspace is None else device_of(
