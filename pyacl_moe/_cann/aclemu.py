@@ -1,7 +1,7 @@
 """Thin wrappers of the emulator's extras (aclemu.h: counters, fault injection, kernel
 mutations, guard checks, stream mode). The declarations come from the emulator's package when
-it is imported (it adds them); this layer does not import the emulator. Every function raises RuntimeError when the
-process is bound to a real CANN.
+it is imported (it adds them); this layer does not import the emulator. Every function raises
+RuntimeError when the process is bound to a real CANN.
 """
 
 from __future__ import annotations
